@@ -1,0 +1,23 @@
+"""Storage media for KV blocks: one module per medium, one contract for all (see ``base``).
+
+This package imports nothing else of the project.
+"""
+
+from tiers.base import BlockHeader, BytesLike, Codec, StoredBlock, Tier, TierKey, TierUsage
+from tiers.errors import BlockTooLarge, TierClosed, TierCorrupt, TierError, TierFull, TierUnavailable
+
+__all__ = [
+    "BlockHeader",
+    "BlockTooLarge",
+    "BytesLike",
+    "Codec",
+    "StoredBlock",
+    "Tier",
+    "TierClosed",
+    "TierCorrupt",
+    "TierError",
+    "TierFull",
+    "TierKey",
+    "TierUnavailable",
+    "TierUsage",
+]

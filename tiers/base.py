@@ -1,0 +1,160 @@
+"""The contract every storage tier keeps.
+
+A tier stores opaque keys (``TierKey``, at most ``MAX_KEY_BYTES``) mapped to payload bytes plus
+the fingerprint id of the model that produced them. It knows nothing of tenants, chains or
+eviction policy: the tiered store above decides what lives where and tells the tier.
+
+Calls:
+    can_store(size)      -> whether put() of that size would succeed now, without evicting
+    put(key, payload, fp) stores a copy of ``payload``; overwrites an existing key.
+                          Raises TierFull (evict, then retry) or BlockTooLarge (never fits).
+    get_into(key, out)   -> bytes written into ``out`` (a writable buffer at least as long as
+                          the payload), or None for a miss. A block failing its checksum is
+                          deleted, counted in ``usage().checksum_failures`` and is a miss.
+    size_of(key)         -> payload length in bytes, or None for a miss.
+    delete(key)          -> whether the key was present.
+    scan()               -> every stored block (key, fingerprint, size); how the store rebuilds
+                          its index after a restart.
+    usage()              -> capacity, bytes and blocks held, counters.
+    flush()              -> blocks put so far are on the medium (a no-op for volatile tiers).
+    close()              -> releases the medium; later calls raise TierClosed.
+
+Threads: every method may be called from any thread. The caller must not put and delete the
+same key concurrently; the tiered store guarantees that by holding its own index lock.
+
+Buffers: ``put`` copies the payload before it returns (or holds an immutable ``bytes`` object),
+so the caller may reuse its buffer. ``get_into`` copies out; nothing returned aliases the
+medium.
+"""
+
+from __future__ import annotations
+
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NewType
+
+TierKey = NewType("TierKey", bytes)
+"""A tier's storage key: opaque bytes chosen by the store."""
+
+BytesLike = bytes | bytearray | memoryview
+"""Anything exposing a contiguous byte buffer."""
+
+MAX_KEY_BYTES = 511  # LMDB's default key limit; every tier accepts the same keys.
+FINGERPRINT_BYTES = 32
+
+
+class Codec(IntEnum):
+    """How a stored payload is encoded on the medium."""
+
+    NONE = 0
+    ZSTD = 1
+    ZSTD_BYTEPLANE = 2  # 16-bit elements split into byte planes, high plane compressed
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The small header stored in front of every block on a persistent or remote medium.
+
+    ``payload_len`` is the logical (decoded) length; ``stored_len`` is what follows the header
+    on the medium; ``checksum`` is xxh3-64 of the stored bytes.
+    """
+
+    fingerprint: bytes
+    payload_len: int
+    stored_len: int
+    codec: Codec
+    checksum: int
+    version: int = 1
+
+    _FORMAT = struct.Struct("<4sHB32sQQQ")
+    _MAGIC = b"KVSB"
+    SIZE = _FORMAT.size
+
+    def pack(self) -> bytes:
+        return self._FORMAT.pack(
+            self._MAGIC,
+            self.version,
+            int(self.codec),
+            self.fingerprint,
+            self.payload_len,
+            self.stored_len,
+            self.checksum,
+        )
+
+    @classmethod
+    def unpack(cls, raw: BytesLike) -> BlockHeader | None:
+        """Parse a header; None when ``raw`` is not a header this version understands."""
+        if len(raw) < cls.SIZE:
+            return None
+        magic, version, codec, fingerprint, payload_len, stored_len, checksum = cls._FORMAT.unpack_from(raw)
+        if magic != cls._MAGIC or version != 1 or codec not in Codec._value2member_map_:
+            return None
+        return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version)
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """One block as a tier reports it from scan()."""
+
+    key: TierKey
+    fingerprint: bytes
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """A point-in-time view of a tier's occupancy and counters."""
+
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    checksum_failures: int = 0
+    stored_bytes: int = 0  # bytes on the medium after the codec; equals used_bytes without one
+
+
+class Tier(ABC):
+    """One storage medium. See the module docstring for the contract."""
+
+    name: str
+
+    @abstractmethod
+    def can_store(self, size_bytes: int) -> bool: ...
+
+    @abstractmethod
+    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes) -> None: ...
+
+    @abstractmethod
+    def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
+
+    @abstractmethod
+    def size_of(self, key: TierKey) -> int | None: ...
+
+    @abstractmethod
+    def delete(self, key: TierKey) -> bool: ...
+
+    @abstractmethod
+    def scan(self) -> Iterator[StoredBlock]: ...
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def flush(self) -> None:
+        """Make every completed put durable on the medium; volatile tiers have nothing to do."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def check_key(key: bytes) -> None:
+    """Raise ValueError for a key no tier can store."""
+    if not key or len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"tier key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def check_fingerprint(fingerprint: bytes) -> None:
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")

@@ -1,0 +1,36 @@
+"""Errors raised by the storage tiers.
+
+    TierError
+    ├── TierFull          no room for the block without evicting something first
+    ├── BlockTooLarge     the block can never fit this tier (larger than a slot page or the tier)
+    ├── TierClosed        the tier was used after close()
+    ├── TierUnavailable   the medium cannot be used here (no CUDA for `hbm`)
+    └── TierCorrupt       the medium itself is unreadable (not one bad block: that is a miss)
+
+A checksum mismatch on one block is not an error: the tier deletes the block, counts it and
+reports a miss, so callers recompute instead of failing.
+"""
+
+
+class TierError(Exception):
+    """Base of every error a tier raises."""
+
+
+class TierFull(TierError):
+    """The tier has no free space for this block right now; evict, then retry."""
+
+
+class BlockTooLarge(TierError):
+    """The block is larger than anything this tier can ever hold."""
+
+
+class TierClosed(TierError):
+    """The tier was used after close()."""
+
+
+class TierUnavailable(TierError):
+    """The tier's medium is not present on this machine."""
+
+
+class TierCorrupt(TierError):
+    """The tier's medium could not be opened or read as a whole."""
