@@ -142,7 +142,7 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - volatile tiers have nothing to flush
         """Make every completed put durable on the medium; volatile tiers have nothing to do."""
 
     @abstractmethod

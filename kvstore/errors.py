@@ -1,0 +1,68 @@
+"""The one error hierarchy of kvstore. Each class names the gRPC status code it maps to; the
+server translates with ``status_code_name`` in one place, the client raises the same classes.
+
+    KvStoreError
+    ├── InvalidArgument        bad key length, block size not matching the layout, bad frame
+    ├── Unauthenticated        no or unknown bearer token
+    ├── PermissionDenied       a scope the tenant was not granted
+    ├── NotFound
+    │   ├── LeaseNotFound      a lease id that was never granted, or already released
+    │   └── LeaseExpired       a lease that ran out before it was released
+    ├── ResourceExhausted
+    │   ├── QuotaExceeded      the tenant's byte quota is full of blocks that cannot go
+    │   └── StoreFull          no tier can take the block (everything is pinned)
+    ├── FailedPrecondition     a call out of order (commit without reserve)
+    └── Unavailable            the server is draining or a tier's medium is gone
+
+Errors raised by ``tiers`` are translated into these by the tiered store, nowhere else.
+"""
+
+from __future__ import annotations
+
+
+class KvStoreError(Exception):
+    status_code_name = "UNKNOWN"
+
+
+class InvalidArgument(KvStoreError):
+    status_code_name = "INVALID_ARGUMENT"
+
+
+class Unauthenticated(KvStoreError):
+    status_code_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvStoreError):
+    status_code_name = "PERMISSION_DENIED"
+
+
+class NotFound(KvStoreError):
+    status_code_name = "NOT_FOUND"
+
+
+class LeaseNotFound(NotFound):
+    pass
+
+
+class LeaseExpired(NotFound):
+    pass
+
+
+class ResourceExhausted(KvStoreError):
+    status_code_name = "RESOURCE_EXHAUSTED"
+
+
+class QuotaExceeded(ResourceExhausted):
+    pass
+
+
+class StoreFull(ResourceExhausted):
+    pass
+
+
+class FailedPrecondition(KvStoreError):
+    status_code_name = "FAILED_PRECONDITION"
+
+
+class Unavailable(KvStoreError):
+    status_code_name = "UNAVAILABLE"

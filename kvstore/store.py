@@ -1,0 +1,647 @@
+"""The tiered block store: what lives where, who may see it, and what goes when space runs out.
+
+Blocks are stored under (scope, key): a ``Scope`` is a namespace (a tenant, or a shared scope a
+tenant was granted) plus the model fingerprint. Tiers are ordered fastest first (``hbm``,
+``dram``, ``nvme``); the store keeps one index of every block and which tiers hold a copy.
+
+Calls and their order:
+    lookup(scope, keys)            length of the present prefix and the tier of each hit block
+    put(scope, keys, blocks)       store a chain (keys[i-1] is the parent of keys[i])
+    get_into(scope, key, out)      copy one block into the caller's buffer; None for a miss
+    pin(scope, keys, ttl_s)        -> Lease; pinned blocks are never evicted or freed
+    release(lease_id)              ends a lease (LeaseNotFound twice, LeaseExpired if late)
+    delete(scope, keys) / invalidate(namespace, fingerprint)
+    stats()                        counters and per-tier occupancy
+    close()
+
+Placement: new blocks land in the first tier; with ``write_through`` the persistent tier gets a
+copy at once, otherwise only on demotion. A hit in a slower tier is promoted to the first tier.
+
+Eviction demotes a block to the next tier while there is one, and drops it from the last. It is
+prefix-aware — a block is never evicted from a tier while a child of it sits in that tier or a
+faster one, because a child without its parent is unreachable — and cost-aware: among the
+eligible blocks it takes the one with the lowest GreedyDual-Size-Frequency priority
+(aging + hits x recompute cost / bytes), where recompute cost grows with the block's depth in its
+chain (attention over a longer prefix). Pinned blocks are never candidates.
+
+Quotas: a tenant's blocks may hold at most its quota of bytes (each block counted once, in
+whichever tiers it sits). A put over quota first drops that tenant's own coldest blocks; if all of
+them are pinned it raises QuotaExceeded. One tenant can push others' blocks down a tier, never
+out of the store.
+
+Threads: one lock guards the index; copies into a caller's buffer on ``get_into`` run outside it,
+under a transient pin, so a slow reader never blocks other requests. Tier errors are translated
+into ``kvstore.errors`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, QuotaExceeded, StoreFull
+from kvstore.keys import BlockKey, Fingerprint, check_key
+from kvstore.leases import Lease, LeaseTable
+from tiers import BytesLike, Tier, TierError, TierFull, TierKey, TierUsage
+
+log = logging.getLogger(__name__)
+
+MAX_NAMESPACE_BYTES = 255
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a block lives: a namespace (tenant or granted shared scope) and a model fingerprint."""
+
+    namespace: str
+    fingerprint: Fingerprint
+
+    def __post_init__(self) -> None:
+        encoded = self.namespace.encode()
+        if not encoded or len(encoded) > MAX_NAMESPACE_BYTES:
+            raise InvalidArgument(f"namespace must be 1..{MAX_NAMESPACE_BYTES} UTF-8 bytes")
+        try:
+            check_key(self.fingerprint)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+
+BlockId = tuple[Scope, BlockKey]
+
+
+def tier_key(scope: Scope, key: BlockKey) -> TierKey:
+    ns = scope.namespace.encode()
+    return TierKey(bytes([len(ns)]) + ns + scope.fingerprint + key)
+
+
+def parse_tier_key(raw: bytes) -> BlockId | None:
+    """The block id encoded in a tier key, or None for a key the store did not write."""
+    if not raw:
+        return None
+    n = raw[0]
+    if len(raw) != 1 + n + 64:
+        return None
+    try:
+        ns = raw[1 : 1 + n].decode()
+        scope = Scope(ns, Fingerprint(bytes(raw[1 + n : 33 + n])))
+    except (UnicodeDecodeError, InvalidArgument):
+        return None
+    return scope, BlockKey(bytes(raw[33 + n :]))
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    write_through: bool = False
+    promote_on_hit: bool = True
+    lease_ttl_s: float = 5.0
+    quota_bytes: Mapping[str, int] = field(default_factory=dict)  # namespace -> bytes
+    default_quota_bytes: int | None = None  # for namespaces not listed; None = unlimited
+    attention_cost_per_block: float = 0.02  # recompute cost of block i = 1 + this * i
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """``hit_blocks`` leading keys are present; ``tiers[i]`` names the tier serving block i."""
+
+    hit_blocks: int
+    tiers: tuple[str, ...]
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: tuple[TierUsage, ...]
+    counters: Mapping[str, int]
+    namespace_bytes: Mapping[str, int]
+    namespace_counters: Mapping[str, Mapping[str, int]]
+    blocks: int
+    leases: int
+
+
+@dataclass(eq=False)
+class _Block:
+    scope: Scope
+    key: BlockKey
+    tkey: TierKey
+    size_bytes: int
+    parent: BlockKey | None
+    depth: int
+    cost: float
+    tiers: set[int] = field(default_factory=set)
+    children: set[BlockKey] = field(default_factory=set)
+    pins: int = 0
+    hits: int = 0
+    priority: float = 0.0
+    version: int = 0
+    doomed: bool = False  # deleted while pinned: invisible, freed on the last release
+
+    @property
+    def fastest(self) -> int:
+        return min(self.tiers)
+
+
+class TieredStore:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        persistent: Sequence[bool] | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = list(tiers)
+        self.config = config or StoreConfig()
+        self._persistent = list(persistent) if persistent is not None else [t.name == "nvme" for t in tiers]
+        self._lock = threading.RLock()
+        self._blocks: dict[BlockId, _Block] = {}
+        self._by_namespace: dict[str, dict[BlockId, _Block]] = {}
+        self._ns_bytes: Counter[str] = Counter()
+        self._heaps: list[list[tuple[float, int, int, BlockId]]] = [[] for _ in tiers]
+        self._aging = [0.0 for _ in tiers]
+        self._seq = 0
+        self.leases: LeaseTable[_Block] = LeaseTable(clock)
+        self.counters: Counter[str] = Counter()
+        self._ns_counters: dict[str, Counter[str]] = {}
+        self._rebuild()
+
+    # ----------------------------------------------------------------- queries
+
+    def lookup(self, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None = None) -> LookupResult:
+        """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
+        _check_keys(keys)
+        with self._lock:
+            tiers: list[str] = []
+            hits: list[_Block] = []
+            for key in keys:
+                block = self._visible((scope, key))
+                if block is None:
+                    break
+                tiers.append(self.tiers[block.fastest].name)
+                hits.append(block)
+            self._count(scope, "lookup_hit_blocks", len(hits))
+            self._count(scope, "lookup_miss_blocks", len(keys) - len(hits))
+            lease = self._pin(hits, pin_ttl_s) if pin_ttl_s is not None and hits else None
+            return LookupResult(len(hits), tuple(tiers), lease)
+
+    def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
+        _check_keys(keys)
+        with self._lock:
+            return [self._visible((scope, key)) is not None for key in keys]
+
+    def get_into(self, scope: Scope, key: BlockKey, out: memoryview) -> int | None:
+        """Copy the block into ``out``; its length, or None for a miss (recompute it)."""
+        _check_keys([key])
+        with self._lock:
+            block = self._visible((scope, key))
+            if block is None:
+                self._count(scope, "get_miss_blocks")
+                return None
+            if len(out) < block.size_bytes:
+                raise InvalidArgument(
+                    f"buffer of {len(out)} B is smaller than the {block.size_bytes} B block"
+                )
+            source = block.fastest
+            block.pins += 1  # transient: the copy below runs without the lock
+            self._touch(block)
+        try:
+            n = self._read(block, source, out)
+        finally:
+            with self._lock:
+                self._unpin(block)
+        with self._lock:
+            if n is None:
+                self.counters["checksum_failures"] += 1
+                self._forget_tier(block, source)
+                self._count(scope, "get_miss_blocks")
+                return None
+            self._count(scope, "get_hit_blocks")
+            self.counters[f"get_{self.tiers[source].name}_blocks"] += 1
+            if source > 0 and self.config.promote_on_hit and not block.doomed:
+                self._place(block, out[:n], lowest=0, highest=0)
+                if 0 in block.tiers:
+                    self.counters["promotions"] += 1
+            return n
+
+    def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Convenience for scripts and tests: each block's bytes, or None for a miss."""
+        out: list[bytes | None] = []
+        for key in keys:
+            with self._lock:
+                block = self._visible((scope, key))
+                size = block.size_bytes if block else 0
+            buf = bytearray(size)
+            n = self.get_into(scope, key, memoryview(buf)) if block else None
+            out.append(None if n is None else bytes(buf[:n]))
+        return out
+
+    # ----------------------------------------------------------------- writes
+
+    def put(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[BytesLike],
+        parent: BlockKey | None = None,
+        first_depth: int | None = None,
+    ) -> int:
+        """Store a chain of blocks; ``keys[i-1]`` (or ``parent`` for i=0) is each one's parent.
+
+        Blocks already present are skipped. Returns how many were stored. ``first_depth`` is the
+        index of keys[0] in its full chain when the parent is not stored here (defaults to the
+        parent's depth + 1, or 0 without a parent).
+        """
+        _check_keys(keys)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        stored = 0
+        with self._lock:
+            self._expire_leases()
+            prev = parent
+            depth = first_depth if first_depth is not None else self._depth_after(scope, parent)
+            for key, data in zip(keys, blocks, strict=True):
+                ident = (scope, key)
+                existing = self._blocks.get(ident)
+                if existing is not None:
+                    self.counters["put_dedup_blocks"] += 1
+                else:
+                    block = _Block(
+                        scope,
+                        key,
+                        tier_key(scope, key),
+                        len(data),
+                        prev,
+                        depth,
+                        1.0 + self.config.attention_cost_per_block * depth,
+                    )
+                    # Pin the parent while the child finds room: evicting it now would make
+                    # the child unreachable dead weight.
+                    parent_block = self._visible((scope, prev)) if prev is not None else None
+                    if parent_block is not None:
+                        parent_block.pins += 1
+                    try:
+                        self._enforce_quota(scope, block.size_bytes, stored, len(keys))
+                        self._place(block, data, lowest=0, highest=len(self.tiers) - 1)
+                    finally:
+                        if parent_block is not None:
+                            self._unpin(parent_block)
+                    if not block.tiers:
+                        raise StoreFull(
+                            f"no tier can take a {block.size_bytes} B block: all are full of pinned blocks "
+                            f"(stored {stored} of {len(keys)} blocks of this chain)"
+                        )
+                    self._admit(block)
+                    if self.config.write_through:
+                        for t, persistent in enumerate(self._persistent):
+                            if persistent and t not in block.tiers:
+                                self._place(block, data, lowest=t, highest=t)
+                    stored += 1
+                    self._count(scope, "put_blocks")
+                prev = key
+                depth += 1
+        return stored
+
+    def delete(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks; pinned ones vanish now and are freed on their last release."""
+        _check_keys(keys)
+        with self._lock:
+            removed = 0
+            for key in keys:
+                block = self._visible((scope, key))
+                if block is not None:
+                    self._doom(block)
+                    removed += 1
+            self.counters["deleted_blocks"] += removed
+            return removed
+
+    def invalidate(self, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
+        """Remove every block of a namespace, of a fingerprint, of both, or (neither) everything."""
+        with self._lock:
+            pool: Iterable[_Block]
+            if namespace is not None:
+                pool = list(self._by_namespace.get(namespace, {}).values())
+            else:
+                pool = list(self._blocks.values())
+            victims = [
+                b
+                for b in pool
+                if not b.doomed and (fingerprint is None or b.scope.fingerprint == fingerprint)
+            ]
+            for block in victims:
+                self._doom(block)
+            self.counters["invalidated_blocks"] += len(victims)
+            log.info(
+                "invalidated %d blocks (namespace=%s, fingerprint=%s)",
+                len(victims),
+                namespace or "*",
+                fingerprint.hex() if fingerprint else "*",
+            )
+            return len(victims)
+
+    # ----------------------------------------------------------------- leases
+
+    def pin(self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None) -> Lease:
+        """Pin present blocks among ``keys`` until release or ``ttl_s`` (default from config)."""
+        _check_keys(keys)
+        with self._lock:
+            self._expire_leases()
+            present = [b for b in (self._visible((scope, k)) for k in keys) if b is not None]
+            return self._pin(present, ttl_s if ttl_s is not None else self.config.lease_ttl_s)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            self._expire_leases()
+            for block in self.leases.release(lease_id):
+                self._unpin(block)
+
+    def _pin(self, blocks: Sequence[_Block], ttl_s: float | None) -> Lease:
+        lease = self.leases.grant(blocks, ttl_s if ttl_s is not None else self.config.lease_ttl_s)
+        for block in blocks:
+            block.pins += 1
+        return lease
+
+    def _expire_leases(self) -> None:
+        for blocks in self.leases.expire():
+            self.counters["leases_expired"] += 1
+            for block in blocks:
+                self._unpin(block)
+
+    def _unpin(self, block: _Block) -> None:
+        if block.pins <= 0:
+            raise AssertionError(f"pin count of block {block.key.hex()} would go negative")
+        block.pins -= 1
+        if block.pins == 0:
+            if block.doomed:
+                self._drop(block)
+            else:
+                self._push_all(block)
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            usages = []
+            for tier in self.tiers:
+                usage = tier.usage()
+                usages.append(usage)
+            return StoreStats(
+                tiers=tuple(usages),
+                counters=dict(self.counters),
+                namespace_bytes=dict(self._ns_bytes),
+                namespace_counters={ns: dict(c) for ns, c in self._ns_counters.items()},
+                blocks=sum(1 for b in self._blocks.values() if not b.doomed),
+                leases=len(self.leases),
+            )
+
+    def tier_of(self, scope: Scope, key: BlockKey) -> str | None:
+        with self._lock:
+            block = self._visible((scope, key))
+            return None if block is None else self.tiers[block.fastest].name
+
+    def flush(self) -> None:
+        for tier in self.tiers:
+            tier.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internals
+
+    def _visible(self, ident: BlockId) -> _Block | None:
+        block = self._blocks.get(ident)
+        return None if block is None or block.doomed else block
+
+    def _count(self, scope: Scope, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        self._ns_counters.setdefault(scope.namespace, Counter())[name] += n
+
+    def _depth_after(self, scope: Scope, parent: BlockKey | None) -> int:
+        if parent is None:
+            return 0
+        block = self._blocks.get((scope, parent))
+        return 0 if block is None else block.depth + 1
+
+    def _admit(self, block: _Block) -> None:
+        ident = (block.scope, block.key)
+        self._blocks[ident] = block
+        self._by_namespace.setdefault(block.scope.namespace, {})[ident] = block
+        self._ns_bytes[block.scope.namespace] += block.size_bytes
+        if block.parent is not None:
+            parent = self._blocks.get((block.scope, block.parent))
+            if parent is not None:
+                parent.children.add(block.key)
+        self._touch(block)
+
+    def _touch(self, block: _Block) -> None:
+        """A hit or a fresh put: raise the block's GDSF priority in every tier holding it."""
+        block.hits += 1
+        aging = max((self._aging[t] for t in block.tiers), default=0.0)
+        block.priority = aging + block.hits * block.cost / max(block.size_bytes, 1)
+        block.version += 1
+        self._push_all(block)
+
+    def _push_all(self, block: _Block) -> None:
+        for t in block.tiers:
+            self._seq += 1
+            heapq.heappush(
+                self._heaps[t], (block.priority, self._seq, block.version, (block.scope, block.key))
+            )
+
+    def _evictable_from(self, block: _Block, t: int) -> bool:
+        if block.pins or t not in block.tiers:
+            return False
+        for child_key in block.children:
+            child = self._blocks.get((block.scope, child_key))
+            if child is not None and child.tiers and child.fastest <= t:
+                return False
+        return True
+
+    def _pop_victim(self, t: int) -> _Block | None:
+        heap = self._heaps[t]
+        while heap:
+            priority, _, version, ident = heapq.heappop(heap)
+            block = self._blocks.get(ident)
+            if block is None or block.version != version or not self._evictable_from(block, t):
+                continue  # stale entry; an eligible block is pushed again when it becomes one
+            self._aging[t] = max(self._aging[t], priority)
+            return block
+        return None
+
+    def _make_room(self, t: int, size_bytes: int) -> bool:
+        """Evict from tier ``t`` until a block of ``size_bytes`` fits; whether it does."""
+        self._expire_leases()
+        tier = self.tiers[t]
+        while not tier.can_store(size_bytes):
+            victim = self._pop_victim(t)
+            if victim is None:
+                return False
+            self._evict(victim, t)
+        return True
+
+    def _evict(self, block: _Block, t: int) -> None:
+        """Demote ``block`` from tier ``t`` to the next tier with room, or drop it."""
+        self.counters[f"evicted_{self.tiers[t].name}_blocks"] += 1
+        if len(block.tiers) == 1 and t + 1 < len(self.tiers):
+            scratch = bytearray(block.size_bytes)
+            n = self._read(block, t, memoryview(scratch))
+            if n is not None:
+                before = set(block.tiers)
+                self._place(block, memoryview(scratch)[:n], lowest=t + 1, highest=len(self.tiers) - 1)
+                if block.tiers != before:
+                    self.counters["demotions"] += 1
+        self._forget_tier(block, t)
+
+    def _place(self, block: _Block, data: BytesLike, lowest: int, highest: int) -> None:
+        """Put a copy into the first tier in [lowest, highest] that has or can make room."""
+        for t in range(lowest, highest + 1):
+            if t in block.tiers:
+                return
+            if not self._make_room(t, block.size_bytes):
+                continue
+            try:
+                self.tiers[t].put(block.tkey, data, block.scope.fingerprint)
+            except TierFull:
+                continue
+            except TierError as exc:
+                log.warning("tier %s refused a %d B block: %s", self.tiers[t].name, block.size_bytes, exc)
+                continue
+            block.tiers.add(t)
+            block.version += 1
+            self._push_all(block)
+            return
+
+    def _read(self, block: _Block, t: int, out: memoryview) -> int | None:
+        try:
+            return self.tiers[t].get_into(block.tkey, out)
+        except TierError as exc:
+            log.warning("reading a block from %s failed: %s", self.tiers[t].name, exc)
+            return None
+
+    def _forget_tier(self, block: _Block, t: int) -> None:
+        """Block ``block`` no longer has a copy in tier ``t``."""
+        if t in block.tiers:
+            block.tiers.discard(t)
+            self.tiers[t].delete(block.tkey)
+            block.version += 1
+            self._push_all(block)
+        if not block.tiers:
+            self._remove(block)
+        self._push_parent(block)
+
+    def _push_parent(self, block: _Block) -> None:
+        if block.parent is not None:
+            parent = self._blocks.get((block.scope, block.parent))
+            if parent is not None:
+                self._push_all(parent)
+
+    def _doom(self, block: _Block) -> None:
+        if block.pins:
+            block.doomed = True
+        else:
+            self._drop(block)
+
+    def _drop(self, block: _Block) -> None:
+        for t in sorted(block.tiers):
+            self.tiers[t].delete(block.tkey)
+        block.tiers.clear()
+        self._remove(block)
+        self._push_parent(block)
+
+    def _remove(self, block: _Block) -> None:
+        ident = (block.scope, block.key)
+        if self._blocks.get(ident) is not block:
+            return
+        del self._blocks[ident]
+        ns = block.scope.namespace
+        del self._by_namespace[ns][ident]
+        self._ns_bytes[ns] -= block.size_bytes
+        if not self._ns_bytes[ns]:
+            del self._ns_bytes[ns]
+        if block.parent is not None:
+            parent = self._blocks.get((block.scope, block.parent))
+            if parent is not None:
+                parent.children.discard(block.key)
+
+    def _quota_of(self, namespace: str) -> int | None:
+        return self.config.quota_bytes.get(namespace, self.config.default_quota_bytes)
+
+    def _enforce_quota(self, scope: Scope, size_bytes: int, stored: int, chain: int) -> None:
+        quota = self._quota_of(scope.namespace)
+        if quota is None:
+            return
+        if size_bytes > quota:
+            raise QuotaExceeded(
+                f"a {size_bytes} B block exceeds namespace {scope.namespace!r}'s quota of {quota} B"
+            )
+        while self._ns_bytes[scope.namespace] + size_bytes > quota:
+            candidates = [b for b in self._by_namespace[scope.namespace].values() if self._leaf_anywhere(b)]
+            if not candidates:
+                self.counters["quota_rejections"] += 1
+                raise QuotaExceeded(
+                    f"namespace {scope.namespace!r} holds {self._ns_bytes[scope.namespace]} B of its "
+                    f"{quota} B quota in pinned blocks or this chain's own prefix (stored {stored} "
+                    f"of {chain} blocks); release leases or raise the quota"
+                )
+            victim = min(candidates, key=lambda b: b.priority)
+            self.counters["quota_evictions"] += 1
+            self._drop(victim)
+
+    def _leaf_anywhere(self, block: _Block) -> bool:
+        return (
+            not block.pins
+            and not block.doomed
+            and all((block.scope, c) not in self._blocks for c in block.children)
+        )
+
+    def _rebuild(self) -> None:
+        """Index what the persistent tiers already hold: the cache survives restarts."""
+        found = 0
+        for t, tier in enumerate(self.tiers):
+            for stored in tier.scan():
+                ident = parse_tier_key(stored.key)
+                if ident is None or ident[0].fingerprint != stored.fingerprint:
+                    log.warning("tier %s holds a block the store cannot name; deleting it", tier.name)
+                    tier.delete(stored.key)
+                    continue
+                block = self._blocks.get(ident)
+                if block is None:
+                    block = _Block(ident[0], ident[1], stored.key, stored.size_bytes, None, 0, 1.0)
+                    block.tiers.add(t)
+                    self._admit(block)
+                    found += 1
+                else:
+                    block.tiers.add(t)
+                    self._push_all(block)
+        if found:
+            log.info("rebuilt the index: %d blocks found on persistent tiers", found)
+
+    def blocks(self) -> Iterator[tuple[Scope, BlockKey, str]]:
+        """Every visible block with its fastest tier's name (for tests and tools)."""
+        with self._lock:
+            snapshot = [
+                (b.scope, b.key, self.tiers[b.fastest].name) for b in self._blocks.values() if not b.doomed
+            ]
+        return iter(snapshot)
+
+
+def _check_keys(keys: Sequence[BlockKey]) -> None:
+    for key in keys:
+        try:
+            check_key(key)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc

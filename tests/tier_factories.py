@@ -1,0 +1,52 @@
+"""Factories for every tier, shared by the contract suite and the store tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiers import Tier
+from tiers.dram import DramConfig, DramTier
+from tiers.hbm import HbmConfig, HbmTier
+
+TierFactory = Callable[[Path, int], Tier]
+PAGE = 1 << 20
+
+
+def make_dram(folder: Path, capacity_bytes: int) -> Tier:
+    return DramTier(DramConfig(capacity_bytes=capacity_bytes, page_bytes=PAGE, prefault=False))
+
+
+def make_hbm_cpu(folder: Path, capacity_bytes: int) -> Tier:
+    return HbmTier(HbmConfig(capacity_bytes=capacity_bytes, page_bytes=PAGE, device="cpu"))
+
+
+def make_hbm_cuda(folder: Path, capacity_bytes: int) -> Tier:
+    return HbmTier(HbmConfig(capacity_bytes=capacity_bytes, page_bytes=PAGE, device="cuda"))
+
+
+def make_nvme(folder: Path, capacity_bytes: int) -> Tier:
+    from tiers.nvme import NvmeConfig, NvmeTier
+
+    return NvmeTier(NvmeConfig(path=str(folder / "nvme"), capacity_bytes=capacity_bytes))
+
+
+def make_nvme_zstd(folder: Path, capacity_bytes: int) -> Tier:
+    from tiers.base import Codec
+    from tiers.nvme import NvmeConfig, NvmeTier
+
+    return NvmeTier(NvmeConfig(path=str(folder / "nvme"), capacity_bytes=capacity_bytes, codec=Codec.ZSTD_BYTEPLANE))
+
+
+ALL_TIERS = [
+    pytest.param(make_dram, id="dram"),
+    pytest.param(make_hbm_cpu, id="hbm-cpu"),
+    pytest.param(make_hbm_cuda, id="hbm-cuda", marks=pytest.mark.gpu),
+    pytest.param(make_nvme, id="nvme"),
+    pytest.param(make_nvme_zstd, id="nvme-zstd"),
+]
+
+__all__ = ["ALL_TIERS", "PAGE", "TierFactory", "make_dram", "make_hbm_cpu", "make_nvme", "torch"]

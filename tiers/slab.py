@@ -1,0 +1,279 @@
+"""Fixed-size slots carved from one pre-allocated region, and the tier logic shared by the
+memory tiers (`dram`, `hbm`) built on them.
+
+The region is cut into pages. The first block of a given (4 KiB-aligned) size claims an
+extent — as many contiguous pages as one slot of that size needs — and cuts it into equal
+slots; later blocks of the same size take free slots from extents of their class. An extent
+whose slots are all free goes back to the page pool, so a deployment that changes block size
+does not strand memory. Nothing is allocated after start: the region is faulted in once and
+reused, because fresh allocations run several times slower than copies into warm memory.
+
+Two-phase writes: ``reserve`` takes a slot that readers cannot see, the caller fills it (in
+this process, or in another one that mapped the same region), ``commit`` publishes it and
+frees the slot of any older block under the same key; ``abort`` gives the slot back.
+
+Threads: one lock guards the allocator and the index; byte copies run outside it. The caller
+(the tiered store) guarantees that a key is not deleted while a copy out of its slot runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tiers.base import BytesLike, StoredBlock, Tier, TierKey, TierUsage, check_fingerprint, check_key
+from tiers.errors import BlockTooLarge, TierClosed, TierFull
+
+SLOT_ALIGN_BYTES = 4096
+
+
+def slot_size_for(size_bytes: int) -> int:
+    """The slot size class that holds a block of ``size_bytes``."""
+    return max(SLOT_ALIGN_BYTES, -(-size_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place in the region: ``offset`` and the ``size_bytes`` of the block it holds."""
+
+    offset: int
+    size_bytes: int
+
+
+@dataclass
+class _Extent:
+    first_page: int
+    pages: int
+    slot_bytes: int
+    free: list[int]
+    used: int = 0
+
+
+@dataclass
+class _SizeClass:
+    slot_bytes: int
+    partial: dict[int, _Extent] = field(default_factory=dict)  # first_page -> extent with a free slot
+
+
+class SlabAllocator:
+    """Offsets of fixed-size slots inside a region of ``capacity_bytes``. Not thread-safe."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        if page_bytes <= 0 or page_bytes % SLOT_ALIGN_BYTES:
+            raise ValueError(f"page_bytes must be a positive multiple of {SLOT_ALIGN_BYTES}")
+        self.page_bytes = page_bytes
+        self.pages = capacity_bytes // page_bytes
+        if self.pages == 0:
+            raise ValueError(f"capacity {capacity_bytes} B is smaller than one page of {page_bytes} B")
+        self.capacity_bytes = self.pages * page_bytes
+        self._owner: list[_Extent | None] = [None] * self.pages
+        self._classes: dict[int, _SizeClass] = {}
+        self.used_slot_bytes = 0
+
+    def _pages_for(self, slot_bytes: int) -> int:
+        return -(-slot_bytes // self.page_bytes)
+
+    def fits_ever(self, size_bytes: int) -> bool:
+        return self._pages_for(slot_size_for(size_bytes)) <= self.pages
+
+    def can_alloc(self, size_bytes: int) -> bool:
+        slot_bytes = slot_size_for(size_bytes)
+        cls = self._classes.get(slot_bytes)
+        if cls is not None and cls.partial:
+            return True
+        return self._find_free_run(self._pages_for(slot_bytes)) is not None
+
+    def alloc(self, size_bytes: int) -> Slot | None:
+        """A free slot for ``size_bytes``, or None when the region has no room for it."""
+        slot_bytes = slot_size_for(size_bytes)
+        cls = self._classes.setdefault(slot_bytes, _SizeClass(slot_bytes))
+        if not cls.partial:
+            npages = self._pages_for(slot_bytes)
+            first = self._find_free_run(npages)
+            if first is None:
+                return None
+            start = first * self.page_bytes
+            nslots = npages * self.page_bytes // slot_bytes
+            extent = _Extent(
+                first, npages, slot_bytes, [start + i * slot_bytes for i in reversed(range(nslots))]
+            )
+            for page in range(first, first + npages):
+                self._owner[page] = extent
+            cls.partial[first] = extent
+        extent = next(iter(cls.partial.values()))
+        offset = extent.free.pop()
+        extent.used += 1
+        if not extent.free:
+            del cls.partial[extent.first_page]
+        self.used_slot_bytes += slot_bytes
+        return Slot(offset, size_bytes)
+
+    def free(self, slot: Slot) -> None:
+        extent = self._owner[slot.offset // self.page_bytes]
+        if extent is None or extent.used <= 0:
+            raise ValueError(f"slot at offset {slot.offset} is not allocated")
+        cls = self._classes[extent.slot_bytes]
+        extent.free.append(slot.offset)
+        extent.used -= 1
+        self.used_slot_bytes -= extent.slot_bytes
+        if extent.used == 0:
+            cls.partial.pop(extent.first_page, None)
+            for page in range(extent.first_page, extent.first_page + extent.pages):
+                self._owner[page] = None
+        else:
+            cls.partial[extent.first_page] = extent
+
+    def _find_free_run(self, npages: int) -> int | None:
+        run = 0
+        for page, owner in enumerate(self._owner):
+            run = run + 1 if owner is None else 0
+            if run == npages:
+                return page - npages + 1
+        return None
+
+
+@dataclass
+class _Entry:
+    slot: Slot
+    fingerprint: bytes
+    committed: bool
+
+
+class SlabTier(Tier):
+    """A memory tier over a ``SlabAllocator``; subclasses supply the region and the copies.
+
+    Adds the two-phase calls (``reserve``/``commit``/``abort``) and ``locate`` used by the
+    same-host data plane, where another process writes or reads the slot bytes in place.
+    """
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        self._alloc = SlabAllocator(capacity_bytes, page_bytes)
+        self._lock = threading.Lock()
+        self._entries: dict[TierKey, _Entry] = {}
+        self._pending: dict[TierKey, _Entry] = {}
+        self._used_bytes = 0
+        self._closed = False
+
+    # Subclasses: move bytes in and out of the region. Called without the lock held.
+    @abstractmethod
+    def _write(self, slot: Slot, payload: BytesLike) -> None: ...
+
+    @abstractmethod
+    def _read(self, slot: Slot, out: memoryview) -> None: ...
+
+    def _release_region(self) -> None:
+        """Free the region itself; called once by close()."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosed(f"{self.name} tier is closed")
+
+    def can_store(self, size_bytes: int) -> bool:
+        with self._lock:
+            return self._alloc.can_alloc(size_bytes)
+
+    def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes) -> Slot:
+        """Take a slot for a new block under ``key``; invisible to readers until commit()."""
+        check_key(key)
+        check_fingerprint(fingerprint)
+        with self._lock:
+            self._check_open()
+            if not self._alloc.fits_ever(size_bytes):
+                raise BlockTooLarge(
+                    f"{size_bytes} B block exceeds the {self.name} tier ({self._alloc.capacity_bytes} B)"
+                )
+            if key in self._pending:
+                raise ValueError(f"{self.name}: key {key.hex()} already has a reserved slot")
+            slot = self._alloc.alloc(size_bytes)
+            if slot is None:
+                raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
+            self._pending[key] = _Entry(slot, bytes(fingerprint), committed=False)
+            return slot
+
+    def commit(self, key: TierKey) -> None:
+        """Publish the reserved slot of ``key``; an older block under the key is freed."""
+        with self._lock:
+            entry = self._pending.pop(key, None)
+            if entry is None:
+                raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
+            entry.committed = True
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._forget(old)
+            self._entries[key] = entry
+            self._used_bytes += entry.slot.size_bytes
+
+    def abort(self, key: TierKey) -> bool:
+        """Give back the reserved slot of ``key``; whether there was one."""
+        with self._lock:
+            entry = self._pending.pop(key, None)
+            if entry is None:
+                return False
+            self._alloc.free(entry.slot)
+            return True
+
+    def locate(self, key: TierKey) -> Slot | None:
+        """Where the committed block of ``key`` lives, or None for a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.slot
+
+    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes) -> None:
+        slot = self.reserve(key, len(payload), fingerprint)
+        try:
+            self._write(slot, payload)
+        except BaseException:
+            self.abort(key)
+            raise
+        self.commit(key)
+
+    def get_into(self, key: TierKey, out: memoryview) -> int | None:
+        slot = self.locate(key)
+        if slot is None:
+            return None
+        if len(out) < slot.size_bytes:
+            raise ValueError(f"buffer of {len(out)} B is smaller than the {slot.size_bytes} B block")
+        self._read(slot, out)
+        return slot.size_bytes
+
+    def size_of(self, key: TierKey) -> int | None:
+        slot = self.locate(key)
+        return None if slot is None else slot.size_bytes
+
+    def delete(self, key: TierKey) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._forget(entry)
+            return True
+
+    def _forget(self, entry: _Entry) -> None:
+        self._used_bytes -= entry.slot.size_bytes
+        self._alloc.free(entry.slot)
+
+    def scan(self) -> Iterator[StoredBlock]:
+        with self._lock:
+            blocks = [StoredBlock(k, e.fingerprint, e.slot.size_bytes) for k, e in self._entries.items()]
+        return iter(blocks)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                name=self.name,
+                capacity_bytes=self._alloc.capacity_bytes,
+                used_bytes=self._used_bytes,
+                blocks=len(self._entries),
+                stored_bytes=self._alloc.used_slot_bytes,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._entries.clear()
+            self._pending.clear()
+        self._release_region()
