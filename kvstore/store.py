@@ -133,7 +133,6 @@ class _Block:
     depth: int
     cost: float
     tiers: set[int] = field(default_factory=set)
-    children: set[BlockKey] = field(default_factory=set)
     pins: int = 0
     hits: int = 0
     priority: float = 0.0
@@ -164,6 +163,9 @@ class TieredStore:
         self._blocks: dict[BlockId, _Block] = {}
         self._by_namespace: dict[str, dict[BlockId, _Block]] = {}
         self._ns_bytes: Counter[str] = Counter()
+        # parent id -> keys of its children in the index; kept even while the parent is absent,
+        # so a parent stored after its child still knows it has one.
+        self._children: dict[BlockId, set[BlockKey]] = {}
         self._heaps: list[list[tuple[float, int, int, BlockId]]] = [[] for _ in tiers]
         self._aging = [0.0 for _ in tiers]
         self._seq = 0
@@ -270,7 +272,9 @@ class TieredStore:
                 ident = (scope, key)
                 existing = self._blocks.get(ident)
                 if existing is not None:
-                    self.counters["put_dedup_blocks"] += 1
+                    # A doomed block (deleted while a reader holds it) keeps its storage until
+                    # released; a new copy under the same key waits until then.
+                    self.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
                 else:
                     block = _Block(
                         scope,
@@ -442,9 +446,7 @@ class TieredStore:
         self._by_namespace.setdefault(block.scope.namespace, {})[ident] = block
         self._ns_bytes[block.scope.namespace] += block.size_bytes
         if block.parent is not None:
-            parent = self._blocks.get((block.scope, block.parent))
-            if parent is not None:
-                parent.children.add(block.key)
+            self._children.setdefault((block.scope, block.parent), set()).add(block.key)
         self._touch(block)
 
     def _touch(self, block: _Block) -> None:
@@ -465,7 +467,7 @@ class TieredStore:
     def _evictable_from(self, block: _Block, t: int) -> bool:
         if block.pins or t not in block.tiers:
             return False
-        for child_key in block.children:
+        for child_key in self._children.get((block.scope, block.key), ()):
             child = self._blocks.get((block.scope, child_key))
             if child is not None and child.tiers and child.fastest <= t:
                 return False
@@ -573,9 +575,11 @@ class TieredStore:
         if not self._ns_bytes[ns]:
             del self._ns_bytes[ns]
         if block.parent is not None:
-            parent = self._blocks.get((block.scope, block.parent))
-            if parent is not None:
-                parent.children.discard(block.key)
+            siblings = self._children.get((block.scope, block.parent))
+            if siblings is not None:
+                siblings.discard(block.key)
+                if not siblings:
+                    del self._children[(block.scope, block.parent)]
 
     def _quota_of(self, namespace: str) -> int | None:
         return self.config.quota_bytes.get(namespace, self.config.default_quota_bytes)
@@ -602,11 +606,7 @@ class TieredStore:
             self._drop(victim)
 
     def _leaf_anywhere(self, block: _Block) -> bool:
-        return (
-            not block.pins
-            and not block.doomed
-            and all((block.scope, c) not in self._blocks for c in block.children)
-        )
+        return not block.pins and not block.doomed and not self._children.get((block.scope, block.key))
 
     def _rebuild(self) -> None:
         """Index what the persistent tiers already hold: the cache survives restarts."""

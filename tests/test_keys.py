@@ -67,7 +67,9 @@ def test_fingerprint_is_deterministic_across_processes() -> None:
         "from tests.test_keys import BASE; from kvstore.keys import block_keys;"
         "print(BASE.fingerprint().hex(), block_keys(BASE.fingerprint(), list(range(64)), 16)[-1].hex())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == [BASE.fingerprint().hex(), block_keys(BASE.fingerprint(), list(range(64)), 16)[-1].hex()]
 
 
@@ -123,7 +125,9 @@ def test_extra_keys_change_keys_and_are_unambiguous() -> None:
     tokens = list(range(32))
     plain = block_keys(fp, tokens, 16)
     assert block_keys(fp, tokens, 16, extra_keys=[b"lora-1"]) != plain
-    assert block_keys(fp, tokens, 16, extra_keys=[b"ab", b"c"]) != block_keys(fp, tokens, 16, extra_keys=[b"a", b"bc"])
+    assert block_keys(fp, tokens, 16, extra_keys=[b"ab", b"c"]) != block_keys(
+        fp, tokens, 16, extra_keys=[b"a", b"bc"]
+    )
     per_block = block_keys(fp, tokens, 16, block_extra_keys=[[], [b"image-hash"]])
     assert per_block[0] == plain[0] and per_block[1] != plain[1]
 

@@ -40,7 +40,9 @@ def data(key: BlockKey) -> bytes:
     return (key * (PAGE // 32))[:PAGE]
 
 
-def make_store(fast_blocks: int, slow_blocks: int, config: StoreConfig | None = None, clock: FakeClock | None = None) -> TieredStore:
+def make_store(
+    fast_blocks: int, slow_blocks: int, config: StoreConfig | None = None, clock: FakeClock | None = None
+) -> TieredStore:
     fast = HbmTier(HbmConfig(capacity_bytes=fast_blocks * PAGE, page_bytes=PAGE, device="cpu"))
     slow = DramTier(DramConfig(capacity_bytes=slow_blocks * PAGE, page_bytes=PAGE, prefault=False))
     return TieredStore([fast, slow], config, clock=clock or FakeClock())

@@ -38,7 +38,9 @@ def make_nvme_zstd(folder: Path, capacity_bytes: int) -> Tier:
     from tiers.base import Codec
     from tiers.nvme import NvmeConfig, NvmeTier
 
-    return NvmeTier(NvmeConfig(path=str(folder / "nvme"), capacity_bytes=capacity_bytes, codec=Codec.ZSTD_BYTEPLANE))
+    return NvmeTier(
+        NvmeConfig(path=str(folder / "nvme"), capacity_bytes=capacity_bytes, codec=Codec.ZSTD_BYTEPLANE)
+    )
 
 
 ALL_TIERS = [
