@@ -7,6 +7,7 @@ child by evicting its parent, exceed a tier's capacity or a tenant's quota.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 from hypothesis import HealthCheck, settings
@@ -74,10 +75,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.step()
         keys = CHAINS[c][start : start + n]
         parent = CHAINS[c][start - 1] if start else None
-        try:
+        with contextlib.suppress(StoreFull, QuotaExceeded):
             self.store.put(Scope(ns, FP), keys, [payload(ns, k) for k in keys], parent=parent)
-        except (StoreFull, QuotaExceeded):
-            pass
         for k in keys:
             self.model[(ns, k)] = payload(ns, k)
 

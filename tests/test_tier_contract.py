@@ -137,7 +137,7 @@ def test_concurrent_puts_and_gets_from_many_threads(tier: Tier) -> None:
                 tier.put(key(i), payload(i, 20_000 + i), FP)
             for i in range(base, base + 20):
                 assert read(tier, key(i)) == payload(i, 20_000 + i)
-        except BaseException as exc:  # collected and re-raised in the main thread
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised in the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(n * 100,)) for n in range(4)]
