@@ -102,6 +102,7 @@ class StoreConfig:
     quota_bytes: Mapping[str, int] = field(default_factory=dict)  # namespace -> bytes
     default_quota_bytes: int | None = None  # for namespaces not listed; None = unlimited
     attention_cost_per_block: float = 0.02  # recompute cost of block i = 1 + this * i
+    persist_on_close: bool = True  # a clean close copies volatile-only blocks to the persistent tier
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class StoreStats:
     namespace_counters: Mapping[str, Mapping[str, int]]
     blocks: int
     leases: int
+    absent_tiers: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -153,11 +155,13 @@ class TieredStore:
         config: StoreConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         persistent: Sequence[bool] | None = None,
+        absent_tiers: Sequence[str] = (),
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
         self.config = config or StoreConfig()
+        self.absent_tiers = tuple(absent_tiers)  # "hbm: no CUDA", for logs and stats
         self._persistent = list(persistent) if persistent is not None else [t.name == "nvme" for t in tiers]
         self._lock = threading.RLock()
         self._blocks: dict[BlockId, _Block] = {}
@@ -169,6 +173,8 @@ class TieredStore:
         self._heaps: list[list[tuple[float, int, int, BlockId]]] = [[] for _ in tiers]
         self._aging = [0.0 for _ in tiers]
         self._seq = 0
+        self._closed = False
+        self._served_counter = [f"get_{t.name}_blocks" for t in self.tiers]
         self.leases: LeaseTable[_Block] = LeaseTable(clock)
         self.counters: Counter[str] = Counter()
         self._ns_counters: dict[str, Counter[str]] = {}
@@ -200,37 +206,65 @@ class TieredStore:
 
     def get_into(self, scope: Scope, key: BlockKey, out: memoryview) -> int | None:
         """Copy the block into ``out``; its length, or None for a miss (recompute it)."""
-        _check_keys([key])
+        return self.get_into_many(scope, [key], [out])[0]
+
+    def get_into_many(
+        self, scope: Scope, keys: Sequence[BlockKey], outs: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Copy each block into its buffer; per block its length, or None for a miss.
+
+        One restore is one call: the index is consulted once, the copies run without the lock
+        under transient pins, and blocks served from a slower tier are promoted afterwards.
+        """
+        _check_keys(keys)
+        if len(keys) != len(outs):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} buffers")
+        plan: list[tuple[_Block, int] | None] = []
         with self._lock:
-            block = self._visible((scope, key))
-            if block is None:
-                self._count(scope, "get_miss_blocks")
-                return None
-            if len(out) < block.size_bytes:
-                raise InvalidArgument(
-                    f"buffer of {len(out)} B is smaller than the {block.size_bytes} B block"
-                )
-            source = block.fastest
-            block.pins += 1  # transient: the copy below runs without the lock
-            self._touch(block)
+            for key, out in zip(keys, outs, strict=True):
+                block = self._visible((scope, key))
+                if block is None:
+                    plan.append(None)
+                    continue
+                if len(out) < block.size_bytes:
+                    for planned in plan:
+                        if planned is not None:
+                            self._unpin(planned[0])
+                    raise InvalidArgument(
+                        f"buffer of {len(out)} B is smaller than the {block.size_bytes} B block"
+                    )
+                block.pins += 1  # transient: the copy below runs without the lock
+                self._touch(block)
+                plan.append((block, block.fastest))
+        sizes: list[int | None] = []
         try:
-            n = self._read(block, source, out)
+            for planned, out in zip(plan, outs, strict=True):
+                sizes.append(None if planned is None else self._read(planned[0], planned[1], out))
         finally:
             with self._lock:
-                self._unpin(block)
-        with self._lock:
-            if n is None:
-                self.counters["checksum_failures"] += 1
-                self._forget_tier(block, source)
-                self._count(scope, "get_miss_blocks")
-                return None
-            self._count(scope, "get_hit_blocks")
-            self.counters[f"get_{self.tiers[source].name}_blocks"] += 1
-            if source > 0 and self.config.promote_on_hit and not block.doomed:
-                self._place(block, out[:n], lowest=0, highest=0)
-                if 0 in block.tiers:
-                    self.counters["promotions"] += 1
-            return n
+                for i, planned in enumerate(plan):
+                    if planned is None:
+                        continue
+                    block, source = planned
+                    self._unpin(block)
+                    if i < len(sizes):
+                        self._after_read(block, source, outs[i], sizes[i])
+                hits = sum(1 for n in sizes if n is not None)
+                self._count(scope, "get_hit_blocks", hits)
+                self._count(scope, "get_miss_blocks", len(keys) - hits)
+        return sizes
+
+    def _after_read(self, block: _Block, source: int, out: memoryview, n: int | None) -> None:
+        if n is None:
+            self.counters["checksum_failures"] += 1
+            self._forget_tier(block, source)
+            return
+        self.counters[self._served_counter[source]] += 1
+        live = self._blocks.get((block.scope, block.key)) is block and not block.doomed
+        if source > 0 and self.config.promote_on_hit and live:
+            self._place(block, out[:n], lowest=0, highest=0)
+            if 0 in block.tiers:
+                self.counters["promotions"] += 1
 
     def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Convenience for scripts and tests: each block's bytes, or None for a miss."""
@@ -402,6 +436,7 @@ class TieredStore:
                 namespace_counters={ns: dict(c) for ns, c in self._ns_counters.items()},
                 blocks=sum(1 for b in self._blocks.values() if not b.doomed),
                 leases=len(self.leases),
+                absent_tiers=self.absent_tiers,
             )
 
     def tier_of(self, scope: Scope, key: BlockKey) -> str | None:
@@ -414,9 +449,45 @@ class TieredStore:
             tier.flush()
 
     def close(self) -> None:
+        """Spill volatile-only blocks to the persistent tier (``persist_on_close``), then close."""
         with self._lock:
+            if self._closed:
+                return
+            if self.config.persist_on_close:
+                self._spill()
+            self._closed = True
             for tier in self.tiers:
                 tier.close()
+
+    def _spill(self) -> None:
+        """Copy every block held only by volatile tiers down to the first persistent one.
+
+        Parents go first, so that if the persistent tier fills up, what it keeps is prefixes.
+        """
+        persistent = [t for t, p in enumerate(self._persistent) if p]
+        if not persistent:
+            return
+        target = persistent[0]
+        todo = [
+            b for b in self._blocks.values() if not b.doomed and not any(self._persistent[t] for t in b.tiers)
+        ]
+        todo.sort(key=lambda b: (b.depth, -b.priority))
+        spilled = 0
+        for block in todo:
+            scratch = bytearray(block.size_bytes)
+            n = self._read(block, block.fastest, memoryview(scratch))
+            if n is None:
+                continue
+            block.pins += 1  # keep it from being chosen to make room for itself
+            try:
+                self._place(block, memoryview(scratch)[:n], lowest=target, highest=target)
+            finally:
+                block.pins -= 1
+            spilled += target in block.tiers
+        self.flush()
+        log.info(
+            "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
+        )
 
     def __enter__(self) -> TieredStore:
         return self
@@ -460,9 +531,20 @@ class TieredStore:
     def _push_all(self, block: _Block) -> None:
         for t in block.tiers:
             self._seq += 1
-            heapq.heappush(
-                self._heaps[t], (block.priority, self._seq, block.version, (block.scope, block.key))
-            )
+            heap = self._heaps[t]
+            heapq.heappush(heap, (block.priority, self._seq, block.version, (block.scope, block.key)))
+            if len(heap) > 4 * len(self._blocks) + 1024:
+                self._compact_heap(t)
+
+    def _compact_heap(self, t: int) -> None:
+        """Drop stale entries (every hit pushes a fresh one) so heaps stay O(blocks)."""
+        heap = []
+        for ident, block in self._blocks.items():
+            if t in block.tiers:
+                self._seq += 1
+                heap.append((block.priority, self._seq, block.version, ident))
+        heapq.heapify(heap)
+        self._heaps[t] = heap
 
     def _evictable_from(self, block: _Block, t: int) -> bool:
         if block.pins or t not in block.tiers:

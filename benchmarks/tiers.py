@@ -1,0 +1,370 @@
+"""``kvstore bench tiers``: put and get throughput of each tier next to a reference from the same run.
+
+For each block size (256 KiB, 2 MiB, 32 MiB) and a working set of ``total`` bytes:
+
+- `dram` put / get against memcpy (numpy ``copyto``) over the same working set: from a warm
+  buffer of ``total`` bytes into warm buffers, one block at a time. Target: get >= 0.8x.
+  The same get through the tiered store (index, lock, transient pin) is reported beside it.
+- `nvme` write against raw LMDB with the best flags of the brief (writemap, map_async,
+  sync=False, metasync=False, the same batch size per transaction), both ending with one
+  ``env.sync``; warm read against raw LMDB zero-copy reads (``buffers=True``, one transaction
+  per block, copied into the caller's buffer). Targets: read >= 0.8x, write >= 0.7x.
+  Cold reads are not measured: dropping the page cache needs privileges CI lacks.
+- `hbm` (CUDA only) host-to-device put and device-to-host get against ``torch`` copies of the
+  same bytes between a pinned host tensor and device memory.
+- Block keys per second for a 32k-token prompt, and the codecs' speed and ratio on bf16 data.
+
+Subject and reference are measured alternately, several rounds, medians reported.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from benchmarks.common import Result, interleaved, print_results, write_json
+from kvstore.keys import Fingerprint, ModelIdentity, block_keys
+from kvstore.store import Scope, StoreConfig, TieredStore
+from tiers import Codec, Tier, TierKey
+from tiers.codec import decode_into, encode
+from tiers.dram import DramConfig, DramTier
+from tiers.nvme import NvmeConfig, NvmeTier
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = (256 * KiB, 2 * MiB, 32 * MiB)
+FP = Fingerprint(b"\x42" * 32)
+BATCH_BLOCKS = 64
+
+
+def _label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+class _Working:
+    """A warm source of ``count`` blocks of ``size`` bytes, and a warm destination block."""
+
+    def __init__(self, size: int, total: int) -> None:
+        self.size = size
+        self.count = max(2, total // size)
+        self.total = self.count * size
+        self.src = np.random.default_rng(0).integers(0, 256, self.total, dtype=np.uint8)
+        self.dst = np.zeros(size, dtype=np.uint8)
+        self.big = np.zeros(self.total, dtype=np.uint8)
+        self.src_view = memoryview(self.src.data)
+        self.dst_view = memoryview(self.dst.data)
+        self.keys = [TierKey(b"bench-%08d" % i) for i in range(self.count)]
+
+    def block(self, i: int) -> memoryview:
+        return self.src_view[i * self.size : (i + 1) * self.size]
+
+    def memcpy(self) -> float:
+        """Every block of the working set into one warm block buffer (what a restore does)."""
+        start = time.perf_counter()
+        for i in range(self.count):
+            np.copyto(self.dst, self.src[i * self.size : (i + 1) * self.size])
+        return time.perf_counter() - start
+
+    def memcpy_spread(self) -> float:
+        """Every block into its own place in a second warm buffer (what storing does)."""
+        start = time.perf_counter()
+        for i in range(self.count):
+            part = slice(i * self.size, (i + 1) * self.size)
+            np.copyto(self.big[part], self.src[part])
+        return time.perf_counter() - start
+
+
+def _timed(fn: Callable[[], None]) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def bench_dram(w: _Working, rounds: int) -> list[Result]:
+    tier = DramTier(
+        DramConfig(capacity_bytes=w.total + 2 * max(w.size, 32 * MiB), page_bytes=max(w.size, 32 * MiB))
+    )
+    try:
+
+        def put_all() -> float:
+            for k in w.keys:
+                tier.delete(k)
+            start = time.perf_counter()
+            for i, k in enumerate(w.keys):
+                tier.put(k, w.block(i), FP)
+            return time.perf_counter() - start
+
+        def get_all() -> None:
+            for k in w.keys:
+                tier.get_into(k, w.dst_view)
+
+        put_s, ref_put = interleaved(put_all, w.memcpy_spread, rounds)
+        get_s, ref_get = interleaved(_timed(get_all), w.memcpy, rounds)
+
+        store = TieredStore([tier], StoreConfig(persist_on_close=False))
+        scope = Scope("bench", FP)
+        keys = block_keys(FP, np.arange(w.count * 4), 4)
+        store.put(scope, keys, [w.block(i) for i in range(w.count)])
+
+        outs = [w.dst_view] * len(keys)
+
+        def store_get_all() -> None:
+            store.get_into_many(scope, keys, outs)
+
+        sget_s, ref_sget = interleaved(_timed(store_get_all), w.memcpy, rounds)
+    finally:
+        tier.close()
+    label = _label(w.size)
+    return [
+        Result(
+            f"dram put {label}",
+            _gbps(w.total, put_s),
+            "GB/s",
+            "memcpy",
+            _gbps(w.total, ref_put),
+            note="reference copies into distinct warm memory too",
+        ),
+        Result(
+            f"dram get {label}", _gbps(w.total, get_s), "GB/s", "memcpy", _gbps(w.total, ref_get), ">= 0.8"
+        ),
+        Result(
+            f"store get (dram) {label}",
+            _gbps(w.total, sget_s),
+            "GB/s",
+            "memcpy",
+            _gbps(w.total, ref_sget),
+            ">= 0.8",
+            "one get_into_many call per restore, through the index and lock",
+        ),
+    ]
+
+
+def _raw_lmdb(path: Path, w: _Working) -> tuple[Callable[[], float], Callable[[], float]]:
+    """Raw LMDB write and read of the same values, best flags; returns (write, read) timers."""
+    map_size = 2 * w.total + 64 * MiB
+
+    def write() -> float:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        env = lmdb.open(
+            str(path), map_size=map_size, writemap=True, map_async=True, sync=False, metasync=False, max_dbs=2
+        )
+        db = env.open_db(b"raw")
+        start = time.perf_counter()
+        for first in range(0, w.count, BATCH_BLOCKS):
+            with env.begin(write=True, db=db) as txn:
+                for i in range(first, min(first + BATCH_BLOCKS, w.count)):
+                    txn.put(w.keys[i], w.block(i))
+        env.sync(True)
+        elapsed = time.perf_counter() - start
+        env.close()
+        return elapsed
+
+    def read() -> float:
+        env = lmdb.open(str(path), map_size=map_size, writemap=True, readonly=False, max_dbs=2)
+        db = env.open_db(b"raw")
+        start = time.perf_counter()
+        for k in w.keys:
+            with env.begin(db=db, buffers=True) as txn:
+                view = txn.get(k)
+                if view is None:
+                    raise RuntimeError("raw LMDB bench: a value written a moment ago is missing")
+                w.dst_view[: len(view)] = view
+        elapsed = time.perf_counter() - start
+        env.close()
+        return elapsed
+
+    return write, read
+
+
+def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE) -> list[Result]:
+    raw_write, raw_read = _raw_lmdb(folder / "raw", w)
+    config = NvmeConfig(
+        path=folder / "tier", capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS, codec=codec
+    )
+    holder: list[NvmeTier] = []
+
+    def tier_write() -> float:
+        while holder:
+            holder.pop().close()
+        shutil.rmtree(config.path, ignore_errors=True)
+        tier = NvmeTier(config)
+        holder.append(tier)
+        start = time.perf_counter()
+        for i, k in enumerate(w.keys):
+            tier.put(k, w.block(i), FP)
+        tier.flush()
+        return time.perf_counter() - start
+
+    def tier_read() -> float:
+        tier = holder[-1]
+        start = time.perf_counter()
+        for k in w.keys:
+            if tier.get_into(k, w.dst_view) is None:
+                raise RuntimeError("nvme bench: a block written a moment ago is missing")
+        return time.perf_counter() - start
+
+    try:
+        write_s, ref_write = interleaved(tier_write, raw_write, rounds)
+        raw_read()  # warm both maps equally before the read rounds
+        tier_read()
+        read_s, ref_read = interleaved(tier_read, raw_read, rounds)
+    finally:
+        while holder:
+            holder.pop().close()
+    label = _label(w.size)
+    note = "warm page cache, one read txn per block"
+    name = "nvme" if codec is Codec.NONE else f"nvme[{codec.name.lower()}]"
+    return [
+        Result(
+            f"{name} write {label}",
+            _gbps(w.total, write_s),
+            "GB/s",
+            "raw LMDB",
+            _gbps(w.total, ref_write),
+            ">= 0.7",
+            "incl. final sync",
+        ),
+        Result(
+            f"{name} read {label}",
+            _gbps(w.total, read_s),
+            "GB/s",
+            "raw LMDB",
+            _gbps(w.total, ref_read),
+            ">= 0.8",
+            note,
+        ),
+    ]
+
+
+def bench_hbm(w: _Working, rounds: int) -> list[Result]:
+    label = _label(w.size)
+    if not torch.cuda.is_available():
+        return [Result(f"hbm put/get {label}", None, "GB/s", note="skipped: no CUDA device on this machine")]
+    from tiers.hbm import HbmConfig, HbmTier
+
+    tier: Tier = HbmTier(HbmConfig(capacity_bytes=w.total + 64 * MiB, page_bytes=max(w.size, 32 * MiB)))
+    host = torch.from_numpy(w.src).pin_memory()
+    dev = torch.empty(w.total, dtype=torch.uint8, device="cuda")
+
+    def ref() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(w.count):
+            dev[i * w.size : (i + 1) * w.size].copy_(host[i * w.size : (i + 1) * w.size])
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def put_all() -> float:
+        start = time.perf_counter()
+        for i, k in enumerate(w.keys):
+            tier.put(k, w.block(i), FP)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def get_all() -> float:
+        start = time.perf_counter()
+        for k in w.keys:
+            tier.get_into(k, w.dst_view)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    try:
+        put_s, ref_s = interleaved(put_all, ref, rounds)
+        get_s, ref_g = interleaved(get_all, ref, rounds)
+    finally:
+        tier.close()
+    return [
+        Result(f"hbm put {label}", _gbps(w.total, put_s), "GB/s", "pinned H2D copy", _gbps(w.total, ref_s)),
+        Result(f"hbm get {label}", _gbps(w.total, get_s), "GB/s", "pinned H2D copy", _gbps(w.total, ref_g)),
+    ]
+
+
+def bench_keys(rounds: int) -> Result:
+    fp = ModelIdentity("bench", "w", 32, 8, 128, 16).fingerprint()
+    tokens = np.random.default_rng(1).integers(0, 128_000, 32 * 1024).tolist()
+    times = []
+    for _ in range(rounds * 3):
+        start = time.perf_counter()
+        keys = block_keys(fp, tokens, 16, cache_salt="tenant")
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    return Result(
+        "block keys, 32k-token prompt, 16-token blocks",
+        len(keys) / seconds,
+        "keys/s",
+        note=f"{seconds * 1e3:.2f} ms per prompt",
+    )
+
+
+def bench_codecs() -> list[Result]:
+    data = torch.randn(8 * MiB // 2).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    out = bytearray(len(data))
+    results = []
+    for codec in (Codec.ZSTD, Codec.ZSTD_BYTEPLANE):
+        start = time.perf_counter()
+        stored = encode(codec, data, 1)
+        enc_s = time.perf_counter() - start
+        start = time.perf_counter()
+        decode_into(codec, stored, memoryview(out), len(data))
+        dec_s = time.perf_counter() - start
+        name = codec.name.lower()
+        results.append(
+            Result(f"{name} ratio on bf16 KV", len(data) / len(stored), "x", note="randn as bf16, level 1")
+        )
+        results.append(Result(f"{name} encode", _gbps(len(data), enc_s), "GB/s"))
+        results.append(Result(f"{name} decode", _gbps(len(data), dec_s), "GB/s"))
+    return results
+
+
+def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> int:
+    total = 256 * MiB if quick else 1 * GiB
+    rounds = 3 if quick else 7
+    console = Console(stderr=True)
+    folder = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=data_dir and _mkdir(data_dir)))
+    results: list[Result] = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("tiers", total=len(SIZES) * 3 + 2)
+            for size in SIZES:
+                w = _Working(size, total)
+                progress.update(task, description=f"dram {_label(size)}")
+                results += bench_dram(w, rounds)
+                progress.advance(task)
+                progress.update(task, description=f"nvme {_label(size)}")
+                results += bench_nvme(w, rounds, folder / f"nvme-{size}")
+                progress.advance(task)
+                results += bench_hbm(w, rounds)
+                progress.advance(task)
+            progress.update(task, description="keys")
+            results.append(bench_keys(rounds))
+            progress.advance(task)
+            progress.update(task, description="codecs")
+            results += bench_codecs()
+            progress.advance(task)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print_results(f"kvstore bench tiers{' --quick' if quick else ''}", results)
+    if json_path:
+        write_json(json_path, results, {"command": f"kvstore bench tiers{' --quick' if quick else ''}"})
+    return 0
+
+
+def _mkdir(path: str) -> str:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,209 @@
+"""Configuration: parsed once at the edge into frozen dataclasses, one section per component.
+
+Sources, lowest precedence first: embedded defaults, a TOML file, ``KVSTORE_*`` environment
+variables, then command-line overrides (``section.field=value``). Every knob is a field of one
+section below; an unknown section or field is an error, never silently ignored.
+
+    [store]   StoreConfig (placement, leases, quotas)      KVSTORE_STORE_LEASE_TTL_S=10
+    [dram]    DramSettings (arena size, page size)         KVSTORE_DRAM_CAPACITY_BYTES=8GiB
+    [nvme]    NvmeSettings (LMDB folder, size, durability) KVSTORE_NVME_DURABILITY=durable
+    [hbm]     HbmSettings (GPU pool; off unless enabled)   KVSTORE_HBM_ENABLED=true
+    data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
+
+Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvstore.errors import InvalidArgument
+from kvstore.store import StoreConfig
+from tiers.base import Codec
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DramSettings:
+    capacity_bytes: int = 1 * GiB
+    page_bytes: int = 32 * MiB
+    prefault: bool = True
+    pin_with_cuda: bool = True
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    enabled: bool = True
+    path: str = ""  # default: <data_dir>/nvme
+    capacity_bytes: int = 16 * GiB
+    durability: Literal["cache", "durable"] = "cache"
+    sync_interval_s: float = 1.0
+    codec: Literal["none", "zstd", "zstd-byteplane"] = "none"
+    zstd_level: int = 1
+
+
+@dataclass(frozen=True)
+class HbmSettings:
+    enabled: bool = False  # needs CUDA; the store logs why it is absent
+    capacity_bytes: int = 4 * GiB
+    page_bytes: int = 32 * MiB
+    device: str = "cuda"
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: str = field(default_factory=lambda: default_data_dir())
+    store: StoreConfig = field(default_factory=StoreConfig)
+    dram: DramSettings = field(default_factory=DramSettings)
+    nvme: NvmeSettings = field(default_factory=NvmeSettings)
+    hbm: HbmSettings = field(default_factory=HbmSettings)
+
+    @property
+    def nvme_path(self) -> Path:
+        return Path(self.nvme.path) if self.nvme.path else Path(self.data_dir) / "nvme"
+
+
+CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_BYTEPLANE}
+_SECTIONS = ("store", "dram", "nvme", "hbm")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "kvstore")
+
+
+def parse_size(text: str | int) -> int:
+    """``4GiB`` -> 4294967296. Integers pass through."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"not a size: {text!r} (use bytes or units like 512MiB, 4GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def load_settings(
+    toml_path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge the sources in precedence order into one ``Settings``."""
+    raw: dict[str, Any] = {}
+    if toml_path is not None:
+        with open(toml_path, "rb") as f:
+            _merge(raw, tomllib.load(f))
+    _merge(raw, _from_env(os.environ if env is None else env))
+    for dotted, value in (overrides or {}).items():
+        _merge(raw, _nest(dotted, value))
+    return _build(Settings, raw, "")
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith("KVSTORE_"):
+            continue
+        rest = name[len("KVSTORE_") :].lower()
+        section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        dotted = f"{section}.{rest[len(section) + 1 :]}" if section else rest
+        _merge(out, _nest(dotted, value))
+    return out
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    parts = dotted.split(".")
+    out: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        out = {part: out}
+    return out
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = dict(v) if isinstance(v, Mapping) else v
+
+
+T = typing.TypeVar("T")
+
+
+def _build(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - known
+    if unknown:
+        raise InvalidArgument(
+            f"unknown setting {where}{sorted(unknown)[0]}; known: {', '.join(sorted(known))}"
+        )
+    kwargs = {name: _coerce(hints[name], value, f"{where}{name}") for name, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad settings in [{where.rstrip('.') or 'top'}]: {exc}") from exc
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{where} is a section, not a value")
+        return _build(hint, value, where + ".")  # type: ignore[arg-type]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        return _coerce(args[0], value, where)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise InvalidArgument(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin in (Mapping, dict) or hint in (Mapping, dict) or origin is typing.Mapping:
+        if isinstance(value, str):
+            value = dict(item.split("=", 1) for item in value.split(",") if item)
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{where} must be a table of name = value")
+        value_type = typing.get_args(hint)[1] if typing.get_args(hint) else str
+        return {str(k): _coerce(value_type, v, f"{where}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgument(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise InvalidArgument(f"{where} must be an integer")
+        return parse_size(value) if "_bytes" in where else _int(value, where)
+    if hint is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{where} must be a number, got {value!r}") from exc
+    if hint is str:
+        return str(value)
+    return value
+
+
+def _int(value: Any, where: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{where} must be an integer, got {value!r}") from exc
