@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import struct
 import threading
 import time
 from collections import Counter
@@ -144,6 +145,11 @@ class _Block:
     @property
     def fastest(self) -> int:
         return min(self.tiers)
+
+    @property
+    def meta(self) -> bytes:
+        """Chain links kept with the bytes, so a restart restores prefix-aware eviction."""
+        return _META.pack(self.depth) + (self.parent or b"")
 
 
 class TieredStore:
@@ -598,7 +604,7 @@ class TieredStore:
             if not self._make_room(t, block.size_bytes):
                 continue
             try:
-                self.tiers[t].put(block.tkey, data, block.scope.fingerprint)
+                self.tiers[t].put(block.tkey, data, block.scope.fingerprint, block.meta)
             except TierFull:
                 continue
             except TierError as exc:
@@ -702,7 +708,16 @@ class TieredStore:
                     continue
                 block = self._blocks.get(ident)
                 if block is None:
-                    block = _Block(ident[0], ident[1], stored.key, stored.size_bytes, None, 0, 1.0)
+                    depth, parent = _parse_meta(stored.meta)
+                    block = _Block(
+                        ident[0],
+                        ident[1],
+                        stored.key,
+                        stored.size_bytes,
+                        parent,
+                        depth,
+                        1.0 + self.config.attention_cost_per_block * depth,
+                    )
                     block.tiers.add(t)
                     self._admit(block)
                     found += 1
@@ -719,6 +734,17 @@ class TieredStore:
                 (b.scope, b.key, self.tiers[b.fastest].name) for b in self._blocks.values() if not b.doomed
             ]
         return iter(snapshot)
+
+
+_META = struct.Struct("<I")
+
+
+def _parse_meta(meta: bytes) -> tuple[int, BlockKey | None]:
+    """(depth, parent) from a block's stored metadata; (0, None) when absent or unreadable."""
+    if len(meta) not in (_META.size, _META.size + 32):
+        return 0, None
+    (depth,) = _META.unpack_from(meta)
+    return depth, BlockKey(meta[_META.size :]) if len(meta) > _META.size else None
 
 
 def _check_keys(keys: Sequence[BlockKey]) -> None:

@@ -6,7 +6,9 @@ eviction policy: the tiered store above decides what lives where and tells the t
 
 Calls:
     can_store(size)      -> whether put() of that size would succeed now, without evicting
-    put(key, payload, fp) stores a copy of ``payload``; overwrites an existing key.
+    put(key, payload, fp, meta)
+                          stores a copy of ``payload`` with the caller's ``meta`` (at most
+                          MAX_META_BYTES, returned by scan()); overwrites an existing key.
                           Raises TierFull (evict, then retry) or BlockTooLarge (never fits).
     get_into(key, out)   -> bytes written into ``out`` (a writable buffer at least as long as
                           the payload), or None for a miss. A block failing its checksum is
@@ -43,6 +45,7 @@ BytesLike = bytes | bytearray | memoryview
 """Anything exposing a contiguous byte buffer."""
 
 MAX_KEY_BYTES = 511  # LMDB's default key limit; every tier accepts the same keys.
+MAX_META_BYTES = 64  # small caller metadata kept with a block (the store keeps chain links)
 FINGERPRINT_BYTES = 32
 
 
@@ -59,7 +62,8 @@ class BlockHeader:
     """The small header stored in front of every block on a persistent or remote medium.
 
     ``payload_len`` is the logical (decoded) length; ``stored_len`` is what follows the header
-    on the medium; ``checksum`` is xxh3-64 of the stored bytes.
+    on the medium; ``checksum`` is xxh3-64 of the stored bytes; ``meta`` is the caller's
+    metadata, packed after the fixed fields.
     """
 
     fingerprint: bytes
@@ -68,20 +72,24 @@ class BlockHeader:
     codec: Codec
     checksum: int
     version: int = 1
+    meta: bytes = b""
 
     _FORMAT = struct.Struct("<4sHB32sQQQ")
     _MAGIC = b"KVSB"
     SIZE = _FORMAT.size
 
     def pack(self) -> bytes:
-        return self._FORMAT.pack(
-            self._MAGIC,
-            self.version,
-            int(self.codec),
-            self.fingerprint,
-            self.payload_len,
-            self.stored_len,
-            self.checksum,
+        return (
+            self._FORMAT.pack(
+                self._MAGIC,
+                self.version,
+                int(self.codec),
+                self.fingerprint,
+                self.payload_len,
+                self.stored_len,
+                self.checksum,
+            )
+            + self.meta
         )
 
     @classmethod
@@ -92,7 +100,10 @@ class BlockHeader:
         magic, version, codec, fingerprint, payload_len, stored_len, checksum = cls._FORMAT.unpack_from(raw)
         if magic != cls._MAGIC or version != 1 or codec not in Codec._value2member_map_:
             return None
-        return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version)
+        meta = bytes(raw[cls.SIZE :])
+        if len(meta) > MAX_META_BYTES:
+            return None
+        return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta)
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class StoredBlock:
     key: TierKey
     fingerprint: bytes
     size_bytes: int
+    meta: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -125,7 +137,7 @@ class Tier(ABC):
     def can_store(self, size_bytes: int) -> bool: ...
 
     @abstractmethod
-    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes) -> None: ...
+    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None: ...
 
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
@@ -153,6 +165,11 @@ def check_key(key: bytes) -> None:
     """Raise ValueError for a key no tier can store."""
     if not key or len(key) > MAX_KEY_BYTES:
         raise ValueError(f"tier key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def check_meta(meta: bytes) -> None:
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"block metadata must be at most {MAX_META_BYTES} bytes, got {len(meta)}")
 
 
 def check_fingerprint(fingerprint: bytes) -> None:

@@ -23,7 +23,16 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tiers.base import BytesLike, StoredBlock, Tier, TierKey, TierUsage, check_fingerprint, check_key
+from tiers.base import (
+    BytesLike,
+    StoredBlock,
+    Tier,
+    TierKey,
+    TierUsage,
+    check_fingerprint,
+    check_key,
+    check_meta,
+)
 from tiers.errors import BlockTooLarge, TierClosed, TierFull
 
 SLOT_ALIGN_BYTES = 4096
@@ -138,6 +147,7 @@ class SlabAllocator:
 class _Entry:
     slot: Slot
     fingerprint: bytes
+    meta: bytes
     committed: bool
 
 
@@ -174,10 +184,11 @@ class SlabTier(Tier):
         with self._lock:
             return self._alloc.can_alloc(size_bytes)
 
-    def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes) -> Slot:
+    def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot:
         """Take a slot for a new block under ``key``; invisible to readers until commit()."""
         check_key(key)
         check_fingerprint(fingerprint)
+        check_meta(meta)
         with self._lock:
             self._check_open()
             if not self._alloc.fits_ever(size_bytes):
@@ -189,7 +200,7 @@ class SlabTier(Tier):
             slot = self._alloc.alloc(size_bytes)
             if slot is None:
                 raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
-            self._pending[key] = _Entry(slot, bytes(fingerprint), committed=False)
+            self._pending[key] = _Entry(slot, bytes(fingerprint), bytes(meta), committed=False)
             return slot
 
     def commit(self, key: TierKey) -> None:
@@ -220,8 +231,8 @@ class SlabTier(Tier):
             entry = self._entries.get(key)
             return None if entry is None else entry.slot
 
-    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes) -> None:
-        slot = self.reserve(key, len(payload), fingerprint)
+    def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
+        slot = self.reserve(key, len(payload), fingerprint, meta)
         try:
             self._write(slot, payload)
         except BaseException:
@@ -256,7 +267,9 @@ class SlabTier(Tier):
 
     def scan(self) -> Iterator[StoredBlock]:
         with self._lock:
-            blocks = [StoredBlock(k, e.fingerprint, e.slot.size_bytes) for k, e in self._entries.items()]
+            blocks = [
+                StoredBlock(k, e.fingerprint, e.slot.size_bytes, e.meta) for k, e in self._entries.items()
+            ]
         return iter(blocks)
 
     def usage(self) -> TierUsage:

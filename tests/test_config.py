@@ -1,0 +1,84 @@
+"""Settings: defaults, TOML, environment and flags, in that order of precedence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import GiB, MiB, Settings, load_settings, parse_size
+from kvstore.errors import InvalidArgument
+
+
+def test_defaults_make_a_useful_sidecar() -> None:
+    s = load_settings(env={})
+    assert s.dram.capacity_bytes == 1 * GiB
+    assert s.nvme.enabled and s.nvme.durability == "cache"
+    assert not s.hbm.enabled
+    assert s.nvme_path == Path(s.data_dir) / "nvme"
+
+
+def test_sizes_parse_with_units() -> None:
+    assert parse_size("4GiB") == 4 * GiB
+    assert parse_size("512 MiB") == 512 * MiB
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1234") == 1234
+    with pytest.raises(InvalidArgument):
+        parse_size("lots")
+
+
+def test_flags_beat_environment_beat_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text(
+        'data_dir = "/srv/kv"\n'
+        '[dram]\ncapacity_bytes = "2GiB"\npage_bytes = 8388608\n'
+        '[nvme]\ndurability = "durable"\ncapacity_bytes = "100GiB"\n'
+        '[store]\nlease_ttl_s = 7.5\n[store.quota_bytes]\ntenant-a = "1GiB"\n'
+    )
+    env = {"KVSTORE_DRAM_CAPACITY_BYTES": "3GiB", "KVSTORE_NVME_DURABILITY": "cache", "HOME_UNRELATED": "x"}
+    s = load_settings(toml, env=env, overrides={"dram.capacity_bytes": "4GiB"})
+    assert s.data_dir == "/srv/kv"
+    assert s.dram.capacity_bytes == 4 * GiB  # flag
+    assert s.dram.page_bytes == 8 * MiB  # toml
+    assert s.nvme.durability == "cache"  # environment over toml
+    assert s.nvme.capacity_bytes == 100 * GiB
+    assert s.store.lease_ttl_s == 7.5
+    assert s.store.quota_bytes == {"tenant-a": 1 * GiB}
+
+
+def test_environment_reaches_every_section() -> None:
+    s = load_settings(
+        env={
+            "KVSTORE_DATA_DIR": "/d",
+            "KVSTORE_HBM_ENABLED": "true",
+            "KVSTORE_STORE_WRITE_THROUGH": "yes",
+            "KVSTORE_STORE_QUOTA_BYTES": "a=1MiB,b=2MiB",
+            "KVSTORE_NVME_CODEC": "zstd-byteplane",
+        }
+    )
+    assert s.data_dir == "/d" and s.hbm.enabled and s.store.write_through
+    assert s.store.quota_bytes == {"a": MiB, "b": 2 * MiB}
+    assert s.nvme.codec == "zstd-byteplane"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dram.capacity": "1GiB"},  # unknown field
+        {"disk.size": "1"},  # unknown section
+        {"nvme.durability": "sometimes"},  # not a choice
+        {"hbm.enabled": "perhaps"},
+        {"store.lease_ttl_s": "soon"},
+        {"dram": "big"},  # a section given a value
+    ],
+)
+def test_bad_settings_are_refused_with_the_name(overrides: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        load_settings(env={}, overrides=overrides)
+    assert str(info.value)
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(AttributeError):
+        s.data_dir = "/elsewhere"  # type: ignore[misc]
