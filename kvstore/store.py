@@ -576,25 +576,34 @@ class TieredStore:
         """Evict from tier ``t`` until a block of ``size_bytes`` fits; whether it does."""
         self._expire_leases()
         tier = self.tiers[t]
-        while not tier.can_store(size_bytes):
-            victim = self._pop_victim(t)
-            if victim is None:
-                return False
-            self._evict(victim, t)
-        return True
+        stuck: list[_Block] = []  # could neither move down nor go: back in the heap afterwards
+        try:
+            while not tier.can_store(size_bytes):
+                victim = self._pop_victim(t)
+                if victim is None:
+                    return False
+                if not self._evict(victim, t):
+                    stuck.append(victim)
+            return True
+        finally:
+            for block in stuck:
+                self._push_all(block)
 
-    def _evict(self, block: _Block, t: int) -> None:
-        """Demote ``block`` from tier ``t`` to the next tier with room, or drop it."""
-        self.counters[f"evicted_{self.tiers[t].name}_blocks"] += 1
+    def _evict(self, block: _Block, t: int) -> bool:
+        """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
+        it can do neither (no room below, and dropping it would strand a resident child)."""
         if len(block.tiers) == 1 and t + 1 < len(self.tiers):
             scratch = bytearray(block.size_bytes)
             n = self._read(block, t, memoryview(scratch))
             if n is not None:
-                before = set(block.tiers)
                 self._place(block, memoryview(scratch)[:n], lowest=t + 1, highest=len(self.tiers) - 1)
-                if block.tiers != before:
+                if len(block.tiers) > 1:
                     self.counters["demotions"] += 1
+                elif self._children.get((block.scope, block.key)):
+                    return False
+        self.counters[f"evicted_{self.tiers[t].name}_blocks"] += 1
         self._forget_tier(block, t)
+        return True
 
     def _place(self, block: _Block, data: BytesLike, lowest: int, highest: int) -> None:
         """Put a copy into the first tier in [lowest, highest] that has or can make room."""
