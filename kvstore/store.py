@@ -61,8 +61,14 @@ class Scope:
 
     namespace: str
     fingerprint: Fingerprint
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
+        # Every index probe hashes a scope: compute it once.
+        object.__setattr__(self, "_hash", hash((self.namespace, self.fingerprint)))
         encoded = self.namespace.encode()
         if not encoded or len(encoded) > MAX_NAMESPACE_BYTES:
             raise InvalidArgument(f"namespace must be 1..{MAX_NAMESPACE_BYTES} UTF-8 bytes")
@@ -141,6 +147,7 @@ class _Block:
     priority: float = 0.0
     version: int = 0
     doomed: bool = False  # deleted while pinned: invisible, freed on the last release
+    parked: bool = False  # popped from a heap while pinned: push it again on the last release
 
     @property
     def fastest(self) -> int:
@@ -424,7 +431,8 @@ class TieredStore:
         if block.pins == 0:
             if block.doomed:
                 self._drop(block)
-            else:
+            elif block.parked:
+                block.parked = False
                 self._push_all(block)
 
     # ----------------------------------------------------------------- stats
@@ -566,8 +574,13 @@ class TieredStore:
         while heap:
             priority, _, version, ident = heapq.heappop(heap)
             block = self._blocks.get(ident)
-            if block is None or block.version != version or not self._evictable_from(block, t):
-                continue  # stale entry; an eligible block is pushed again when it becomes one
+            if block is None or block.version != version:
+                continue  # stale entry: the block changed since and has a newer one
+            if not self._evictable_from(block, t):
+                # Pushed again when it becomes eligible: on its last release if pinned, when
+                # its last child here leaves otherwise.
+                block.parked = block.parked or block.pins > 0
+                continue
             self._aging[t] = max(self._aging[t], priority)
             return block
         return None

@@ -143,10 +143,14 @@ class NvmeConfig:
 
 
 class _Entry(NamedTuple):
+    """What the index keeps of a header: enough to read and verify without fetching it."""
+
     fingerprint: bytes
     payload_len: int
     stored_len: int
     meta: bytes
+    codec: Codec
+    checksum: int
 
 
 @dataclass(eq=False)
@@ -228,7 +232,11 @@ class NvmeTier(Tier):
         finally:
             if not opened:
                 self._owner.close()
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        # Separate from _cond (same lock) so that finishing a read never wakes the writer:
+        # only close() waits for readers to drain.
+        self._readers_gone = threading.Condition(lock)
         self._index: dict[TierKey, _Entry] = {}
         self._pending: dict[TierKey, _PutOp] = {}
         self._queue: collections.deque[_Op] = collections.deque()
@@ -402,12 +410,12 @@ class NvmeTier(Tier):
                 with self._cond:
                     self._unref_locked(op)
         try:
-            result = self._read_committed(key, dst)
+            result = self._read_committed(key, dst, entry)
         finally:
             with self._cond:
                 self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+                if not self._readers and self._closed:
+                    self._readers_gone.notify_all()
         if isinstance(result, _Corrupt):
             self._drop_corrupt(key, entry)
             return None
@@ -474,7 +482,7 @@ class NvmeTier(Tier):
             self._stopping = True
             self._cond.notify_all()
             while self._readers:
-                self._cond.wait()
+                self._readers_gone.wait()
         self._writer.join()
         self._env.close()
         if self._failure is None:
@@ -483,38 +491,35 @@ class NvmeTier(Tier):
 
     # ---- reading -------------------------------------------------------------------------
 
-    def _read_committed(self, key: TierKey, dst: memoryview) -> int | _Corrupt | None:
-        """Copy one committed block into ``dst``; views of the map die with the transaction."""
+    def _read_committed(self, key: TierKey, dst: memoryview, entry: _Entry) -> int | _Corrupt | None:
+        """Copy one committed block into ``dst`` and verify it against the header ``entry``
+        the index holds (read at open or written by put), so a read fetches only the payload.
+        Views of the map die with the transaction."""
+        n = entry.payload_len
         with self._env.begin(buffers=True) as txn:
-            raw_header = txn.get(key, db=self._headers)
             stored = txn.get(key, db=self._payloads)
-            if raw_header is None or stored is None:
+            if stored is None:
                 return None  # deleted since the index lookup
-            header = BlockHeader.unpack(raw_header)
-            if header is None or header.stored_len != len(stored):
+            if len(stored) != entry.stored_len:
                 return _Corrupt()
-            n = header.payload_len
-            if n > len(dst):
-                return None  # overwritten by a larger block since the index lookup
-            if header.codec is Codec.NONE:
-                if n != len(stored):
-                    return _Corrupt()
+            if entry.codec is Codec.NONE:
                 dst[:n] = stored  # the one copy; verifying ``dst`` afterwards measured as fast as before
-                return n if xxhash.xxh3_64_intdigest(dst[:n]) == header.checksum else _Corrupt()
-            if xxhash.xxh3_64_intdigest(stored) != header.checksum:
+                return n if xxhash.xxh3_64_intdigest(dst[:n]) == entry.checksum else _Corrupt()
+            if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
                 return _Corrupt()
             try:
-                return decode_into(header.codec, stored, dst, n)
+                return decode_into(entry.codec, stored, dst, n)
             except CodecError:
                 return _Corrupt()
 
     def _drop_corrupt(self, key: TierKey, seen: _Entry) -> None:
         with self._cond:
-            self._counts.checksum_failures += 1
-            log.warning("nvme tier: block %s failed its checksum; deleting it", key.hex())
-            # Only if nothing replaced it meanwhile: a newer put is not ours to delete.
+            # A put that replaced the block since the index lookup explains the mismatch: the
+            # bytes read were the newer block's. Not corruption, and not ours to delete.
             if self._closed or self._index.get(key) is not seen or key in self._pending:
                 return
+            self._counts.checksum_failures += 1
+            log.warning("nvme tier: block %s failed its checksum; deleting it", key.hex())
             self._forget_locked(key)
             self._enqueue_locked(_DeleteOp(key, self._take_seq_locked()))
 
@@ -540,7 +545,9 @@ class NvmeTier(Tier):
 
     def _index_add_locked(self, key: TierKey, header: BlockHeader) -> None:
         fingerprint = self._counts.fingerprints.setdefault(header.fingerprint, header.fingerprint)
-        self._index[key] = _Entry(fingerprint, header.payload_len, header.stored_len, header.meta)
+        self._index[key] = _Entry(
+            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, header.checksum
+        )
         self._counts.stored_total += header.stored_len
         self._counts.payload_total += header.payload_len
 
