@@ -1,0 +1,34 @@
+"""The tier benchmark runs on tiny working sets and reports the shape every bench shares.
+(Figures themselves are measured by `kvstore bench tiers`, not asserted in tests.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.common import Result, write_json
+from benchmarks.tiers import _Working, bench_dram, bench_keys, bench_nvme
+
+KEYS = {"metric", "value", "unit", "reference", "reference_value", "ratio", "target", "note"}
+
+
+def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
+    w = _Working(256 * 1024, 4 << 20)
+    rows = bench_dram(w, rounds=1) + bench_nvme(w, rounds=1, folder=tmp_path)
+    assert {r.metric.split()[0] for r in rows} == {"dram", "store", "nvme"}
+    for r in rows:
+        assert r.value is not None and r.value > 0
+        assert r.reference_value is not None and r.reference_value > 0
+        assert r.ratio == r.value / r.reference_value
+
+
+def test_json_shape(tmp_path: Path) -> None:
+    rows = [bench_keys(rounds=1), Result("x", 1.0, "GB/s", "memcpy", 2.0, ">= 0.8")]
+    write_json(tmp_path / "out.json", rows)
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert set(doc) >= {"machine", "results"}
+    assert doc["machine"]["cores"] > 0
+    for row in doc["results"]:
+        assert set(row) == KEYS
+    assert doc["results"][1]["ratio"] == 0.5
+    assert rows[1].meets_target is False
