@@ -14,6 +14,15 @@ Calls and their order:
     stats()                        counters and per-tier occupancy
     close()
 
+Same-host data plane (the `dram` arena, which another process maps by name):
+    resolve(scope, keys, ttl_s)    -> Resolved: arena slots of the present prefix, pinned under
+                                   a lease; blocks found only in other tiers are copied into
+                                   the arena first. The caller reads the slots, then release().
+    reserve(scope, keys, sizes)    -> Reservation: arena slots for new blocks (None for keys
+                                   already present); the caller writes them, then
+    commit(reservation_id)         publishes them, or abort(reservation_id) gives them back.
+                                   An uncommitted reservation expires like a lease.
+
 Placement: new blocks land in the first tier; with ``write_through`` the persistent tier gets a
 copy at once, otherwise only on demotion. A hit in a slower tier is promoted to the first tier.
 
@@ -45,10 +54,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.errors import InvalidArgument, QuotaExceeded, StoreFull
+from kvstore.errors import FailedPrecondition, InvalidArgument, QuotaExceeded, StoreFull
 from kvstore.keys import BlockKey, Fingerprint, check_key
 from kvstore.leases import Lease, LeaseTable
 from tiers import BytesLike, Tier, TierError, TierFull, TierKey, TierUsage
+from tiers.dram import DramTier
+from tiers.slab import Slot as ArenaSlotView
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +143,43 @@ class StoreStats:
     absent_tiers: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ArenaSlot:
+    """Where a block's bytes sit in the `dram` arena."""
+
+    offset: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Arena slots of the present prefix, pinned by ``lease`` (None when nothing hit)."""
+
+    slots: tuple[ArenaSlot, ...]
+    tiers: tuple[str, ...]
+    lease: Lease | None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Arena slots to write new blocks into; ``slots[i]`` is None where nothing is to be written
+    (already present, or being written by another client, or no room)."""
+
+    reservation_id: int
+    slots: tuple[ArenaSlot | None, ...]
+    expires_at_s: float
+
+
+@dataclass(eq=False)
+class _Pending:
+    scope: Scope
+    keys: tuple[BlockKey, ...]
+    slots: tuple[ArenaSlot | None, ...]
+    parent: BlockKey | None
+    first_depth: int
+    pinned_parent: _Block | None
+
+
 @dataclass(eq=False)
 class _Block:
     scope: Scope
@@ -189,6 +237,8 @@ class TieredStore:
         self._closed = False
         self._served_counter = [f"get_{t.name}_blocks" for t in self.tiers]
         self.leases: LeaseTable[_Block] = LeaseTable(clock)
+        self._reservations: LeaseTable[_Pending] = LeaseTable(clock)
+        self._arena_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, DramTier)), None)
         self.counters: Counter[str] = Counter()
         self._ns_counters: dict[str, Counter[str]] = {}
         self._rebuild()
@@ -337,9 +387,12 @@ class TieredStore:
                     parent_block = self._visible((scope, prev)) if prev is not None else None
                     if parent_block is not None:
                         parent_block.pins += 1
+                    # A child never lands in a faster tier than its parent: a chain stays
+                    # fast at its head and slow at its tail, the order a restore reads it in.
+                    lowest = parent_block.fastest if parent_block is not None else 0
                     try:
                         self._enforce_quota(scope, block.size_bytes, stored, len(keys))
-                        self._place(block, data, lowest=0, highest=len(self.tiers) - 1)
+                        self._place(block, data, lowest=lowest, highest=len(self.tiers) - 1)
                     finally:
                         if parent_block is not None:
                             self._unpin(parent_block)
@@ -419,6 +472,9 @@ class TieredStore:
         return lease
 
     def _expire_leases(self) -> None:
+        for (pending,) in self._reservations.expire():
+            self.counters["reservations_expired"] += 1
+            self._abort_pending(pending)
         for blocks in self.leases.expire():
             self.counters["leases_expired"] += 1
             for block in blocks:
@@ -434,6 +490,171 @@ class TieredStore:
             elif block.parked:
                 block.parked = False
                 self._push_all(block)
+
+    # ----------------------------------------------------------------- same-host arena
+
+    @property
+    def arena(self) -> DramTier | None:
+        """The `dram` tier whose arena same-host clients map, or None without one."""
+        return None if self._arena_index is None else self._require_arena()[1]
+
+    def _require_arena(self) -> tuple[int, DramTier]:
+        if self._arena_index is None:
+            raise FailedPrecondition("this store has no dram arena for same-host clients")
+        tier = self.tiers[self._arena_index]
+        assert isinstance(tier, DramTier)
+        return self._arena_index, tier
+
+    def resolve(self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None) -> Resolved:
+        """Pin the present prefix and make sure each block has an arena copy to read in place."""
+        _check_keys(keys)
+        a, arena = self._require_arena()
+        with self._lock:
+            self._expire_leases()
+            blocks: list[_Block] = []
+            for key in keys:
+                block = self._visible((scope, key))
+                if block is None:
+                    break
+                block.pins += 1  # before promotion: making room for the next must not evict it
+                if a not in block.tiers and not self._copy_into_arena(block, a, arena):
+                    self._unpin(block)
+                    break
+                blocks.append(block)
+            for block in blocks:
+                self._touch(block)
+                self._unpin(block)
+            self._count(scope, "lookup_hit_blocks", len(blocks))
+            self._count(scope, "lookup_miss_blocks", len(keys) - len(blocks))
+            lease = self._pin(blocks, ttl_s) if blocks else None
+            slots = []
+            for block in blocks:
+                slot = arena.locate(block.tkey)
+                assert slot is not None, "a pinned block lost its arena slot"
+                slots.append(ArenaSlot(slot.offset, slot.size_bytes))
+            return Resolved(tuple(slots), tuple(self.tiers[b.fastest].name for b in blocks), lease)
+
+    def _copy_into_arena(self, block: _Block, a: int, arena: DramTier) -> bool:
+        """Promote ``block`` into the arena straight from its fastest copy (one copy)."""
+        if not self._make_room(a, block.size_bytes):
+            return False
+        try:
+            slot = arena.reserve(block.tkey, block.size_bytes, block.scope.fingerprint, block.meta)
+        except TierError:
+            return False
+        source = block.fastest
+        n = self._read(block, source, arena.slot_view(slot))
+        if n != block.size_bytes:
+            arena.abort(block.tkey)
+            if n is None:
+                self.counters["checksum_failures"] += 1
+                self._forget_tier(block, source)
+            return False
+        arena.commit(block.tkey)
+        block.tiers.add(a)
+        block.version += 1
+        self._push_all(block)
+        self.counters["promotions"] += 1
+        return True
+
+    def reserve(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        parent: BlockKey | None = None,
+        ttl_s: float | None = None,
+    ) -> Reservation:
+        """Arena slots for the new blocks of a chain; see the module docstring."""
+        _check_keys(keys)
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if any(size < 0 for size in sizes):
+            raise InvalidArgument("block sizes must not be negative")
+        a, arena = self._require_arena()
+        with self._lock:
+            self._expire_leases()
+            pinned_parent = self._visible((scope, parent)) if parent is not None else None
+            if pinned_parent is not None:
+                pinned_parent.pins += 1  # its child is on the way: keep it until commit
+            slots: list[ArenaSlot | None] = []
+            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                slot = None
+                if self._visible((scope, key)) is None:
+                    try:
+                        self._enforce_quota(scope, size, i, len(keys))
+                    except QuotaExceeded:
+                        slots.extend([None] * (len(keys) - i))  # the rest of the chain cannot hang on
+                        break
+                    if self._make_room(a, size):
+                        try:
+                            taken = arena.reserve(tier_key(scope, key), size, scope.fingerprint)
+                            slot = ArenaSlot(taken.offset, taken.size_bytes)
+                        except TierError:
+                            slot = None  # another client is writing this key, or no room after all
+                slots.append(slot)
+            pending = _Pending(
+                scope, tuple(keys), tuple(slots), parent, self._depth_after(scope, parent), pinned_parent
+            )
+            lease = self._reservations.grant(
+                [pending], ttl_s if ttl_s is not None else self.config.lease_ttl_s
+            )
+            return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
+
+    def commit(self, reservation_id: int) -> int:
+        """Publish a reservation's written slots as blocks; how many were stored."""
+        a, arena = self._require_arena()
+        with self._lock:
+            self._expire_leases()
+            (pending,) = self._reservations.release(reservation_id)
+            stored = 0
+            prev = pending.parent
+            for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
+                if slot is not None:
+                    tkey = tier_key(pending.scope, key)
+                    existing = self._blocks.get((pending.scope, key))
+                    if existing is not None:
+                        arena.abort(tkey)  # stored meanwhile by another path
+                    else:
+                        depth = pending.first_depth + i
+                        block = _Block(
+                            pending.scope,
+                            key,
+                            tkey,
+                            slot.size_bytes,
+                            prev,
+                            depth,
+                            1.0 + self.config.attention_cost_per_block * depth,
+                        )
+                        arena.commit(tkey, meta=block.meta)
+                        block.tiers.add(a)
+                        self._admit(block)
+                        if self.config.write_through:
+                            view = arena.slot_view(ArenaSlotView(slot.offset, slot.size_bytes))
+                            for t, persistent in enumerate(self._persistent):
+                                if persistent:
+                                    self._place(block, view, lowest=t, highest=t)
+                        stored += 1
+                        self._count(pending.scope, "put_blocks")
+                prev = key
+            if pending.pinned_parent is not None:
+                self._unpin(pending.pinned_parent)
+            return stored
+
+    def abort(self, reservation_id: int) -> None:
+        """Give back a reservation's slots without storing anything."""
+        with self._lock:
+            self._expire_leases()
+            (pending,) = self._reservations.release(reservation_id)
+            self._abort_pending(pending)
+
+    def _abort_pending(self, pending: _Pending) -> None:
+        _, arena = self._require_arena()
+        for key, slot in zip(pending.keys, pending.slots, strict=True):
+            if slot is not None:
+                arena.abort(tier_key(pending.scope, key))
+        if pending.pinned_parent is not None:
+            self._unpin(pending.pinned_parent)
 
     # ----------------------------------------------------------------- stats
 

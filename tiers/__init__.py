@@ -4,13 +4,22 @@ This package imports nothing else of the project.
 """
 
 from tiers.base import BlockHeader, BytesLike, Codec, StoredBlock, Tier, TierKey, TierUsage
-from tiers.errors import BlockTooLarge, TierClosed, TierCorrupt, TierError, TierFull, TierUnavailable
+from tiers.errors import (
+    BlockTooLarge,
+    SlotBusy,
+    TierClosed,
+    TierCorrupt,
+    TierError,
+    TierFull,
+    TierUnavailable,
+)
 
 __all__ = [
     "BlockHeader",
     "BlockTooLarge",
     "BytesLike",
     "Codec",
+    "SlotBusy",
     "StoredBlock",
     "Tier",
     "TierClosed",

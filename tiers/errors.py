@@ -2,6 +2,7 @@
 
     TierError
     ├── TierFull          no room for the block without evicting something first
+    ├── SlotBusy          another writer holds a reserved slot for the same key
     ├── BlockTooLarge     the block can never fit this tier (larger than a slot page or the tier)
     ├── TierClosed        the tier was used after close()
     ├── TierUnavailable   the medium cannot be used here (no CUDA for `hbm`)
@@ -18,6 +19,10 @@ class TierError(Exception):
 
 class TierFull(TierError):
     """The tier has no free space for this block right now; evict, then retry."""
+
+
+class SlotBusy(TierError):
+    """Another writer has reserved this key and not committed yet."""
 
 
 class BlockTooLarge(TierError):

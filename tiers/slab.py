@@ -33,7 +33,7 @@ from tiers.base import (
     check_key,
     check_meta,
 )
-from tiers.errors import BlockTooLarge, TierClosed, TierFull
+from tiers.errors import BlockTooLarge, SlotBusy, TierClosed, TierFull
 
 SLOT_ALIGN_BYTES = 4096
 
@@ -196,20 +196,25 @@ class SlabTier(Tier):
                     f"{size_bytes} B block exceeds the {self.name} tier ({self._alloc.capacity_bytes} B)"
                 )
             if key in self._pending:
-                raise ValueError(f"{self.name}: key {key.hex()} already has a reserved slot")
+                raise SlotBusy(f"{self.name}: key {key.hex()} already has a reserved slot")
             slot = self._alloc.alloc(size_bytes)
             if slot is None:
                 raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
             self._pending[key] = _Entry(slot, bytes(fingerprint), bytes(meta), committed=False)
             return slot
 
-    def commit(self, key: TierKey) -> None:
-        """Publish the reserved slot of ``key``; an older block under the key is freed."""
+    def commit(self, key: TierKey, meta: bytes | None = None) -> None:
+        """Publish the reserved slot of ``key`` (with ``meta`` if given, else the reserved
+        one); an older block under the key is freed."""
+        if meta is not None:
+            check_meta(meta)
         with self._lock:
             entry = self._pending.pop(key, None)
             if entry is None:
                 raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
             entry.committed = True
+            if meta is not None:
+                entry.meta = bytes(meta)
             old = self._entries.pop(key, None)
             if old is not None:
                 self._forget(old)
