@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from kvstore.config import CODECS, Settings
 from kvstore.store import TieredStore
 from tiers import Tier, TierUnavailable
 from tiers.dram import DramConfig, DramTier
-
-log = logging.getLogger(__name__)
 
 
 def build_tiers(settings: Settings) -> tuple[list[Tier], list[str]]:
@@ -53,7 +49,5 @@ def build_tiers(settings: Settings) -> tuple[list[Tier], list[str]]:
 def open_store(settings: Settings) -> TieredStore:
     """A store over the configured tiers; the persistent ones are indexed from disk."""
     tiers, absent = build_tiers(settings)
-    for line in absent:
-        log.info("tier absent: %s", line)
     store = TieredStore(tiers, settings.store, absent_tiers=absent)
     return store

@@ -1,5 +1,8 @@
 """The ``kvstore`` console script: one dispatcher, one subcommand per job.
 
+    kvstore serve                  the service: Unix socket sidecar, optional TCP shared store
+    kvstore stats                  a running server's tiers and counters (table or --json)
+    kvstore invalidate             the kill switch: a fingerprint's blocks, or everything
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
 
@@ -11,9 +14,12 @@ are imported lazily: only this dispatcher reaches up into ``benchmarks/``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvstore.config import Settings, load_settings
 from kvstore.errors import KvStoreError
@@ -29,6 +35,96 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.data_dir:
         overrides["data_dir"] = args.data_dir
     return load_settings(args.config, overrides=overrides)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.server import serve
+
+    overrides = []
+    if args.tcp:
+        overrides.append(f"server.tcp_address={args.tcp}")
+    if args.socket:
+        overrides.append(f"server.socket_path={args.socket}")
+    args.set = (args.set or []) + overrides
+    return serve(_settings(args))
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvstore.client import connect
+
+    address = args.address or f"unix://{_settings(args).socket_path}"
+    return connect(address, token=args.token or os.environ.get("KVSTORE_TOKEN"))
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvstore stats (tenant {stats['tenant']})")
+    for col in ("tier", "blocks", "used", "capacity", "fill", "checksum failures"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for t in stats["tiers"]:
+        fill = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        table.add_row(
+            t["name"],
+            f"{t['blocks']:,}",
+            _size(t["used_bytes"]),
+            _size(t["capacity_bytes"]),
+            f"{fill:.0%}",
+            str(t["checksum_failures"]),
+        )
+    console = Console()
+    console.print(table)
+    for line in stats["absent_tiers"]:
+        console.print(f"absent: {line}")
+    if stats["counters"]:
+        counters = Table(title="counters")
+        counters.add_column("counter")
+        counters.add_column("value", justify="right")
+        for name, value in sorted(stats["counters"].items()):
+            counters.add_row(name, f"{value:,}")
+        console.print(counters)
+    for namespace, nbytes in sorted(stats["tenant_bytes"].items()):
+        console.print(f"{namespace}: {_size(nbytes)}")
+    return 0
+
+
+def _cmd_invalidate(args: argparse.Namespace) -> int:
+    if bool(args.fingerprint) == bool(args.everything):
+        print("kvstore invalidate: give --fingerprint HEX or --everything", file=sys.stderr)
+        return 2
+    fingerprint = None
+    if args.fingerprint:
+        try:
+            fingerprint = bytes.fromhex(args.fingerprint)
+        except ValueError:
+            print("kvstore invalidate: --fingerprint takes 64 hex digits", file=sys.stderr)
+            return 2
+    if args.everything and not args.yes:
+        whose = (
+            "EVERY tenant's" if args.tenant == "*" else f"tenant {args.tenant!r}'s" if args.tenant else "your"
+        )
+        answer = input(f"Remove all of {whose} cached blocks? Type 'yes' to confirm: ")
+        if answer.strip().lower() != "yes":
+            print("nothing removed")
+            return 1
+    with _client(args) as client:
+        removed = client.invalidate(fingerprint, tenant=args.tenant, everything=args.everything)
+    print(f"removed {removed} blocks")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -58,6 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
+        "--address", help="server address: unix:///path or host:port (default: the local socket)"
+    )
+    remote.add_argument("--token", help="bearer token (default: $KVSTORE_TOKEN)")
+
+    serve = sub.add_parser("serve", parents=[common], help="run the service")
+    serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (server.tcp_address)")
+    serve.add_argument("--socket", metavar="PATH", help="Unix socket path (server.socket_path)")
+    serve.set_defaults(func=_cmd_serve)
+
+    stats = sub.add_parser("stats", parents=[common, remote], help="a running server's tiers and counters")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    stats.set_defaults(func=_cmd_stats)
+
+    invalidate = sub.add_parser("invalidate", parents=[common, remote], help="remove blocks now")
+    invalidate.add_argument("--fingerprint", metavar="HEX", help="every block of this model fingerprint")
+    invalidate.add_argument("--everything", action="store_true", help="every block (asks for confirmation)")
+    invalidate.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
+    invalidate.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    invalidate.set_defaults(func=_cmd_invalidate)
+
     demo = sub.add_parser("demo", parents=[common], help="end-to-end demonstration of the store")
     demo.set_defaults(func=_cmd_demo)
 
@@ -73,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if args.verbose else logging.INFO if args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

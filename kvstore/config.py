@@ -8,6 +8,7 @@ section below; an unknown section or field is an error, never silently ignored.
     [dram]    DramSettings (arena size, page size)         KVSTORE_DRAM_CAPACITY_BYTES=8GiB
     [nvme]    NvmeSettings (LMDB folder, size, durability) KVSTORE_NVME_DURABILITY=durable
     [hbm]     HbmSettings (GPU pool; off unless enabled)   KVSTORE_HBM_ENABLED=true
+    [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
     data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
 
 Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``).
@@ -62,20 +63,41 @@ class HbmSettings:
 
 
 @dataclass(frozen=True)
+class ServerSettings:
+    socket_path: str = ""  # default: <data_dir>/kvstore.sock, mode 0600
+    tcp_address: str = ""  # host:port for the shared store; empty: no TCP listener
+    tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
+    unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
+    admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks
+    shared_scopes: Mapping[str, str] = field(default_factory=dict)  # scope -> "tenant-a,tenant-b"
+    metrics_address: str = "127.0.0.1:9464"  # Prometheus /metrics; empty: off
+    max_message_bytes: int = 64 * MiB
+    drain_grace_s: float = 10.0
+    workers: int = 16
+
+
+@dataclass(frozen=True)
 class Settings:
     data_dir: str = field(default_factory=lambda: default_data_dir())
     store: StoreConfig = field(default_factory=StoreConfig)
     dram: DramSettings = field(default_factory=DramSettings)
     nvme: NvmeSettings = field(default_factory=NvmeSettings)
     hbm: HbmSettings = field(default_factory=HbmSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
 
     @property
     def nvme_path(self) -> Path:
         return Path(self.nvme.path) if self.nvme.path else Path(self.data_dir) / "nvme"
 
+    @property
+    def socket_path(self) -> Path:
+        return (
+            Path(self.server.socket_path) if self.server.socket_path else Path(self.data_dir) / "kvstore.sock"
+        )
+
 
 CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_BYTEPLANE}
-_SECTIONS = ("store", "dram", "nvme", "hbm")
+_SECTIONS = ("store", "dram", "nvme", "hbm", "server")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 
@@ -180,6 +202,11 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise InvalidArgument(f"{where} must be a table of name = value")
         value_type = typing.get_args(hint)[1] if typing.get_args(hint) else str
         return {str(k): _coerce(value_type, v, f"{where}.{k}") for k, v in value.items()}
+    if origin is tuple:
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise InvalidArgument(f"{where} must be a list")
+        return tuple(_coerce(typing.get_args(hint)[0], v, where) for v in items)
     if hint is bool:
         if isinstance(value, bool):
             return value

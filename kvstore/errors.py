@@ -66,3 +66,26 @@ class FailedPrecondition(KvStoreError):
 
 class Unavailable(KvStoreError):
     status_code_name = "UNAVAILABLE"
+
+
+_BY_STATUS: dict[str, type[KvStoreError]] = {
+    cls.status_code_name: cls
+    for cls in (
+        InvalidArgument,
+        Unauthenticated,
+        PermissionDenied,
+        NotFound,
+        ResourceExhausted,
+        FailedPrecondition,
+        Unavailable,
+    )
+}
+
+
+def error_for_status(code_name: str, message: str) -> KvStoreError:
+    """The exception a client raises for a gRPC status (the inverse of status_code_name)."""
+    if code_name == "NOT_FOUND" and "expired" in message:
+        return LeaseExpired(message)
+    if code_name == "DEADLINE_EXCEEDED":
+        return Unavailable(f"deadline exceeded: {message}")
+    return _BY_STATUS.get(code_name, KvStoreError)(message)

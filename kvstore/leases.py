@@ -1,6 +1,7 @@
 """Leases: pins that expire on their own.
 
-A lease holds a set of block ids for ``ttl_s`` seconds. ``release`` ends it early; an expired
+A lease holds a set of block ids for ``ttl_s`` seconds, on behalf of an ``owner`` (the
+tenant that asked; only it may release the lease, anyone else is told it does not exist). ``release`` ends it early; an expired
 lease is collected by ``expire`` (the store calls it before any eviction and on every pin or
 release). Releasing twice raises LeaseNotFound; releasing after expiry raises LeaseExpired (the
 table remembers recently expired ids to tell the two apart).
@@ -35,25 +36,29 @@ class LeaseTable(Generic[T]):
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._ids = itertools.count(1)
-        self._held: dict[int, tuple[float, tuple[T, ...]]] = {}
+        self._held: dict[int, tuple[float, tuple[T, ...], str]] = {}
         self._expiry: list[tuple[float, int]] = []
         self._expired: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def grant(self, items: Sequence[T], ttl_s: float) -> Lease:
+    def grant(self, items: Sequence[T], ttl_s: float, owner: str = "") -> Lease:
         if not ttl_s > 0:
             raise InvalidArgument(f"lease ttl must be positive seconds, got {ttl_s}")
         lease_id = next(self._ids)
         expires = self._clock() + ttl_s
-        self._held[lease_id] = (expires, tuple(items))
+        self._held[lease_id] = (expires, tuple(items), owner)
         heapq.heappush(self._expiry, (expires, lease_id))
         return Lease(lease_id, expires, len(items))
 
-    def release(self, lease_id: int) -> tuple[T, ...]:
+    def release(self, lease_id: int, owner: str = "") -> tuple[T, ...]:
         """The items the lease held; raises LeaseNotFound or LeaseExpired."""
-        held = self._held.pop(lease_id, None)
+        held = self._held.get(lease_id)
+        if held is not None and held[2] != owner:
+            held = None  # someone else's lease: indistinguishable from no lease
+        else:
+            self._held.pop(lease_id, None)
         if held is None:
             if lease_id in self._expired:
                 raise LeaseExpired(f"lease {lease_id} expired before it was released")

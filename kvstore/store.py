@@ -245,7 +245,9 @@ class TieredStore:
 
     # ----------------------------------------------------------------- queries
 
-    def lookup(self, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None = None) -> LookupResult:
+    def lookup(
+        self, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None = None, owner: str = ""
+    ) -> LookupResult:
         """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
         _check_keys(keys)
         with self._lock:
@@ -259,7 +261,7 @@ class TieredStore:
                 hits.append(block)
             self._count(scope, "lookup_hit_blocks", len(hits))
             self._count(scope, "lookup_miss_blocks", len(keys) - len(hits))
-            lease = self._pin(hits, pin_ttl_s) if pin_ttl_s is not None and hits else None
+            lease = self._pin(hits, pin_ttl_s, owner) if pin_ttl_s is not None and hits else None
             return LookupResult(len(hits), tuple(tiers), lease)
 
     def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
@@ -451,22 +453,24 @@ class TieredStore:
 
     # ----------------------------------------------------------------- leases
 
-    def pin(self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None) -> Lease:
+    def pin(
+        self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
+    ) -> Lease:
         """Pin present blocks among ``keys`` until release or ``ttl_s`` (default from config)."""
         _check_keys(keys)
         with self._lock:
             self._expire_leases()
             present = [b for b in (self._visible((scope, k)) for k in keys) if b is not None]
-            return self._pin(present, ttl_s if ttl_s is not None else self.config.lease_ttl_s)
+            return self._pin(present, ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, owner: str = "") -> None:
         with self._lock:
             self._expire_leases()
-            for block in self.leases.release(lease_id):
+            for block in self.leases.release(lease_id, owner):
                 self._unpin(block)
 
-    def _pin(self, blocks: Sequence[_Block], ttl_s: float | None) -> Lease:
-        lease = self.leases.grant(blocks, ttl_s if ttl_s is not None else self.config.lease_ttl_s)
+    def _pin(self, blocks: Sequence[_Block], ttl_s: float | None, owner: str = "") -> Lease:
+        lease = self.leases.grant(blocks, ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner)
         for block in blocks:
             block.pins += 1
         return lease
@@ -505,7 +509,9 @@ class TieredStore:
         assert isinstance(tier, DramTier)
         return self._arena_index, tier
 
-    def resolve(self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None) -> Resolved:
+    def resolve(
+        self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
+    ) -> Resolved:
         """Pin the present prefix and make sure each block has an arena copy to read in place."""
         _check_keys(keys)
         a, arena = self._require_arena()
@@ -526,7 +532,7 @@ class TieredStore:
                 self._unpin(block)
             self._count(scope, "lookup_hit_blocks", len(blocks))
             self._count(scope, "lookup_miss_blocks", len(keys) - len(blocks))
-            lease = self._pin(blocks, ttl_s) if blocks else None
+            lease = self._pin(blocks, ttl_s, owner) if blocks else None
             slots = []
             for block in blocks:
                 slot = arena.locate(block.tkey)
@@ -564,6 +570,7 @@ class TieredStore:
         sizes: Sequence[int],
         parent: BlockKey | None = None,
         ttl_s: float | None = None,
+        owner: str = "",
     ) -> Reservation:
         """Arena slots for the new blocks of a chain; see the module docstring."""
         _check_keys(keys)
@@ -597,16 +604,16 @@ class TieredStore:
                 scope, tuple(keys), tuple(slots), parent, self._depth_after(scope, parent), pinned_parent
             )
             lease = self._reservations.grant(
-                [pending], ttl_s if ttl_s is not None else self.config.lease_ttl_s
+                [pending], ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner
             )
             return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
 
-    def commit(self, reservation_id: int) -> int:
+    def commit(self, reservation_id: int, owner: str = "") -> int:
         """Publish a reservation's written slots as blocks; how many were stored."""
         a, arena = self._require_arena()
         with self._lock:
             self._expire_leases()
-            (pending,) = self._reservations.release(reservation_id)
+            (pending,) = self._reservations.release(reservation_id, owner)
             stored = 0
             prev = pending.parent
             for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
@@ -641,11 +648,11 @@ class TieredStore:
                 self._unpin(pending.pinned_parent)
             return stored
 
-    def abort(self, reservation_id: int) -> None:
+    def abort(self, reservation_id: int, owner: str = "") -> None:
         """Give back a reservation's slots without storing anything."""
         with self._lock:
             self._expire_leases()
-            (pending,) = self._reservations.release(reservation_id)
+            (pending,) = self._reservations.release(reservation_id, owner)
             self._abort_pending(pending)
 
     def _abort_pending(self, pending: _Pending) -> None:

@@ -1,0 +1,350 @@
+"""The kvstore client: for users, scripts, tests and engine plugins.
+
+    with connect("unix:///run/kvstore/kvstore.sock") as kv:     # or connect("host:port", token=...)
+        kv.put(fingerprint, keys, blocks)                      # remote path (Put stream)
+        n = kv.lookup(fingerprint, keys)                       # length of the present prefix
+        blocks = kv.get(fingerprint, keys)                     # the present prefix's bytes
+
+Same-host calls (Unix socket only) move no bytes through the service: ``resolve`` returns views
+of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
+write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases.
+
+Fingerprints and keys are 32-byte ``bytes``. Every failure raises a ``kvstore.errors`` class
+mirroring the gRPC status code. A Client is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore.errors import FailedPrecondition, KvStoreError, Unavailable, error_for_status
+from kvstore.frames import decode_frame, encode_frame
+from kvstore.keys import Fingerprint, ModelIdentity
+from proto import kvstore_pb2 as pb
+from tiers.dram import Arena
+
+_TIER_NAME = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
+_MAX_MESSAGE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Lookup:
+    hit_blocks: int
+    tiers: tuple[str, ...]
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class ResolvedBlocks:
+    """Arena views of the present prefix; valid until ``release(lease_id)``."""
+
+    views: list[memoryview]
+    tiers: tuple[str, ...]
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """Arena views to fill (None: nothing to write for that key), then ``commit``."""
+
+    views: list[memoryview | None]
+    reservation_id: int
+
+
+class Client:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._arena: Arena | None = None
+        self._arena_lock = threading.Lock()
+        self._unary: dict[str, Any] = {}
+        self._get = self._channel.unary_stream(
+            "/kvstore.v1.KvStore/Get", request_serializer=pb.GetRequest.SerializeToString
+        )
+        self._put = self._channel.stream_unary(
+            "/kvstore.v1.KvStore/Put", response_deserializer=pb.PutResponse.FromString
+        )
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        stub = self._unary.get(method)
+        if stub is None:
+            stub = self._channel.unary_unary(
+                f"/kvstore.v1.KvStore/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=response_type.FromString,
+            )
+            self._unary[method] = stub
+        try:
+            return stub(request, metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _translate(exc) from None
+
+    # ----------------------------------------------------------------- control
+
+    def register(self, identity: ModelIdentity) -> Fingerprint:
+        """Tell the server the model's layout; returns its fingerprint. Blocks stored under it
+        must then be exactly ``identity.block_bytes`` long."""
+        message = pb.ModelIdentity(**{k: v for k, v in identity.__dict__.items()})
+        response = self._call("Register", pb.RegisterRequest(identity=message), pb.RegisterResponse)
+        return Fingerprint(response.fingerprint)
+
+    def lookup(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> int:
+        """Length of the present prefix of ``keys``."""
+        return self.lookup_tiers(fingerprint, keys, scope=scope).hit_blocks
+
+    def lookup_tiers(
+        self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0, scope: str = ""
+    ) -> Lookup:
+        """The present prefix with the tier of each hit; ``pin_ttl_s`` > 0 pins it under a lease."""
+        r = self._call(
+            "Lookup",
+            pb.LookupRequest(fingerprint=fingerprint, keys=list(keys), pin_ttl_s=pin_ttl_s, scope=scope),
+            pb.LookupResponse,
+        )
+        return Lookup(r.hit_blocks, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
+
+    def exists(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bool]:
+        r = self._call(
+            "Exists",
+            pb.ExistsRequest(fingerprint=fingerprint, keys=list(keys), scope=scope),
+            pb.ExistsResponse,
+        )
+        return list(r.present)
+
+    def delete(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> int:
+        r = self._call(
+            "Delete",
+            pb.DeleteRequest(fingerprint=fingerprint, keys=list(keys), scope=scope),
+            pb.DeleteResponse,
+        )
+        return int(r.deleted)
+
+    def invalidate(
+        self, fingerprint: bytes | None = None, *, tenant: str = "", everything: bool = False
+    ) -> int:
+        """Remove every block of ``fingerprint``, or ``everything``; of the caller's tenant unless
+        ``tenant`` names another (``"*"``: all tenants), which needs an admin tenant."""
+        if (fingerprint is None) == (not everything):
+            raise KvStoreError("invalidate takes a fingerprint or everything=True, not both")
+        request = (
+            pb.InvalidateRequest(fingerprint=fingerprint, tenant=tenant)
+            if fingerprint is not None
+            else pb.InvalidateRequest(everything=True, tenant=tenant)
+        )
+        return int(self._call("Invalidate", request, pb.InvalidateResponse).removed)
+
+    def stats(self) -> dict[str, Any]:
+        r = self._call("Stats", pb.StatsRequest(), pb.StatsResponse)
+        return {
+            "tenant": r.tenant,
+            "tiers": [
+                {
+                    "name": t.name,
+                    "capacity_bytes": t.capacity_bytes,
+                    "used_bytes": t.used_bytes,
+                    "blocks": t.blocks,
+                    "checksum_failures": t.checksum_failures,
+                    "stored_bytes": t.stored_bytes,
+                }
+                for t in r.tiers
+            ],
+            "counters": dict(r.counters),
+            "tenant_bytes": dict(r.tenant_bytes),
+            "absent_tiers": list(r.absent_tiers),
+            "blocks": r.blocks,
+            "leases": r.leases,
+        }
+
+    def release(self, lease_id: int) -> None:
+        self._call("Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse)
+
+    # ----------------------------------------------------------------- remote data plane
+
+    def put(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        blocks: Sequence[bytes | bytearray | memoryview],
+        parent: bytes | None = None,
+        scope: str = "",
+    ) -> int:
+        """Store a chain over the Put stream; how many blocks were new."""
+        if len(keys) != len(blocks):
+            raise KvStoreError(f"{len(keys)} keys but {len(blocks)} blocks")
+        if not keys:
+            return 0
+
+        def frames() -> Iterator[bytes]:
+            for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+                if i == 0:
+                    yield encode_frame(key, block, fingerprint, parent or b"", scope)
+                else:
+                    yield encode_frame(key, block)
+
+        try:
+            response = self._put(frames(), metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _translate(exc) from None
+        return int(response.stored)
+
+    def _stream(self, fingerprint: bytes, keys: Sequence[bytes], scope: str) -> Iterator[memoryview]:
+        request = pb.GetRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
+        try:
+            for message in self._get(request, metadata=self._metadata, timeout=self.timeout_s):
+                yield decode_frame(message).payload
+        except grpc.RpcError as exc:
+            raise _translate(exc) from None
+
+    def get(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bytes]:
+        """The bytes of the present prefix of ``keys`` (shorter than ``keys`` at the first miss)."""
+        return [bytes(payload) for payload in self._stream(fingerprint, keys, scope)]
+
+    def get_into(
+        self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
+    ) -> int:
+        """Copy the present prefix into ``outs``; how many blocks were copied."""
+        n = 0
+        for payload, out in zip(self._stream(fingerprint, keys, scope), outs, strict=False):
+            _copy(out, payload)
+            n += 1
+        return n
+
+    # ----------------------------------------------------------------- same host
+
+    def attach(self) -> Arena:
+        """Map the server's arena (once per client)."""
+        with self._arena_lock:
+            if self._arena is None:
+                if not self.address.startswith("unix:"):
+                    raise FailedPrecondition("the arena is for same-host clients on the Unix socket")
+                r = self._call("Attach", pb.AttachRequest(), pb.AttachResponse)
+                self._arena = Arena.attach(r.arena_name)
+            return self._arena
+
+    def resolve(
+        self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float = 30.0, scope: str = ""
+    ) -> ResolvedBlocks:
+        arena = self.attach()
+        r = self._call(
+            "Resolve",
+            pb.ResolveRequest(fingerprint=fingerprint, keys=list(keys), ttl_s=ttl_s, scope=scope),
+            pb.ResolveResponse,
+        )
+        views = [arena.view[s.offset : s.offset + s.size_bytes] for s in r.slots]
+        return ResolvedBlocks(views, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
+
+    def read_into(
+        self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
+    ) -> int:
+        """Restore the present prefix into ``outs`` straight from the arena; blocks copied."""
+        resolved = self.resolve(fingerprint, keys, scope=scope)
+        try:
+            for view, out in zip(resolved.views, outs, strict=False):
+                _copy(out, view)
+        finally:
+            if resolved.lease_id:
+                self.release(resolved.lease_id)
+        return len(resolved.views)
+
+    def reserve(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None = None,
+        ttl_s: float = 30.0,
+        scope: str = "",
+    ) -> PendingWrite:
+        arena = self.attach()
+        r = self._call(
+            "Reserve",
+            pb.ReserveRequest(
+                fingerprint=fingerprint,
+                keys=list(keys),
+                sizes=list(sizes),
+                parent=parent or b"",
+                ttl_s=ttl_s,
+                scope=scope,
+            ),
+            pb.ReserveResponse,
+        )
+        views = [arena.view[s.offset : s.offset + s.size_bytes] if s.present else None for s in r.slots]
+        return PendingWrite(views, r.reservation_id)
+
+    def commit(self, reservation_id: int) -> int:
+        return int(
+            self._call("Commit", pb.CommitRequest(reservation_id=reservation_id), pb.CommitResponse).stored
+        )
+
+    def abort(self, reservation_id: int) -> None:
+        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id), pb.AbortResponse)
+
+    def write(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        blocks: Sequence[bytes | bytearray | memoryview],
+        parent: bytes | None = None,
+        scope: str = "",
+    ) -> int:
+        """Store a chain by writing the arena in place; how many blocks were new."""
+        pending = self.reserve(fingerprint, keys, [len(b) for b in blocks], parent=parent, scope=scope)
+        try:
+            for view, block in zip(pending.views, blocks, strict=True):
+                if view is not None:
+                    _copy(view, block)
+        except BaseException:
+            self.abort(pending.reservation_id)
+            raise
+        return self.commit(pending.reservation_id)
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        with self._arena_lock:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: str, token: str | None = None, timeout_s: float = 30.0) -> Client:
+    """A client for ``unix:///path/to/socket`` (same host) or ``host:port`` (remote)."""
+    if not address:
+        raise KvStoreError("empty address")
+    return Client(address, token, timeout_s)
+
+
+def _copy(dst: memoryview | bytearray, src: bytes | bytearray | memoryview) -> None:
+    # numpy releases the GIL for the copy, so other client threads keep going meanwhile
+    np.copyto(np.frombuffer(dst, dtype=np.uint8)[: len(src)], np.frombuffer(src, dtype=np.uint8))
+
+
+def _translate(exc: grpc.RpcError) -> KvStoreError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code is None:
+        return Unavailable(str(exc))
+    return error_for_status(code.name, details or code.name)

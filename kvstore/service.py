@@ -1,0 +1,406 @@
+"""The gRPC servicer of ``kvstore.v1.KvStore`` over a tiered store.
+
+Every RPC goes through ``_serve``: refuse while draining (UNAVAILABLE), authenticate the caller,
+time the call, and translate a ``KvStoreError`` into its status code — the one place errors
+become status codes. A request can only reach its own tenant's namespace or a shared scope
+granted to it (``kvstore.auth``); lease and reservation ids are owned by the tenant that got
+them.
+
+The Get and Put streams carry hand-written frames (``kvstore.frames``): Get serves blocks
+straight out of the arena slots it pinned, Put hands received payloads to the store without
+decoding them through protobuf.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from kvstore.auth import Authenticator, Caller
+from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, PermissionDenied, Unavailable
+from kvstore.frames import decode_frame, encode_frame
+from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
+from kvstore.metrics import Metrics
+from kvstore.store import Scope, TieredStore
+from proto import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvstore.v1.KvStore"
+TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME}
+GET_BATCH_BLOCKS = 32  # pinned and copied out per step of a Get stream
+PUT_BATCH_BYTES = 32 << 20  # handed to the store per step of a Put stream
+STREAM_LEASE_S = 60.0
+
+R = TypeVar("R")
+
+
+def _abort(context: grpc.ServicerContext, exc: KvStoreError) -> NoReturn:
+    context.abort(grpc.StatusCode[exc.status_code_name], str(exc))
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+class KvStoreService:
+    def __init__(self, store: TieredStore, auth: Authenticator, metrics: Metrics | None = None) -> None:
+        self.store = store
+        self.auth = auth
+        self.metrics = metrics
+        self.draining = threading.Event()
+        self._models: dict[bytes, ModelIdentity] = {}
+        self._models_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _serve(self, method: str, context: grpc.ServicerContext, body: Callable[[Caller], R]) -> R:
+        start = time.perf_counter()
+        try:
+            if self.draining.is_set():
+                raise Unavailable("the server is draining; retry on another replica or after restart")
+            caller = self.auth.caller(context.invocation_metadata(), context.peer())
+            return body(caller)
+        except KvStoreError as exc:
+            _abort(context, exc)
+        finally:
+            if self.metrics is not None:
+                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
+
+    def _scope(self, caller: Caller, fingerprint: bytes, scope: str) -> Scope:
+        return Scope(self.auth.namespace(caller, scope), Fingerprint(fingerprint))
+
+    def _check_sizes(self, fingerprint: bytes, sizes: Iterable[int]) -> None:
+        identity = self._models.get(fingerprint)
+        if identity is None:
+            return
+        for size in sizes:
+            if size != identity.block_bytes:
+                raise InvalidArgument(
+                    f"block of {size} B does not match the layout registered for fingerprint "
+                    f"{fingerprint.hex()[:16]}: {identity.block_bytes} B per block"
+                )
+
+    def _tokens_per_block(self, fingerprint: bytes) -> int:
+        identity = self._models.get(fingerprint)
+        return identity.tokens_per_block if identity else 0
+
+    def _record_hits(self, caller: Caller, fingerprint: bytes, asked: int, tiers: Sequence[str]) -> None:
+        if self.metrics is not None:
+            tpb = self._tokens_per_block(fingerprint)
+            self.metrics.record_lookup(caller.tenant, len(tiers), asked - len(tiers), tiers, tpb)
+
+    # ----------------------------------------------------------------- control
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
+        def body(caller: Caller) -> pb.RegisterResponse:
+            i = request.identity
+            try:
+                identity = ModelIdentity(
+                    model_id=i.model_id,
+                    weights_digest=i.weights_digest,
+                    num_layers=i.num_layers,
+                    num_kv_heads=i.num_kv_heads,
+                    head_dim=i.head_dim,
+                    tokens_per_block=i.tokens_per_block,
+                    kv_dtype=i.kv_dtype or "bfloat16",
+                    kv_quantization=i.kv_quantization,
+                    memory_layout=i.memory_layout or "vllm-cpu",
+                    adapter_id=i.adapter_id,
+                    adapter_digest=i.adapter_digest,
+                    tokenizer_digest=i.tokenizer_digest,
+                    chat_template_version=i.chat_template_version,
+                    rope_theta=i.rope_theta or 10000.0,
+                    rope_scaling=i.rope_scaling,
+                    tp_rank=i.tp_rank,
+                    tp_world_size=i.tp_world_size or 1,
+                )
+            except ValueError as exc:
+                raise InvalidArgument(f"bad model identity: {exc}") from exc
+            fingerprint = identity.fingerprint()
+            with self._models_lock:
+                self._models[fingerprint] = identity
+            return pb.RegisterResponse(fingerprint=fingerprint, block_bytes=identity.block_bytes)
+
+        return self._serve("Register", context, body)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        def body(caller: Caller) -> pb.LookupResponse:
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            keys = [BlockKey(k) for k in request.keys]
+            ttl = request.pin_ttl_s if request.pin_ttl_s > 0 else None
+            result = self.store.lookup(scope, keys, pin_ttl_s=ttl, owner=caller.tenant)
+            self._record_hits(caller, request.fingerprint, len(keys), result.tiers)
+            return pb.LookupResponse(
+                hit_blocks=result.hit_blocks,
+                tiers=[TIER_ENUM[t] for t in result.tiers],
+                lease_id=result.lease.lease_id if result.lease else 0,
+                lease_ttl_s=ttl or 0.0,
+            )
+
+        return self._serve("Lookup", context, body)
+
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
+        def body(caller: Caller) -> pb.ExistsResponse:
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            return pb.ExistsResponse(present=self.store.exists(scope, [BlockKey(k) for k in request.keys]))
+
+        return self._serve("Exists", context, body)
+
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        def body(caller: Caller) -> pb.DeleteResponse:
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            return pb.DeleteResponse(deleted=self.store.delete(scope, [BlockKey(k) for k in request.keys]))
+
+        return self._serve("Delete", context, body)
+
+    def Invalidate(
+        self, request: pb.InvalidateRequest, context: grpc.ServicerContext
+    ) -> pb.InvalidateResponse:
+        def body(caller: Caller) -> pb.InvalidateResponse:
+            target = request.WhichOneof("target")
+            if target is None or (target == "everything" and not request.everything):
+                raise InvalidArgument("Invalidate needs a fingerprint or everything=true")
+            if request.tenant and request.tenant != caller.tenant and not caller.admin:
+                raise PermissionDenied(f"tenant {caller.tenant!r} may only invalidate its own blocks")
+            namespace: str | None
+            if request.tenant == "*":
+                namespace = None
+            else:
+                namespace = Caller(request.tenant or caller.tenant, False).namespace
+            fingerprint = Fingerprint(request.fingerprint) if target == "fingerprint" else None
+            if fingerprint is not None and len(fingerprint) != 32:
+                raise InvalidArgument(f"fingerprints are 32 bytes, got {len(fingerprint)}")
+            removed = self.store.invalidate(namespace=namespace, fingerprint=fingerprint)
+            log.warning(
+                "tenant %s invalidated %d blocks (target %s)", caller.tenant, removed, request.tenant or "own"
+            )
+            return pb.InvalidateResponse(removed=removed)
+
+        return self._serve("Invalidate", context, body)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        def body(caller: Caller) -> pb.StatsResponse:
+            stats = self.store.stats()
+            if caller.admin:
+                counters = dict(stats.counters)
+                tenant_bytes = dict(stats.namespace_bytes)
+            else:
+                counters = dict(stats.namespace_counters.get(caller.namespace, {}))
+                tenant_bytes = {caller.namespace: stats.namespace_bytes.get(caller.namespace, 0)}
+            return pb.StatsResponse(
+                tiers=[
+                    pb.TierStats(
+                        name=u.name,
+                        capacity_bytes=u.capacity_bytes,
+                        used_bytes=u.used_bytes,
+                        blocks=u.blocks,
+                        checksum_failures=u.checksum_failures,
+                        stored_bytes=u.stored_bytes,
+                    )
+                    for u in stats.tiers
+                ],
+                counters={k: v for k, v in counters.items() if v >= 0},
+                tenant_bytes=tenant_bytes,
+                absent_tiers=list(stats.absent_tiers),
+                blocks=stats.blocks if caller.admin else len(tenant_bytes),
+                leases=stats.leases,
+                tenant=caller.tenant,
+            )
+
+        return self._serve("Stats", context, body)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        def body(caller: Caller) -> pb.ReleaseResponse:
+            self.store.release(request.lease_id, owner=caller.tenant)
+            return pb.ReleaseResponse()
+
+        return self._serve("Release", context, body)
+
+    # ----------------------------------------------------------------- same host
+
+    def _arena(self) -> Any:
+        arena = self.store.arena
+        if arena is None:
+            raise FailedPrecondition("this server has no dram arena; use Get and Put")
+        return arena
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        def body(caller: Caller) -> pb.AttachResponse:
+            if not context.peer().startswith("unix:"):
+                raise FailedPrecondition(
+                    "Attach is for same-host clients on the Unix socket; use Get and Put"
+                )
+            arena = self._arena()
+            return pb.AttachResponse(
+                arena_name=arena.arena.name, arena_bytes=arena.arena.size_bytes, pinned=arena.pinned
+            )
+
+        return self._serve("Attach", context, body)
+
+    def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.ResolveResponse:
+        def body(caller: Caller) -> pb.ResolveResponse:
+            start = time.perf_counter()
+            self._arena()
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            keys = [BlockKey(k) for k in request.keys]
+            resolved = self.store.resolve(scope, keys, request.ttl_s or None, owner=caller.tenant)
+            self._record_hits(caller, request.fingerprint, len(keys), resolved.tiers)
+            if self.metrics is not None:
+                self.metrics.restore_seconds.labels("resolve").observe(time.perf_counter() - start)
+            return pb.ResolveResponse(
+                slots=[
+                    pb.Slot(offset=s.offset, size_bytes=s.size_bytes, present=True) for s in resolved.slots
+                ],
+                tiers=[TIER_ENUM[t] for t in resolved.tiers],
+                lease_id=resolved.lease.lease_id if resolved.lease else 0,
+            )
+
+        return self._serve("Resolve", context, body)
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        def body(caller: Caller) -> pb.ReserveResponse:
+            self._arena()
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            self._check_sizes(request.fingerprint, request.sizes)
+            reservation = self.store.reserve(
+                scope,
+                [BlockKey(k) for k in request.keys],
+                list(request.sizes),
+                parent=BlockKey(request.parent) if request.parent else None,
+                ttl_s=request.ttl_s or None,
+                owner=caller.tenant,
+            )
+            return pb.ReserveResponse(
+                reservation_id=reservation.reservation_id,
+                slots=[
+                    pb.Slot(offset=s.offset, size_bytes=s.size_bytes, present=True) if s else pb.Slot()
+                    for s in reservation.slots
+                ],
+            )
+
+        return self._serve("Reserve", context, body)
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        def body(caller: Caller) -> pb.CommitResponse:
+            start = time.perf_counter()
+            stored = self.store.commit(request.reservation_id, owner=caller.tenant)
+            if self.metrics is not None:
+                self.metrics.store_seconds.labels("commit").observe(time.perf_counter() - start)
+            return pb.CommitResponse(stored=stored)
+
+        return self._serve("Commit", context, body)
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        def body(caller: Caller) -> pb.AbortResponse:
+            self.store.abort(request.reservation_id, owner=caller.tenant)
+            return pb.AbortResponse()
+
+        return self._serve("Abort", context, body)
+
+    # ----------------------------------------------------------------- remote streams
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Frames of the present prefix of ``keys``, in order. Each step pins a batch, copies it
+        into frames and releases it before yielding, so a slow reader never holds a pin."""
+        start_s = time.perf_counter()
+        keys = [BlockKey(k) for k in request.keys]
+        served: list[str] = []
+        tenant = ""
+        first = 0
+        while first < len(keys):
+            batch_keys = keys[first : first + GET_BATCH_BLOCKS]
+
+            def step(caller: Caller, batch_keys: list[BlockKey] = batch_keys) -> list[bytes]:
+                nonlocal tenant
+                tenant = caller.tenant
+                arena = self._arena()
+                scope = self._scope(caller, request.fingerprint, request.scope)
+                resolved = self.store.resolve(scope, batch_keys, STREAM_LEASE_S, owner=caller.tenant)
+                try:
+                    frames = [
+                        encode_frame(key, arena.arena.view[s.offset : s.offset + s.size_bytes])
+                        for key, s in zip(batch_keys, resolved.slots, strict=False)
+                    ]
+                finally:
+                    if resolved.lease is not None:
+                        self.store.release(resolved.lease.lease_id, owner=caller.tenant)
+                served.extend(resolved.tiers)
+                return frames
+
+            frames = self._serve("Get", context, step)
+            yield from frames
+            if len(frames) < len(batch_keys):
+                break
+            first += GET_BATCH_BLOCKS
+        if self.metrics is not None and tenant:
+            tpb = self._tokens_per_block(request.fingerprint)
+            self.metrics.record_lookup(tenant, len(served), len(keys) - len(served), served, tpb)
+            self.metrics.restore_seconds.labels("get").observe(time.perf_counter() - start_s)
+
+    def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
+        def body(caller: Caller) -> pb.PutResponse:
+            start = time.perf_counter()
+            scope: Scope | None = None
+            parent: BlockKey | None = None
+            keys: list[BlockKey] = []
+            blocks: list[memoryview] = []
+            pending_bytes = received = stored = 0
+            for raw in request_iterator:
+                frame = decode_frame(raw)
+                if scope is None:
+                    if not frame.fingerprint:
+                        raise InvalidArgument("the first frame of a Put stream must carry the fingerprint")
+                    scope = self._scope(caller, frame.fingerprint, frame.scope)
+                    parent = BlockKey(frame.parent) if frame.parent else None
+                self._check_sizes(scope.fingerprint, [len(frame.payload)])
+                keys.append(BlockKey(frame.key))
+                blocks.append(frame.payload)
+                received += 1
+                pending_bytes += len(frame.payload)
+                if pending_bytes >= PUT_BATCH_BYTES:
+                    stored += self.store.put(scope, keys, blocks, parent=parent)
+                    parent, keys, blocks, pending_bytes = keys[-1], [], [], 0
+            if scope is not None and keys:
+                stored += self.store.put(scope, keys, blocks, parent=parent)
+            if self.metrics is not None:
+                self.metrics.store_seconds.labels("put").observe(time.perf_counter() - start)
+            return pb.PutResponse(stored=stored, received=received)
+
+        return self._serve("Put", context, body)
+
+    # ----------------------------------------------------------------- registration
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Any, request_type: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request_type.FromString, response_serializer=_serialize
+            )
+
+        methods = {
+            "Register": unary(self.Register, pb.RegisterRequest),
+            "Lookup": unary(self.Lookup, pb.LookupRequest),
+            "Exists": unary(self.Exists, pb.ExistsRequest),
+            "Delete": unary(self.Delete, pb.DeleteRequest),
+            "Invalidate": unary(self.Invalidate, pb.InvalidateRequest),
+            "Stats": unary(self.Stats, pb.StatsRequest),
+            "Release": unary(self.Release, pb.ReleaseRequest),
+            "Attach": unary(self.Attach, pb.AttachRequest),
+            "Resolve": unary(self.Resolve, pb.ResolveRequest),
+            "Reserve": unary(self.Reserve, pb.ReserveRequest),
+            "Commit": unary(self.Commit, pb.CommitRequest),
+            "Abort": unary(self.Abort, pb.AbortRequest),
+            # Frames are bytes already: no (de)serializer touches block payloads.
+            "Get": grpc.unary_stream_rpc_method_handler(
+                self.Get, request_deserializer=pb.GetRequest.FromString
+            ),
+            "Put": grpc.stream_unary_rpc_method_handler(self.Put, response_serializer=_serialize),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
