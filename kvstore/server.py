@@ -10,6 +10,7 @@ process exits 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.auth import Authenticator
+from kvstore.auth import Authenticator, tenant_namespace
 from kvstore.builder import open_store
 from kvstore.config import Settings
 from kvstore.metrics import Metrics
@@ -72,6 +73,9 @@ class RunningServer:
 def start_server(settings: Settings) -> RunningServer:
     """Open the store and start listening; returns once requests can be served."""
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    # Quotas are configured per tenant; the store keeps them per namespace.
+    quotas = {tenant_namespace(tenant): nbytes for tenant, nbytes in settings.store.quota_bytes.items()}
+    settings = dataclasses.replace(settings, store=dataclasses.replace(settings.store, quota_bytes=quotas))
     store = open_store(settings)
     for line in store.absent_tiers:
         log.warning("tier absent: %s", line)

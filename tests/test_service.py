@@ -1,0 +1,227 @@
+"""The service through real gRPC on 127.0.0.1 and a Unix socket: both data planes byte for
+byte, tenancy, the status code of every bad request, health, reflection, metrics."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvstore.client import connect
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LeaseExpired,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from kvstore.frames import encode_frame
+from kvstore.keys import BlockKey, block_keys
+from tests.service_fixtures import BLOCK, MODEL, Served, served
+
+__all__ = ["served"]
+
+
+def chain(n: int, salt: str = "s", start: int = 0) -> list[BlockKey]:
+    return block_keys(MODEL.fingerprint(), list(range(start, start + n * 16)), 16, cache_salt=salt)
+
+
+def blocks_for(keys: list[BlockKey]) -> list[bytes]:
+    return [os.urandom(BLOCK) for _ in keys]
+
+
+def test_same_host_write_then_read_in_place(served: Served) -> None:
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(8)
+        blocks = blocks_for(keys)
+        assert kv.write(fp, keys, blocks) == 8
+        assert kv.lookup(fp, keys) == 8
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 8
+        assert [bytes(o) for o in outs] == blocks
+        assert kv.write(fp, keys, blocks) == 0  # already there
+
+
+def test_remote_put_and_get_over_tcp(served: Served) -> None:
+    with connect(served.tcp, token="tok-a") as kv:
+        fp = kv.register(MODEL)
+        keys = chain(6)
+        blocks = blocks_for(keys)
+        assert kv.put(fp, keys, blocks) == 6
+        assert kv.get(fp, keys) == blocks
+        assert kv.get(fp, [*keys[:3], chain(1, "other")[0], keys[4]]) == blocks[:3]  # prefix only
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.get_into(fp, keys, outs) == 6
+        assert [bytes(o) for o in outs] == blocks
+
+
+def test_blocks_promoted_from_nvme_read_back_exactly(served: Served) -> None:
+    with connect(served.tcp, token="tok-a") as kv, connect(served.unix) as local:
+        fp = kv.register(MODEL)
+        keys = chain(150)  # more than the 64-block arena: the tail goes to nvme
+        blocks = blocks_for(keys)
+        assert kv.put(fp, keys, blocks) == 150
+        tiers = kv.lookup_tiers(fp, keys).tiers
+        assert "nvme" in tiers
+        assert kv.get(fp, keys) == blocks
+        local.register(MODEL)
+        lkeys = chain(100, salt="local")
+        lblocks = blocks_for(lkeys)
+        local.write(fp, lkeys[:60], lblocks[:60])
+        local.put(fp, lkeys[60:], lblocks[60:], parent=lkeys[59])
+        # A restore reads from the head, and no more than the 64-block arena can pin at once.
+        outs = [memoryview(bytearray(BLOCK)) for _ in lkeys]
+        assert local.read_into(fp, lkeys, outs) == 64
+        assert [bytes(o) for o in outs[:64]] == lblocks[:64]
+
+
+def test_tcp_needs_a_valid_token(served: Served) -> None:
+    keys = chain(1)
+    with connect(served.tcp) as anonymous, pytest.raises(Unauthenticated):
+        anonymous.lookup(MODEL.fingerprint(), keys)
+    with connect(served.tcp, token="wrong") as bad, pytest.raises(Unauthenticated):
+        bad.lookup(MODEL.fingerprint(), keys)
+
+
+def test_tenants_cannot_reach_each_others_blocks(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(4)
+    blocks = blocks_for(keys)
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-b") as b:
+        a.put(fp, keys, blocks)
+        assert b.lookup(fp, keys) == 0
+        assert b.exists(fp, keys) == [False] * 4
+        assert b.get(fp, keys) == []
+        assert b.delete(fp, keys) == 0
+        assert b.invalidate(fp) == 0
+        with pytest.raises(PermissionDenied):
+            b.invalidate(fp, tenant="tenant-a")
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=30).lease_id
+        with pytest.raises(NotFound):
+            b.release(lease)  # not b's lease: indistinguishable from none
+        a.release(lease)
+        b_blocks = blocks_for(keys)
+        b.put(fp, keys, b_blocks)  # same keys, b's own copy
+        assert a.get(fp, keys) == blocks
+        assert b.get(fp, keys) == b_blocks
+
+
+def test_shared_scope_is_shared_only_with_grantees(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(3, salt="public-prompt")
+    blocks = blocks_for(keys)
+    with (
+        connect(served.tcp, token="tok-a") as a,
+        connect(served.tcp, token="tok-b") as b,
+        connect(served.tcp, token="tok-c") as c,
+    ):
+        a.put(fp, keys, blocks, scope="public")
+        assert b.get(fp, keys, scope="public") == blocks
+        assert b.lookup(fp, keys) == 0  # not in b's own namespace
+        with pytest.raises(PermissionDenied):
+            c.lookup(fp, keys, scope="public")
+
+
+def test_invalidate_own_and_admin_everything(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(2)
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-ops") as ops:
+        a.put(fp, keys, blocks_for(keys))
+        assert a.invalidate(fp) == 2
+        a.put(fp, keys, blocks_for(keys))
+        assert ops.invalidate(everything=True, tenant="*") >= 2
+        assert a.lookup(fp, keys) == 0
+
+
+def test_bad_requests_get_actionable_codes(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(2)
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-c") as c:
+        a.register(MODEL)
+        with pytest.raises(InvalidArgument, match="32 bytes"):
+            a.lookup(fp, [b"short"])
+        with pytest.raises(InvalidArgument, match="32 bytes"):
+            a.lookup(b"\x00" * 31, keys)
+        with pytest.raises(InvalidArgument, match="layout"):
+            a.put(fp, keys[:1], [b"x" * (BLOCK - 1)])
+        with pytest.raises(NotFound):
+            a.release(987654)
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=30).lease_id
+        assert lease == 0  # nothing hit, nothing pinned
+        a.put(fp, keys, blocks_for(keys))
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=30).lease_id
+        a.release(lease)
+        with pytest.raises(NotFound):
+            a.release(lease)  # double release
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=0.05).lease_id
+        import time
+
+        time.sleep(0.1)
+        a.lookup(fp, keys)  # any call collects expired leases
+        with pytest.raises(LeaseExpired):
+            a.release(lease)
+        with pytest.raises(ResourceExhausted, match="quota"):
+            c.put(fp, chain(5, "c"), blocks_for(chain(5, "c")))
+        with pytest.raises(NotFound):
+            a.commit(424242)
+        with pytest.raises(FailedPrecondition):
+            a.attach()  # the arena is for the Unix socket
+
+
+def test_oversized_and_malformed_frames(served: Served) -> None:
+    channel = grpc.insecure_channel(served.tcp)
+    put = channel.stream_unary("/kvstore.v1.KvStore/Put")
+    meta = (("authorization", "Bearer tok-a"),)
+    with pytest.raises(grpc.RpcError) as info:
+        put(iter([encode_frame(b"k" * 32, b"x" * (5 << 20), MODEL.fingerprint())]), metadata=meta)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:
+        put(iter([b"\x0a\xff\xff"]), metadata=meta)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        put(iter([encode_frame(b"k" * 32, b"x")]), metadata=meta)  # no fingerprint on frame 1
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+
+
+def test_draining_server_refuses_new_requests(served: Served) -> None:
+    served.server.service.draining.set()
+    with connect(served.unix) as kv, pytest.raises(Unavailable, match="draining"):
+        kv.lookup(MODEL.fingerprint(), chain(1))
+    served.server.service.draining.clear()
+
+
+def test_health_and_reflection(served: Served) -> None:
+    channel = grpc.insecure_channel(served.tcp)
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KvStore"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "kvstore.v1.KvStore" in names
+    channel.close()
+
+
+def test_metrics_count_tokens_by_tenant_and_tier(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(4)
+    with connect(served.tcp, token="tok-a") as a:
+        a.register(MODEL)
+        a.put(fp, keys, blocks_for(keys))
+        a.lookup(fp, [*keys, *chain(2, "miss")])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{served.server.metrics_port}/metrics").read().decode()
+    assert 'kvstore_lookup_tokens_total{result="hit",tenant="tenant-a"} 64.0' in text
+    assert 'kvstore_lookup_tokens_total{result="miss",tenant="tenant-a"} 32.0' in text
+    assert 'kvstore_hit_tokens_total{tenant="tenant-a",tier="dram"} 64.0' in text
+    assert 'kvstore_tier_used_bytes{tier="dram"}' in text
+    assert "kvstore_request_seconds_bucket" in text
+    assert "kvstore_checksum_failures_total 0.0" in text
