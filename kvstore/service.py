@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.auth import Authenticator, Caller
 from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, PermissionDenied, Unavailable
@@ -376,7 +377,9 @@ class KvStoreService:
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Any, request_type: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=request_type.FromString, response_serializer=_serialize
+                _refuse_malformed(fn),
+                request_deserializer=_parser(request_type),
+                response_serializer=_serialize,
             )
 
         methods = {
@@ -394,7 +397,7 @@ class KvStoreService:
             "Abort": unary(self.Abort, pb.AbortRequest),
             # Frames are bytes already: no (de)serializer touches block payloads.
             "Get": grpc.unary_stream_rpc_method_handler(
-                self.Get, request_deserializer=pb.GetRequest.FromString
+                _refuse_malformed(self.Get), request_deserializer=_parser(pb.GetRequest)
             ),
             "Put": grpc.stream_unary_rpc_method_handler(self.Put, response_serializer=_serialize),
         }
@@ -404,3 +407,32 @@ class KvStoreService:
 def _serialize(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
     return data
+
+
+class _Malformed:
+    """Stands in for a request protobuf could not parse, so it is refused as INVALID_ARGUMENT
+    (gRPC itself would answer INTERNAL)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(request_type: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return request_type.FromString(raw)
+        except DecodeError as exc:
+            return _Malformed(f"malformed {request_type.DESCRIPTOR.name}: {exc}")
+
+    return parse
+
+
+def _refuse_malformed(
+    fn: Callable[[Any, grpc.ServicerContext], R],
+) -> Callable[[Any, grpc.ServicerContext], R]:
+    def handle(request: Any, context: grpc.ServicerContext) -> R:
+        if isinstance(request, _Malformed):
+            _abort(context, InvalidArgument(request.reason))
+        return fn(request, context)
+
+    return handle

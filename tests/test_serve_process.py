@@ -1,0 +1,125 @@
+"""`kvstore serve` as a process: it drains on SIGTERM and exits 0 with nvme flushed, the cache
+survives the restart, and `kvstore stats` / `kvstore invalidate` talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import connect
+from kvstore.errors import Unavailable
+from kvstore.keys import block_keys
+from tests.service_fixtures import MODEL
+
+BLOCK = MODEL.block_bytes
+
+
+def _serve(data_dir: str) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.cli",
+        "serve",
+        "--data-dir",
+        data_dir,
+        "--set",
+        "dram.capacity_bytes=4MiB",
+        "--set",
+        "dram.page_bytes=1MiB",
+        "--set",
+        "dram.prefault=false",
+        "--set",
+        "nvme.capacity_bytes=64MiB",
+        "--set",
+        "server.metrics_address=",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    socket = Path(data_dir) / "kvstore.sock"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if socket.exists():
+            try:
+                with connect(f"unix://{socket}", timeout_s=2) as kv:
+                    kv.stats()
+                return proc
+            except Unavailable:
+                pass
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited early: {proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("serve did not come up in 30 s")
+
+
+@pytest.fixture
+def data_dir() -> Iterator[str]:
+    folder = tempfile.mkdtemp(prefix="kvp-", dir="/tmp")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _cli(data_dir: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args, "--data-dir", data_dir],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_sigterm_drains_flushes_and_the_cache_survives(data_dir: str) -> None:
+    proc = _serve(data_dir)
+    address = f"unix://{data_dir}/kvstore.sock"
+    keys = block_keys(MODEL.fingerprint(), list(range(16 * 40)), 16)
+    blocks = [os.urandom(BLOCK) for _ in keys]
+    with connect(address) as kv:
+        fp = kv.register(MODEL)
+        assert kv.write(fp, keys, blocks) == 40
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not Path(data_dir, "kvstore.sock").exists()
+    proc = _serve(data_dir)
+    try:
+        with connect(address) as kv:
+            assert kv.lookup(fp, keys) == 40
+            assert kv.get(fp, keys) == blocks
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_stats_and_invalidate_commands(data_dir: str) -> None:
+    proc = _serve(data_dir)
+    try:
+        keys = block_keys(MODEL.fingerprint(), list(range(16 * 3)), 16)
+        with connect(f"unix://{data_dir}/kvstore.sock") as kv:
+            fp = kv.register(MODEL)
+            kv.put(fp, keys, [os.urandom(BLOCK) for _ in keys])
+        stats = json.loads(_cli(data_dir, "stats", "--json").stdout)
+        assert stats["tenant"] == "local"
+        assert [t["name"] for t in stats["tiers"]] == ["dram", "nvme"]
+        assert stats["counters"]["put_blocks"] == 3
+        table = _cli(data_dir, "stats").stdout
+        assert "dram" in table and "nvme" in table
+        refused = _cli(data_dir, "invalidate", "--everything", stdin="no\n")
+        assert refused.returncode == 1 and "nothing removed" in refused.stdout
+        done = _cli(data_dir, "invalidate", "--fingerprint", fp.hex())
+        assert done.returncode == 0 and "removed 3 blocks" in done.stdout
+        done = _cli(data_dir, "invalidate", "--everything", "--yes")
+        assert "removed 0 blocks" in done.stdout
+        bad = _cli(data_dir, "invalidate", "--fingerprint", "zz")
+        assert bad.returncode == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
