@@ -231,6 +231,7 @@ class TieredStore:
         # parent id -> keys of its children in the index; kept even while the parent is absent,
         # so a parent stored after its child still knows it has one.
         self._children: dict[BlockId, set[BlockKey]] = {}
+        self._scopes: dict[Scope, Scope] = {}
         self._heaps: list[list[tuple[float, int, int, BlockId]]] = [[] for _ in tiers]
         self._aging = [0.0 for _ in tiers]
         self._seq = 0
@@ -251,6 +252,7 @@ class TieredStore:
         """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
         _check_keys(keys)
         with self._lock:
+            scope = self._intern(scope)
             tiers: list[str] = []
             hits: list[_Block] = []
             for key in keys:
@@ -267,6 +269,7 @@ class TieredStore:
     def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
         _check_keys(keys)
         with self._lock:
+            scope = self._intern(scope)
             return [self._visible((scope, key)) is not None for key in keys]
 
     def get_into(self, scope: Scope, key: BlockKey, out: memoryview) -> int | None:
@@ -286,6 +289,7 @@ class TieredStore:
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} buffers")
         plan: list[tuple[_Block, int] | None] = []
         with self._lock:
+            scope = self._intern(scope)
             for key, out in zip(keys, outs, strict=True):
                 block = self._visible((scope, key))
                 if block is None:
@@ -364,6 +368,7 @@ class TieredStore:
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         stored = 0
         with self._lock:
+            scope = self._intern(scope)
             self._expire_leases()
             prev = parent
             depth = first_depth if first_depth is not None else self._depth_after(scope, parent)
@@ -418,6 +423,7 @@ class TieredStore:
         """Remove blocks; pinned ones vanish now and are freed on their last release."""
         _check_keys(keys)
         with self._lock:
+            scope = self._intern(scope)
             removed = 0
             for key in keys:
                 block = self._visible((scope, key))
@@ -459,6 +465,7 @@ class TieredStore:
         """Pin present blocks among ``keys`` until release or ``ttl_s`` (default from config)."""
         _check_keys(keys)
         with self._lock:
+            scope = self._intern(scope)
             self._expire_leases()
             present = [b for b in (self._visible((scope, k)) for k in keys) if b is not None]
             return self._pin(present, ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner)
@@ -516,6 +523,7 @@ class TieredStore:
         _check_keys(keys)
         a, arena = self._require_arena()
         with self._lock:
+            scope = self._intern(scope)
             self._expire_leases()
             blocks: list[_Block] = []
             for key in keys:
@@ -580,6 +588,7 @@ class TieredStore:
             raise InvalidArgument("block sizes must not be negative")
         a, arena = self._require_arena()
         with self._lock:
+            scope = self._intern(scope)
             self._expire_leases()
             pinned_parent = self._visible((scope, parent)) if parent is not None else None
             if pinned_parent is not None:
@@ -738,6 +747,11 @@ class TieredStore:
         self.close()
 
     # ----------------------------------------------------------------- internals
+
+    def _intern(self, scope: Scope) -> Scope:
+        """The one Scope object the index uses for this scope: index probes then compare keys
+        by identity instead of calling the dataclass __eq__ per block."""
+        return self._scopes.setdefault(scope, scope)
 
     def _visible(self, ident: BlockId) -> _Block | None:
         block = self._blocks.get(ident)
@@ -998,6 +1012,8 @@ def _parse_meta(meta: bytes) -> tuple[int, BlockKey | None]:
 
 
 def _check_keys(keys: Sequence[BlockKey]) -> None:
+    if all(type(key) is bytes and len(key) == 32 for key in keys):
+        return
     for key in keys:
         try:
             check_key(key)
