@@ -5,6 +5,9 @@
         n = kv.lookup(fingerprint, keys)                       # length of the present prefix
         blocks = kv.get(fingerprint, keys)                     # the present prefix's bytes
 
+Remote puts and gets use the server's raw data port when it has one (``data_plane="auto"``,
+the default), else the gRPC Get and Put streams (``data_plane="grpc"``).
+
 Same-host calls (Unix socket only) move no bytes through the service: ``resolve`` returns views
 of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
 write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases.
@@ -23,6 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvstore.dataport import DataPortClient
 from kvstore.errors import FailedPrecondition, KvStoreError, Unavailable, error_for_status
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
@@ -58,9 +62,18 @@ class PendingWrite:
 
 
 class Client:
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, timeout_s: float = 30.0, data_plane: str = "auto"
+    ) -> None:
+        if data_plane not in ("auto", "grpc"):
+            raise KvStoreError(f"data_plane is 'auto' or 'grpc', got {data_plane!r}")
         self.address = address
         self.timeout_s = timeout_s
+        self._token = token
+        self._data_plane = data_plane
+        self._data_port: int | None = None  # None: not asked yet; 0: the server has none
+        self._local = threading.local()  # one data connection per thread
+        self._data_conns: list[DataPortClient] = []
         self._channel = grpc.insecure_channel(
             address,
             options=[
@@ -171,6 +184,43 @@ class Client:
             "leases": r.leases,
         }
 
+    def server_info(self) -> dict[str, Any]:
+        r = self._call("ServerInfo", pb.ServerInfoRequest(), pb.ServerInfoResponse)
+        return {"data_port": r.data_port, "tiers": list(r.tiers)}
+
+    def _data_connection(self, scope: str) -> DataPortClient | None:
+        """This thread's connection to the raw data port, or None to use gRPC streams."""
+        if self._data_plane == "grpc" or self.address.startswith("unix:"):
+            return None
+        if self._data_port is None:
+            self._data_port = int(self.server_info()["data_port"])
+        if not self._data_port:
+            return None
+        conns: dict[str, DataPortClient] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(scope)
+        if conn is None:
+            host = self.address.rpartition(":")[0].strip("[]")
+            conn = DataPortClient(host, self._data_port, self._token, scope)
+            conns[scope] = conn
+            with self._arena_lock:
+                self._data_conns.append(conn)
+        return conn
+
+    def _on_data(self, scope: str, call: Any) -> Any:
+        """Run ``call(conn)`` on the data port; a broken connection is dropped and raised as
+        Unavailable (the next call reconnects)."""
+        conn = self._data_connection(scope)
+        try:
+            return call(conn)
+        except (OSError, ConnectionError) as exc:
+            self._local.__dict__.get("conns", {}).pop(scope, None)
+            if conn is not None:
+                conn.close()
+            raise Unavailable(f"data port connection failed: {exc}") from None
+        except KvStoreError:
+            self._local.__dict__.get("conns", {}).pop(scope, None)  # the server closed it
+            raise
+
     def release(self, lease_id: int) -> None:
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse)
 
@@ -189,6 +239,9 @@ class Client:
             raise KvStoreError(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
             return 0
+        if self._data_connection(scope) is not None:
+            stored: int = self._on_data(scope, lambda c: c.put(fingerprint, keys, blocks, parent))
+            return stored
 
         def frames() -> Iterator[bytes]:
             for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
@@ -213,12 +266,18 @@ class Client:
 
     def get(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bytes]:
         """The bytes of the present prefix of ``keys`` (shorter than ``keys`` at the first miss)."""
+        if self._data_connection(scope) is not None:
+            blocks: list[bytes] = self._on_data(scope, lambda c: c.get(fingerprint, keys))
+            return blocks
         return [bytes(payload) for payload in self._stream(fingerprint, keys, scope)]
 
     def get_into(
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
     ) -> int:
         """Copy the present prefix into ``outs``; how many blocks were copied."""
+        if self._data_connection(scope) is not None:
+            copied: int = self._on_data(scope, lambda c: c.get_into(fingerprint, keys, outs))
+            return copied
         n = 0
         for payload, out in zip(self._stream(fingerprint, keys, scope), outs, strict=False):
             _copy(out, payload)
@@ -321,6 +380,9 @@ class Client:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+            for conn in self._data_conns:
+                conn.close()
+            self._data_conns.clear()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -330,11 +392,13 @@ class Client:
         self.close()
 
 
-def connect(address: str, token: str | None = None, timeout_s: float = 30.0) -> Client:
+def connect(
+    address: str, token: str | None = None, timeout_s: float = 30.0, data_plane: str = "auto"
+) -> Client:
     """A client for ``unix:///path/to/socket`` (same host) or ``host:port`` (remote)."""
     if not address:
         raise KvStoreError("empty address")
-    return Client(address, token, timeout_s)
+    return Client(address, token, timeout_s, data_plane)
 
 
 def _copy(dst: memoryview | bytearray, src: bytes | bytearray | memoryview) -> None:

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.auth import Authenticator, tenant_namespace
 from kvstore.builder import open_store
 from kvstore.config import Settings
+from kvstore.dataport import DataPort
 from kvstore.metrics import Metrics
 from kvstore.service import SERVICE_NAME, KvStoreService
 from kvstore.store import TieredStore
@@ -49,6 +50,7 @@ class RunningServer:
     metrics_port: int | None
     drain_grace_s: float
     _stopped: threading.Event
+    data_port: DataPort | None = None
 
     def stop(self) -> None:
         """Drain and close; idempotent."""
@@ -58,6 +60,8 @@ class RunningServer:
         log.info("draining: refusing new requests, %.1fs for in-flight ones", self.drain_grace_s)
         self.service.draining.set()
         self.health.enter_graceful_shutdown()
+        if self.data_port is not None:
+            self.data_port.close(self.drain_grace_s)
         self.grpc_server.stop(self.drain_grace_s).wait()
         self.store.close()
         if self.metrics is not None:
@@ -80,7 +84,8 @@ def start_server(settings: Settings) -> RunningServer:
     for line in store.absent_tiers:
         log.warning("tier absent: %s", line)
     metrics = Metrics(store) if settings.server.metrics_address else None
-    service = KvStoreService(store, Authenticator(settings.server), metrics)
+    auth = Authenticator(settings.server)
+    service = KvStoreService(store, auth, metrics)
     options = [
         ("grpc.max_receive_message_length", settings.server.max_message_bytes),
         ("grpc.max_send_message_length", settings.server.max_message_bytes),
@@ -116,15 +121,23 @@ def start_server(settings: Settings) -> RunningServer:
             store.close()
             raise OSError(f"cannot listen on {settings.server.tcp_address}")
         tcp_address = f"{host}:{port}"
+    data_port = None
+    data_address = settings.server.data_address
+    if data_address == "auto":
+        data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
+    if data_address:
+        data_port = DataPort(store, auth, data_address, service.check_sizes)
+        service.data_port = data_port.port
     server.start()
     os.chmod(socket_path, 0o600)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_port = metrics.serve(settings.server.metrics_address) if metrics is not None else None
     log.info(
-        "serving on %s%s; tiers: %s",
+        "serving on %s%s%s; tiers: %s",
         unix_address,
         f" and {tcp_address}" if tcp_address else "",
+        f", data port {data_port.port}" if data_port else "",
         ", ".join(t.name for t in store.tiers),
     )
     return RunningServer(
@@ -138,6 +151,7 @@ def start_server(settings: Settings) -> RunningServer:
         metrics_port,
         settings.server.drain_grace_s,
         threading.Event(),
+        data_port,
     )
 
 

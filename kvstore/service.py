@@ -52,6 +52,7 @@ class KvStoreService:
         self.auth = auth
         self.metrics = metrics
         self.draining = threading.Event()
+        self.data_port = 0  # set by the server when it runs a raw data port
         self._models: dict[bytes, ModelIdentity] = {}
         self._models_lock = threading.Lock()
 
@@ -73,7 +74,7 @@ class KvStoreService:
     def _scope(self, caller: Caller, fingerprint: bytes, scope: str) -> Scope:
         return Scope(self.auth.namespace(caller, scope), Fingerprint(fingerprint))
 
-    def _check_sizes(self, fingerprint: bytes, sizes: Iterable[int]) -> None:
+    def check_sizes(self, fingerprint: bytes, sizes: Iterable[int]) -> None:
         identity = self._models.get(fingerprint)
         if identity is None:
             return
@@ -213,6 +214,14 @@ class KvStoreService:
 
         return self._serve("Stats", context, body)
 
+    def ServerInfo(
+        self, request: pb.ServerInfoRequest, context: grpc.ServicerContext
+    ) -> pb.ServerInfoResponse:
+        def body(caller: Caller) -> pb.ServerInfoResponse:
+            return pb.ServerInfoResponse(data_port=self.data_port, tiers=[t.name for t in self.store.tiers])
+
+        return self._serve("ServerInfo", context, body)
+
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def body(caller: Caller) -> pb.ReleaseResponse:
             self.store.release(request.lease_id, owner=caller.tenant)
@@ -265,7 +274,7 @@ class KvStoreService:
         def body(caller: Caller) -> pb.ReserveResponse:
             self._arena()
             scope = self._scope(caller, request.fingerprint, request.scope)
-            self._check_sizes(request.fingerprint, request.sizes)
+            self.check_sizes(request.fingerprint, request.sizes)
             reservation = self.store.reserve(
                 scope,
                 [BlockKey(k) for k in request.keys],
@@ -356,7 +365,7 @@ class KvStoreService:
                         raise InvalidArgument("the first frame of a Put stream must carry the fingerprint")
                     scope = self._scope(caller, frame.fingerprint, frame.scope)
                     parent = BlockKey(frame.parent) if frame.parent else None
-                self._check_sizes(scope.fingerprint, [len(frame.payload)])
+                self.check_sizes(scope.fingerprint, [len(frame.payload)])
                 keys.append(BlockKey(frame.key))
                 blocks.append(frame.payload)
                 received += 1
@@ -390,6 +399,7 @@ class KvStoreService:
             "Invalidate": unary(self.Invalidate, pb.InvalidateRequest),
             "Stats": unary(self.Stats, pb.StatsRequest),
             "Release": unary(self.Release, pb.ReleaseRequest),
+            "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
             "Attach": unary(self.Attach, pb.AttachRequest),
             "Resolve": unary(self.Resolve, pb.ResolveRequest),
             "Reserve": unary(self.Reserve, pb.ReserveRequest),

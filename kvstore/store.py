@@ -232,6 +232,7 @@ class TieredStore:
         # so a parent stored after its child still knows it has one.
         self._children: dict[BlockId, set[BlockKey]] = {}
         self._scopes: dict[Scope, Scope] = {}
+        self._ns_reserved: Counter[str] = Counter()  # bytes in uncommitted reservations
         self._heaps: list[list[tuple[float, int, int, BlockId]]] = [[] for _ in tiers]
         self._aging = [0.0 for _ in tiers]
         self._seq = 0
@@ -606,6 +607,7 @@ class TieredStore:
                         try:
                             taken = arena.reserve(tier_key(scope, key), size, scope.fingerprint)
                             slot = ArenaSlot(taken.offset, taken.size_bytes)
+                            self._ns_reserved[scope.namespace] += size
                         except TierError:
                             slot = None  # another client is writing this key, or no room after all
                 slots.append(slot)
@@ -623,6 +625,7 @@ class TieredStore:
         with self._lock:
             self._expire_leases()
             (pending,) = self._reservations.release(reservation_id, owner)
+            self._unreserve(pending)
             stored = 0
             prev = pending.parent
             for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
@@ -666,11 +669,20 @@ class TieredStore:
 
     def _abort_pending(self, pending: _Pending) -> None:
         _, arena = self._require_arena()
+        self._unreserve(pending)
         for key, slot in zip(pending.keys, pending.slots, strict=True):
             if slot is not None:
                 arena.abort(tier_key(pending.scope, key))
         if pending.pinned_parent is not None:
             self._unpin(pending.pinned_parent)
+
+    def _unreserve(self, pending: _Pending) -> None:
+        ns = pending.scope.namespace
+        self._ns_reserved[ns] -= sum(slot.size_bytes for slot in pending.slots if slot is not None)
+        if self._ns_reserved[ns] < 0:
+            raise AssertionError(f"reserved bytes of {ns} would go negative")
+        if not self._ns_reserved[ns]:
+            del self._ns_reserved[ns]
 
     # ----------------------------------------------------------------- stats
 
@@ -944,8 +956,10 @@ class TieredStore:
             raise QuotaExceeded(
                 f"a {size_bytes} B block exceeds namespace {scope.namespace!r}'s quota of {quota} B"
             )
-        while self._ns_bytes[scope.namespace] + size_bytes > quota:
-            candidates = [b for b in self._by_namespace[scope.namespace].values() if self._leaf_anywhere(b)]
+        # Reserved-but-uncommitted arena slots count too: a quota bounds what a tenant holds.
+        while self._ns_bytes[scope.namespace] + self._ns_reserved[scope.namespace] + size_bytes > quota:
+            held = self._by_namespace.get(scope.namespace, {})
+            candidates = [b for b in held.values() if self._leaf_anywhere(b)]
             if not candidates:
                 self.counters["quota_rejections"] += 1
                 raise QuotaExceeded(

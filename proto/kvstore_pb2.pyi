@@ -204,6 +204,18 @@ class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfoResponse(_message.Message):
+    __slots__ = ("data_port", "tiers")
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    data_port: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, data_port: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -69,6 +69,11 @@ class KvStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ServerInfo = channel.unary_unary(
+                '/kvstore.v1.KvStore/ServerInfo',
+                request_serializer=proto_dot_kvstore__pb2.ServerInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.ServerInfoResponse.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/kvstore.v1.KvStore/Attach',
                 request_serializer=proto_dot_kvstore__pb2.AttachRequest.SerializeToString,
@@ -154,6 +159,13 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ServerInfo(self, request, context):
+        """Where the raw data port listens, if the server runs one (the fast remote data plane).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Attach(self, request, context):
         """Same host: map the arena once, then move bytes in place.
         """
@@ -235,6 +247,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_kvstore__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServerInfo,
+                    request_deserializer=proto_dot_kvstore__pb2.ServerInfoRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.ServerInfoResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -461,6 +478,33 @@ class KvStore:
             '/kvstore.v1.KvStore/Release',
             proto_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
             proto_dot_kvstore__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KvStore/ServerInfo',
+            proto_dot_kvstore__pb2.ServerInfoRequest.SerializeToString,
+            proto_dot_kvstore__pb2.ServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,375 @@
+"""``kvstore bench service``: the service's data planes against references from the same run.
+
+- remote get and put of 2 MiB blocks over loopback TCP (gRPC streams, token auth), against a
+  raw TCP socket moving the same bytes between two processes (target >= 0.6x);
+- same-host restore into a client buffer (Resolve + copy out of the mapped arena + Release),
+  against memcpy of the same bytes between warm buffers (target >= 0.8x);
+- Lookup of 64 keys over the Unix socket from 4 concurrent client processes, p50 and p99
+  (target p99 <= 2 ms);
+- the same put/get workload on Redis, Mooncake Store and LMCache's server (``benchmarks.peers``),
+  where they can be installed and started here (target: faster than each).
+
+The server runs as its own process (``kvstore serve``), as it would be deployed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+from rich.console import Console
+
+from benchmarks.common import Result, interleaved, print_results, write_json
+from kvstore.client import Client, connect
+from kvstore.errors import Unavailable
+from kvstore.keys import BlockKey, ModelIdentity, block_keys
+
+MiB = 1 << 20
+BLOCK = 2 * MiB
+TOKEN = "bench-token"
+# 2 MiB per block: 16 tokens x 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes (bf16).
+MODEL = ModelIdentity(
+    "bench/8b-like", "00" * 32, num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16
+)
+
+
+class ServerProcess:
+    """``kvstore serve`` in a child process with a private data folder."""
+
+    def __init__(self, arena_bytes: int) -> None:
+        self.folder = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        self.port = _free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "serve",
+            "--data-dir",
+            self.folder,
+            "--tcp",
+            f"127.0.0.1:{self.port}",
+            "--set",
+            f"dram.capacity_bytes={arena_bytes}",
+            "--set",
+            "nvme.capacity_bytes=4GiB",
+            "--set",
+            f"server.tokens={TOKEN}=bench",
+            "--set",
+            "server.metrics_address=",
+            "--set",
+            "server.max_message_bytes=64MiB",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.unix = f"unix://{self.folder}/kvstore.sock"
+        self.tcp = f"127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with connect(self.unix, timeout_s=2) as kv:
+                    kv.stats()
+                return
+            except Unavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    err = self.proc.stderr.read() if self.proc.stderr else ""
+                    raise RuntimeError(f"kvstore serve did not start: {err[-2000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ----------------------------------------------------------------------------- raw TCP reference
+
+
+def _tcp_sender(port: int, nbytes: int, count: int, rounds: int) -> None:
+    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            s.recv(1)  # the receiver asks for a round
+            for _ in range(count):
+                s.sendall(payload)
+
+
+def raw_tcp_round_timer(count: int, rounds: int) -> tuple[Callable[[], float], Callable[[], None]]:
+    """A timer of one round of ``count`` 2 MiB messages over a loopback socket, sender in another
+    process; call the second function when done."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    proc = multiprocessing.get_context("spawn").Process(target=_tcp_sender, args=(port, BLOCK, count, rounds))
+    proc.start()
+    conn, _ = listener.accept()
+    buf = memoryview(bytearray(BLOCK))
+
+    def one_round() -> float:
+        start = time.perf_counter()
+        conn.sendall(b"g")
+        for _ in range(count):
+            got = 0
+            while got < BLOCK:
+                n = conn.recv_into(buf[got:], BLOCK - got)
+                if not n:
+                    raise RuntimeError("raw TCP sender went away")
+                got += n
+        return time.perf_counter() - start
+
+    def close() -> None:
+        conn.close()
+        listener.close()
+        proc.join(30)
+
+    return one_round, close
+
+
+# ----------------------------------------------------------------------------- our figures
+
+
+def _blocks(count: int, seed: int) -> tuple[list[BlockKey], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    keys = block_keys(MODEL.fingerprint(), rng.integers(0, 32000, count * 16).tolist(), 16)
+    return keys, [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in keys]
+
+
+def bench_remote(server: ServerProcess, count: int, rounds: int) -> list[Result]:
+    fp = MODEL.fingerprint()
+    outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
+    with connect(server.tcp, token=TOKEN) as kv:
+        kv.register(MODEL)
+        put_keys, put_blocks = _blocks(count, 7)
+
+        def put_round() -> float:
+            kv.invalidate(fp)
+            start = time.perf_counter()
+            if kv.put(fp, put_keys, put_blocks) != count:
+                raise RuntimeError("remote put stored fewer blocks than sent")
+            return time.perf_counter() - start
+
+        def get_round() -> float:
+            start = time.perf_counter()
+            if kv.get_into(fp, put_keys, outs) != count:
+                raise RuntimeError("remote get returned fewer blocks than stored")
+            return time.perf_counter() - start
+
+        tcp_round, tcp_close = raw_tcp_round_timer(count, 2 * rounds + 1)
+        try:
+            tcp_round()  # warm up both
+            put_s, ref_put = interleaved(put_round, tcp_round, rounds)
+            get_s, ref_get = interleaved(get_round, tcp_round, rounds)
+        finally:
+            tcp_close()
+    total = count * BLOCK
+    note = "gRPC streams over loopback TCP, token auth, server in its own process"
+    return [
+        Result(
+            "remote get 2 MiB", total / get_s / 1e9, "GB/s", "raw TCP", total / ref_get / 1e9, ">= 0.6", note
+        ),
+        Result(
+            "remote put 2 MiB", total / put_s / 1e9, "GB/s", "raw TCP", total / ref_put / 1e9, ">= 0.6", note
+        ),
+    ]
+
+
+def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Result]:
+    fp = MODEL.fingerprint()
+    keys, blocks = _blocks(count, 11)
+    engine = np.zeros(count * BLOCK, dtype=np.uint8)  # the engine's KV buffer, warm
+    outs = [memoryview(engine[i * BLOCK : (i + 1) * BLOCK].data) for i in range(count)]
+    source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
+    with connect(server.unix) as kv:
+        kv.register(MODEL)
+        if kv.write(fp, keys, blocks) != count:
+            raise RuntimeError("same-host write stored fewer blocks than sent")
+
+        def restore() -> float:
+            start = time.perf_counter()
+            if kv.read_into(fp, keys, outs) != count:
+                raise RuntimeError("same-host restore found fewer blocks than stored")
+            return time.perf_counter() - start
+
+        def memcpy() -> float:
+            """The same bytes, block by block, between warm buffers: the data movement of a
+            restore without the service (blocks are separate in the arena and in the engine)."""
+            start = time.perf_counter()
+            for i in range(count):
+                np.copyto(engine[i * BLOCK : (i + 1) * BLOCK], source[i * BLOCK : (i + 1) * BLOCK])
+            return time.perf_counter() - start
+
+        def memcpy_whole() -> float:
+            start = time.perf_counter()
+            np.copyto(engine, source)
+            return time.perf_counter() - start
+
+        restore()
+        restore_s, ref_s = interleaved(restore, memcpy, rounds)
+        _, ref_whole = interleaved(restore, memcpy_whole, rounds)
+        if bytes(outs[-1]) != blocks[-1]:
+            raise RuntimeError("same-host restore returned wrong bytes")
+
+        def write_round() -> float:
+            kv.invalidate(fp)
+            start = time.perf_counter()
+            kv.write(fp, keys, blocks)
+            return time.perf_counter() - start
+
+        write_s, ref_w = interleaved(write_round, memcpy, rounds)
+    total = count * BLOCK
+    return [
+        Result(
+            "same-host restore 2 MiB",
+            total / restore_s / 1e9,
+            "GB/s",
+            "memcpy, block by block",
+            total / ref_s / 1e9,
+            ">= 0.8",
+            "Resolve + copy from the mapped arena + Release, Unix socket",
+        ),
+        Result(
+            "same-host restore 2 MiB (vs one big copy)",
+            total / restore_s / 1e9,
+            "GB/s",
+            "memcpy, one call",
+            total / ref_whole / 1e9,
+            note="a single memcpy of all blocks at once: faster than any block-wise copy",
+        ),
+        Result(
+            "same-host store 2 MiB",
+            total / write_s / 1e9,
+            "GB/s",
+            "memcpy",
+            total / ref_w / 1e9,
+            note="Reserve + copy into the mapped arena + Commit",
+        ),
+    ]
+
+
+def _lookup_worker(
+    address: str, calls: int, start_at: float, queue: multiprocessing.Queue[list[float]]
+) -> None:
+    keys, _ = block_keys(MODEL.fingerprint(), list(range(64 * 16)), 16), None
+    with Client(address) as kv:
+        for _ in range(50):
+            kv.lookup(MODEL.fingerprint(), keys)  # warm the channel
+        while time.time() < start_at:
+            time.sleep(0.001)
+        latencies = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            kv.lookup(MODEL.fingerprint(), keys)
+            latencies.append(time.perf_counter() - t)
+    queue.put(latencies)
+
+
+def bench_lookup(server: ServerProcess, calls: int, clients: int = 4) -> list[Result]:
+    fp = MODEL.fingerprint()
+    keys = block_keys(fp, list(range(64 * 16)), 16)
+    with connect(server.unix) as kv:
+        kv.register(MODEL)
+        kv.write(fp, keys[:48], [b"\0" * BLOCK] * 48)  # 48 of 64 hit: a realistic partial prefix
+    ctx = multiprocessing.get_context("spawn")
+    queue: multiprocessing.Queue[list[float]] = ctx.Queue()
+    start_at = time.time() + 3
+    procs = [
+        ctx.Process(target=_lookup_worker, args=(server.unix, calls, start_at, queue)) for _ in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    latencies = sorted(x for _ in procs for x in queue.get(timeout=300))
+    for p in procs:
+        p.join(30)
+    p50 = latencies[len(latencies) // 2] * 1e3
+    p99 = latencies[int(len(latencies) * 0.99)] * 1e3
+    note = f"{clients} client processes x {calls} calls, Unix socket"
+    return [
+        Result("lookup 64 keys p50", p50, "ms", note=note),
+        Result("lookup 64 keys p99", p99, "ms", "target", 2.0, "<= 1.0", note + "; ratio = p99 / 2 ms"),
+    ]
+
+
+def bench_peers(count: int, rounds: int, ours: dict[str, float], console: Console) -> list[Result]:
+    try:
+        from benchmarks import peers
+    except ImportError as exc:  # the harness is optional at import time
+        return [Result("peers", None, "GB/s", note=f"peer harness unavailable: {exc}")]
+    results: list[Result] = []
+    for name in peers.PEERS:
+        console.print(f"[dim]peer {name}: installing and measuring …[/]")
+        outcome = peers.measure_peer(name, peers.Workload(block_bytes=BLOCK, blocks=count, rounds=rounds))
+        if isinstance(outcome, peers.PeerUnavailable):
+            results.append(Result(f"vs {name}", None, "GB/s", note=f"not measured: {outcome.reason}"))
+            continue
+        for op in ("get", "put"):
+            theirs = getattr(outcome, f"{op}_gbps")
+            results.append(
+                Result(
+                    f"remote {op} 2 MiB vs {name}",
+                    ours[op],
+                    "GB/s",
+                    f"{name} ({outcome.client})",
+                    theirs,
+                    ">= 1.0",
+                    "same blocks, same machine, measured in this run",
+                )
+            )
+        if outcome.exists64_p50_ms is not None:
+            results.append(
+                Result(
+                    f"{name} exists 64 keys p50",
+                    outcome.exists64_p50_ms,
+                    "ms",
+                    note=f"{name} ({outcome.client})",
+                )
+            )
+    return results
+
+
+def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = True) -> int:
+    count = 64 if quick else 256
+    rounds = 3 if quick else 7
+    console = Console(stderr=True)
+    server = ServerProcess(arena_bytes=(3 * count + 64) * BLOCK)
+    results: list[Result] = []
+    try:
+        console.print("[dim]remote get/put against raw TCP …[/]")
+        results += bench_remote(server, count, rounds)
+        console.print("[dim]same-host restore against memcpy …[/]")
+        results += bench_same_host(server, count, rounds)
+        console.print("[dim]lookup latency, 4 clients …[/]")
+        results += bench_lookup(server, calls=500 if quick else 2000)
+    finally:
+        server.stop()
+    if with_peers:
+        ours = {"get": results[0].value or 0.0, "put": results[1].value or 0.0}
+        results += bench_peers(count, rounds, ours, console)
+    title = f"kvstore bench service{' --quick' if quick else ''}"
+    print_results(title, results)
+    if json_path:
+        write_json(json_path, results, {"command": title})
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(run_service_bench(quick="--quick" in sys.argv, json_path=None, with_peers=False))

@@ -1,0 +1,332 @@
+"""The raw data port: the fast remote data plane, beside gRPC.
+
+gRPC in Python moves 2 MiB messages at a fraction of what a socket can (every message is
+copied into and out of gRPC's own buffers), so remote block bytes can also travel over a plain
+TCP connection with a tiny framing. The server sends straight out of the arena slots it pinned
+and receives straight into the arena slots it reserved: no copy in the service process at all.
+Control stays on gRPC; the port is announced by the ServerInfo RPC.
+
+Framing (little-endian), one request at a time per connection:
+
+    hello    client: b"KVD1" u16 len + bearer token, u16 len + scope   server: status
+    get      client: u8 1, fingerprint[32], u32 n, n x key[32]
+             server: status; per block of the present prefix: u64 size + bytes; u64 END; status
+    put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
+                     then the n payloads back to back
+             server: status, u32 stored
+    status   u8 gRPC status code (0 = OK), u32 len + UTF-8 message
+
+A request that fails is answered with its status and the connection closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.auth import Authenticator, Caller
+from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store import Scope, TieredStore
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVD1"
+OP_GET, OP_PUT = 1, 2
+END = (1 << 64) - 1
+GET_BATCH_BLOCKS = 32
+LEASE_S = 60.0
+IO_TIMEOUT_S = 30.0  # below the lease: a stalled reader is cut off before its pins expire
+MAX_BLOCKS_PER_REQUEST = 65536
+_STATUS_CODES = {
+    "OK": 0,
+    "INVALID_ARGUMENT": 3,
+    "NOT_FOUND": 5,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "UNAVAILABLE": 14,
+    "UNAUTHENTICATED": 16,
+    "UNKNOWN": 2,
+}
+STATUS_NAMES = {v: k for k, v in _STATUS_CODES.items()}
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got)
+        if not n:
+            raise ConnectionError("peer closed the data connection mid-message")
+        got += n
+
+
+def send_status(sock: socket.socket, code_name: str, message: str = "") -> None:
+    body = message.encode()
+    sock.sendall(struct.pack("<BI", _STATUS_CODES.get(code_name, 2), len(body)) + body)
+
+
+def read_status(sock: socket.socket) -> tuple[str, str]:
+    code, length = struct.unpack("<BI", recv_exact(sock, 5))
+    return STATUS_NAMES.get(code, "UNKNOWN"), recv_exact(sock, length).decode(errors="replace")
+
+
+@dataclass
+class _Session:
+    caller: Caller
+    namespace: str
+
+
+class DataPort:
+    """A thread per connection; ``close()`` stops accepting and waits for them."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        auth: Authenticator,
+        address: str,
+        check_sizes: Callable[[bytes, Sequence[int]], None] | None = None,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self.store = store
+        self.auth = auth
+        self._check_sizes = check_sizes
+        self._listener = socket.create_server((host or "127.0.0.1", int(port)))
+        self.port: int = self._listener.getsockname()[1]
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-dataport", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            thread = threading.Thread(target=self._serve_connection, args=(conn, peer), daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+
+    def close(self, grace_s: float = 10.0) -> None:
+        self._closing.set()
+        self._listener.close()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(grace_s)
+
+    # ----------------------------------------------------------------- one connection
+
+    def _serve_connection(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        conn.settimeout(IO_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            session = self._hello(conn, peer)
+            while not self._closing.is_set():
+                op = conn.recv(1)
+                if not op:
+                    return
+                if op[0] == OP_GET:
+                    self._get(conn, session)
+                elif op[0] == OP_PUT:
+                    self._put(conn, session)
+                else:
+                    raise InvalidArgument(f"unknown data port operation {op[0]}")
+        except KvStoreError as exc:
+            with contextlib.suppress(OSError):
+                send_status(conn, exc.status_code_name, str(exc))
+        except (OSError, ConnectionError, struct.error) as exc:
+            log.debug("data connection from %s ended: %s", peer, exc)
+        except Exception:  # a bug must not kill the port silently: log it, tell the client
+            log.exception("data port request from %s failed", peer)
+            with contextlib.suppress(OSError):
+                send_status(conn, "UNKNOWN", "internal error in the data port; see the server log")
+        finally:
+            conn.close()
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _hello(self, conn: socket.socket, peer: tuple[str, int]) -> _Session:
+        if recv_exact(conn, 4) != MAGIC:
+            raise InvalidArgument("not a kvstore data port client (bad magic)")
+        (token_len,) = struct.unpack("<H", recv_exact(conn, 2))
+        token = recv_exact(conn, token_len).decode(errors="replace")
+        (scope_len,) = struct.unpack("<H", recv_exact(conn, 2))
+        scope = recv_exact(conn, scope_len).decode(errors="replace")
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        caller = self.auth.caller(metadata, f"ipv4:{peer[0]}:{peer[1]}")
+        session = _Session(caller, self.auth.namespace(caller, scope))
+        send_status(conn, "OK")
+        return session
+
+    def _keys(self, conn: socket.socket) -> tuple[Fingerprint, list[BlockKey]]:
+        fingerprint = Fingerprint(recv_exact(conn, 32))
+        (n,) = struct.unpack("<I", recv_exact(conn, 4))
+        if n > MAX_BLOCKS_PER_REQUEST:
+            raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
+        raw = recv_exact(conn, 32 * n)
+        return fingerprint, [BlockKey(raw[i * 32 : (i + 1) * 32]) for i in range(n)]
+
+    def _get(self, conn: socket.socket, session: _Session) -> None:
+        fingerprint, keys = self._keys(conn)
+        scope = Scope(session.namespace, fingerprint)
+        arena = self.store.arena
+        if arena is None:
+            raise Unavailable("this server has no dram arena to serve from")
+        owner = session.caller.tenant
+        send_status(conn, "OK")  # from here on a failure can only close the connection
+        for first in range(0, len(keys), GET_BATCH_BLOCKS):
+            batch = keys[first : first + GET_BATCH_BLOCKS]
+            resolved = self.store.resolve(scope, batch, LEASE_S, owner=owner)
+            try:
+                for slot in resolved.slots:
+                    conn.sendall(struct.pack("<Q", slot.size_bytes))
+                    conn.sendall(arena.arena.view[slot.offset : slot.offset + slot.size_bytes])
+            finally:
+                if resolved.lease is not None:
+                    self.store.release(resolved.lease.lease_id, owner=owner)
+            if len(resolved.slots) < len(batch):
+                break
+        conn.sendall(struct.pack("<Q", END))
+        send_status(conn, "OK")
+
+    def _put(self, conn: socket.socket, session: _Session) -> None:
+        fingerprint = Fingerprint(recv_exact(conn, 32))
+        has_parent, parent_raw = struct.unpack("<B32s", recv_exact(conn, 33))
+        (n,) = struct.unpack("<I", recv_exact(conn, 4))
+        if n > MAX_BLOCKS_PER_REQUEST:
+            raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
+        headers = recv_exact(conn, 40 * n)
+        keys = [BlockKey(headers[i * 40 : i * 40 + 32]) for i in range(n)]
+        sizes = [struct.unpack_from("<Q", headers, i * 40 + 32)[0] for i in range(n)]
+        scope = Scope(session.namespace, fingerprint)
+        if self._check_sizes is not None:
+            self._check_sizes(fingerprint, sizes)
+        arena = self.store.arena
+        if arena is None:
+            raise Unavailable("this server has no dram arena to receive into")
+        parent = BlockKey(parent_raw) if has_parent else None
+        owner = session.caller.tenant
+        stored = 0
+        # Reserve and receive in bounded steps so one request never needs the whole arena.
+        first = 0
+        while first < n:
+            last = min(n, first + GET_BATCH_BLOCKS)
+            reservation = self.store.reserve(
+                scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
+            )
+            # Blocks the arena could not take (full of pinned blocks or of this chain's own
+            # head) are received aside and stored through put(), which places them lower.
+            aside: list[tuple[BlockKey, BlockKey | None, bytearray]] = []
+            try:
+                for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
+                    if slot is not None:
+                        recv_into_exact(conn, arena.arena.view[slot.offset : slot.offset + size])
+                    else:
+                        data = bytearray(size)
+                        recv_into_exact(conn, memoryview(data))
+                        aside.append((keys[first + i], keys[first + i - 1] if first + i else parent, data))
+            except BaseException:
+                self.store.abort(reservation.reservation_id, owner=owner)
+                raise
+            stored += self.store.commit(reservation.reservation_id, owner=owner)
+            for key, key_parent, data in aside:
+                stored += self.store.put(scope, [key], [data], parent=key_parent)
+            parent = keys[last - 1]
+            first = last
+        send_status(conn, "OK")
+        conn.sendall(struct.pack("<I", stored))
+
+
+class DataPortClient:
+    """One connection to a data port; not for use from several threads at once."""
+
+    def __init__(self, host: str, port: int, token: str | None, scope: str = "") -> None:
+        self.sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        token_b, scope_b = (token or "").encode(), scope.encode()
+        self.sock.sendall(
+            MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
+        )
+        self._check()
+
+    def _check(self) -> None:
+        code, message = read_status(self.sock)
+        if code != "OK":
+            from kvstore.errors import error_for_status
+
+            self.sock.close()
+            raise error_for_status(code, message)
+
+    def _request_get(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+        self.sock.sendall(
+            struct.pack("<B", OP_GET) + fingerprint + struct.pack("<I", len(keys)) + b"".join(keys)
+        )
+        self._check()
+
+    def get_into(self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
+        """Copy the present prefix into ``outs`` (each at least as long as its block)."""
+        self._request_get(fingerprint, keys)
+        n = 0
+        while True:
+            (size,) = struct.unpack("<Q", recv_exact(self.sock, 8))
+            if size == END:
+                break
+            if n >= len(outs) or len(outs[n]) < size:
+                raise InvalidArgument(f"block {n} of {size} B does not fit its buffer")
+            recv_into_exact(self.sock, outs[n][:size])
+            n += 1
+        self._check()
+        return n
+
+    def get(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bytes]:
+        self._request_get(fingerprint, keys)
+        blocks: list[bytes] = []
+        while True:
+            (size,) = struct.unpack("<Q", recv_exact(self.sock, 8))
+            if size == END:
+                break
+            blocks.append(recv_exact(self.sock, size))
+        self._check()
+        return blocks
+
+    def put(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        blocks: Sequence[bytes | bytearray | memoryview],
+        parent: bytes | None = None,
+    ) -> int:
+        head = [
+            struct.pack("<B", OP_PUT),
+            fingerprint,
+            struct.pack("<B32s", parent is not None, parent or b""),
+        ]
+        head.append(struct.pack("<I", len(keys)))
+        head.extend(key + struct.pack("<Q", len(block)) for key, block in zip(keys, blocks, strict=True))
+        try:
+            self.sock.sendall(b"".join(head))
+            for block in blocks:
+                self.sock.sendall(block)
+        except OSError:
+            pass  # the server refused early and closed: its status says why
+        self._check()
+        (stored,) = struct.unpack("<I", recv_exact(self.sock, 4))
+        return int(stored)
+
+    def close(self) -> None:
+        self.sock.close()
