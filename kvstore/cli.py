@@ -5,6 +5,7 @@
     kvstore invalidate             the kill switch: a fingerprint's blocks, or everything
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
+    kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
 ``KVSTORE_*`` environment variables sit between the two (see ``kvstore.config``). Benchmarks
@@ -140,6 +141,12 @@ def _cmd_bench_tiers(args: argparse.Namespace) -> int:
     return run_tier_bench(quick=args.quick, json_path=args.json, data_dir=args.data_dir)
 
 
+def _cmd_bench_service(args: argparse.Namespace) -> int:
+    from benchmarks.service import run_service_bench
+
+    return run_service_bench(quick=args.quick, json_path=args.json, with_peers=not args.no_peers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -185,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--quick", action="store_true", help="fewer repetitions; under two minutes")
     tiers.add_argument("--json", metavar="PATH", help="write results as JSON")
     tiers.set_defaults(func=_cmd_bench_tiers)
+    service = bench_sub.add_parser(
+        "service", parents=[common], help="the service against raw TCP, memcpy, peers"
+    )
+    service.add_argument("--quick", action="store_true", help="fewer blocks and rounds; under three minutes")
+    service.add_argument("--json", metavar="PATH", help="write results as JSON")
+    service.add_argument("--no-peers", action="store_true", help="skip Redis, Mooncake Store and LMCache")
+    service.set_defaults(func=_cmd_bench_service)
     return parser
 
 

@@ -50,8 +50,9 @@ def test_same_host_write_then_read_in_place(served: Served) -> None:
         assert kv.write(fp, keys, blocks) == 0  # already there
 
 
-def test_remote_put_and_get_over_tcp(served: Served) -> None:
-    with connect(served.tcp, token="tok-a") as kv:
+@pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])
+def test_remote_put_and_get_over_tcp(served: Served, data_plane: str) -> None:
+    with connect(served.tcp, token="tok-a", data_plane=data_plane) as kv:
         fp = kv.register(MODEL)
         keys = chain(6)
         blocks = blocks_for(keys)
@@ -225,3 +226,26 @@ def test_metrics_count_tokens_by_tenant_and_tier(served: Served) -> None:
     assert 'kvstore_tier_used_bytes{tier="dram"}' in text
     assert "kvstore_request_seconds_bucket" in text
     assert "kvstore_checksum_failures_total 0.0" in text
+
+
+def test_data_port_refuses_strangers_and_bad_tokens(served: Served) -> None:
+    import socket
+
+    from kvstore.dataport import DataPortClient, read_status
+
+    port = served.server.service.data_port
+    assert port > 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"HTTP")
+        assert read_status(s)[0] == "INVALID_ARGUMENT"
+    with pytest.raises(Unauthenticated):
+        DataPortClient("127.0.0.1", port, "wrong", "")
+    with pytest.raises(Unauthenticated):
+        DataPortClient("127.0.0.1", port, None, "")
+    with pytest.raises(PermissionDenied):
+        DataPortClient("127.0.0.1", port, "tok-c", "public")
+    client = DataPortClient("127.0.0.1", port, "tok-a", "")
+    with pytest.raises(InvalidArgument, match="layout"):
+        connect(served.tcp, token="tok-a").register(MODEL)
+        client.put(MODEL.fingerprint(), chain(1), [b"x" * 10])
+    client.close()
