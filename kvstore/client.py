@@ -5,8 +5,8 @@
         n = kv.lookup(fingerprint, keys)                       # length of the present prefix
         blocks = kv.get(fingerprint, keys)                     # the present prefix's bytes
 
-Remote puts and gets use the server's raw data port when it has one (``data_plane="auto"``,
-the default), else the gRPC Get and Put streams (``data_plane="grpc"``).
+Lookups, remote puts and gets use the server's raw data port (over TCP, or its Unix twin on the
+same host) when it has one (``data_plane="auto"``, the default), else gRPC (``data_plane="grpc"``).
 
 Same-host calls (Unix socket only) move no bytes through the service: ``resolve`` returns views
 of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
@@ -72,6 +72,7 @@ class Client:
         self._token = token
         self._data_plane = data_plane
         self._data_port: int | None = None  # None: not asked yet; 0: the server has none
+        self._data_socket = ""
         self._local = threading.local()  # one data connection per thread
         self._data_conns: list[DataPortClient] = []
         self._channel = grpc.insecure_channel(
@@ -125,6 +126,9 @@ class Client:
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0, scope: str = ""
     ) -> Lookup:
         """The present prefix with the tier of each hit; ``pin_ttl_s`` > 0 pins it under a lease."""
+        if self._data_connection(scope) is not None:
+            hit, tiers, lease_id = self._on_data(scope, lambda c: c.lookup(fingerprint, keys, pin_ttl_s))
+            return Lookup(hit, tiers, lease_id)
         r = self._call(
             "Lookup",
             pb.LookupRequest(fingerprint=fingerprint, keys=list(keys), pin_ttl_s=pin_ttl_s, scope=scope),
@@ -186,21 +190,27 @@ class Client:
 
     def server_info(self) -> dict[str, Any]:
         r = self._call("ServerInfo", pb.ServerInfoRequest(), pb.ServerInfoResponse)
-        return {"data_port": r.data_port, "tiers": list(r.tiers)}
+        return {"data_port": r.data_port, "data_socket": r.data_socket, "tiers": list(r.tiers)}
 
     def _data_connection(self, scope: str) -> DataPortClient | None:
-        """This thread's connection to the raw data port, or None to use gRPC streams."""
-        if self._data_plane == "grpc" or self.address.startswith("unix:"):
+        """This thread's connection to the raw data port (its Unix twin on the same host), or
+        None to use gRPC."""
+        if self._data_plane == "grpc":
             return None
+        unix = self.address.startswith("unix:")
         if self._data_port is None:
-            self._data_port = int(self.server_info()["data_port"])
-        if not self._data_port:
+            info = self.server_info()
+            self._data_port, self._data_socket = int(info["data_port"]), str(info["data_socket"])
+        if not (self._data_socket if unix else self._data_port):
             return None
         conns: dict[str, DataPortClient] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(scope)
         if conn is None:
-            host = self.address.rpartition(":")[0].strip("[]")
-            conn = DataPortClient(host, self._data_port, self._token, scope)
+            if unix:
+                conn = DataPortClient("", 0, self._token, scope, unix_path=self._data_socket)
+            else:
+                host = self.address.rpartition(":")[0].strip("[]")
+                conn = DataPortClient(host, self._data_port, self._token, scope)
             conns[scope] = conn
             with self._arena_lock:
                 self._data_conns.append(conn)

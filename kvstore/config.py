@@ -67,6 +67,7 @@ class ServerSettings:
     socket_path: str = ""  # default: <data_dir>/kvstore.sock, mode 0600
     tcp_address: str = ""  # host:port for the shared store; empty: no TCP listener
     data_address: str = "auto"  # raw data port: "auto" = tcp_address's host, any port; "" = off
+    data_socket_path: str = "auto"  # its Unix twin: "auto" = <data_dir>/kvstore-data.sock; "" = off
     tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
     unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
     admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks

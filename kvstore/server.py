@@ -51,6 +51,7 @@ class RunningServer:
     drain_grace_s: float
     _stopped: threading.Event
     data_port: DataPort | None = None
+    data_socket: DataPort | None = None
 
     def stop(self) -> None:
         """Drain and close; idempotent."""
@@ -60,8 +61,9 @@ class RunningServer:
         log.info("draining: refusing new requests, %.1fs for in-flight ones", self.drain_grace_s)
         self.service.draining.set()
         self.health.enter_graceful_shutdown()
-        if self.data_port is not None:
-            self.data_port.close(self.drain_grace_s)
+        for port in (self.data_port, self.data_socket):
+            if port is not None:
+                port.close(self.drain_grace_s)
         self.grpc_server.stop(self.drain_grace_s).wait()
         self.store.close()
         if self.metrics is not None:
@@ -127,7 +129,16 @@ def start_server(settings: Settings) -> RunningServer:
         data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
     if data_address:
         data_port = DataPort(store, auth, data_address, service.check_sizes)
+        data_port.on_lookup = service.record_hits
         service.data_port = data_port.port
+    data_socket = None
+    data_socket_path = settings.server.data_socket_path
+    if data_socket_path == "auto":
+        data_socket_path = str(Path(settings.data_dir) / "kvstore-data.sock")
+    if data_socket_path:
+        data_socket = DataPort(store, auth, f"unix:{data_socket_path}", service.check_sizes)
+        data_socket.on_lookup = service.record_hits
+        service.data_socket = data_socket_path
     server.start()
     os.chmod(socket_path, 0o600)
     for name in ("", SERVICE_NAME):
@@ -152,6 +163,7 @@ def start_server(settings: Settings) -> RunningServer:
         settings.server.drain_grace_s,
         threading.Event(),
         data_port,
+        data_socket,
     )
 
 

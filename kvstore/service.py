@@ -53,6 +53,7 @@ class KvStoreService:
         self.metrics = metrics
         self.draining = threading.Event()
         self.data_port = 0  # set by the server when it runs a raw data port
+        self.data_socket = ""  # likewise for its Unix-socket twin
         self._models: dict[bytes, ModelIdentity] = {}
         self._models_lock = threading.Lock()
 
@@ -89,7 +90,7 @@ class KvStoreService:
         identity = self._models.get(fingerprint)
         return identity.tokens_per_block if identity else 0
 
-    def _record_hits(self, caller: Caller, fingerprint: bytes, asked: int, tiers: Sequence[str]) -> None:
+    def record_hits(self, caller: Caller, fingerprint: bytes, asked: int, tiers: Sequence[str]) -> None:
         if self.metrics is not None:
             tpb = self._tokens_per_block(fingerprint)
             self.metrics.record_lookup(caller.tenant, len(tiers), asked - len(tiers), tiers, tpb)
@@ -134,7 +135,7 @@ class KvStoreService:
             keys = [BlockKey(k) for k in request.keys]
             ttl = request.pin_ttl_s if request.pin_ttl_s > 0 else None
             result = self.store.lookup(scope, keys, pin_ttl_s=ttl, owner=caller.tenant)
-            self._record_hits(caller, request.fingerprint, len(keys), result.tiers)
+            self.record_hits(caller, request.fingerprint, len(keys), result.tiers)
             return pb.LookupResponse(
                 hit_blocks=result.hit_blocks,
                 tiers=[TIER_ENUM[t] for t in result.tiers],
@@ -218,7 +219,11 @@ class KvStoreService:
         self, request: pb.ServerInfoRequest, context: grpc.ServicerContext
     ) -> pb.ServerInfoResponse:
         def body(caller: Caller) -> pb.ServerInfoResponse:
-            return pb.ServerInfoResponse(data_port=self.data_port, tiers=[t.name for t in self.store.tiers])
+            return pb.ServerInfoResponse(
+                data_port=self.data_port,
+                data_socket=self.data_socket,
+                tiers=[t.name for t in self.store.tiers],
+            )
 
         return self._serve("ServerInfo", context, body)
 
@@ -257,7 +262,7 @@ class KvStoreService:
             scope = self._scope(caller, request.fingerprint, request.scope)
             keys = [BlockKey(k) for k in request.keys]
             resolved = self.store.resolve(scope, keys, request.ttl_s or None, owner=caller.tenant)
-            self._record_hits(caller, request.fingerprint, len(keys), resolved.tiers)
+            self.record_hits(caller, request.fingerprint, len(keys), resolved.tiers)
             if self.metrics is not None:
                 self.metrics.restore_seconds.labels("resolve").observe(time.perf_counter() - start)
             return pb.ResolveResponse(

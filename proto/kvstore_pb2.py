@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kvstore.proto\x12\nkvstore.v1\"\x88\x03\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x06 \x01(\r\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x17\n\x0fkv_quantization\x18\x08 \x01(\t\x12\x15\n\rmemory_layout\x18\t \x01(\t\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x0b \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x0c \x01(\t\x12\x1d\n\x15\x63hat_template_version\x18\r \x01(\t\x12\x12\n\nrope_theta\x18\x0e \x01(\x01\x12\x14\n\x0crope_scaling\x18\x0f \x01(\t\x12\x0f\n\x07tp_rank\x18\x10 \x01(\r\x12\x15\n\rtp_world_size\x18\x11 \x01(\r\">\n\x0fRegisterRequest\x12+\n\x08identity\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.ModelIdentity\"<\n\x10RegisterResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"T\n\rLookupRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tpin_ttl_s\x18\x03 \x01(\x01\x12\r\n\x05scope\x18\x04 \x01(\t\"l\n\x0eLookupResponse\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\"A\n\rExistsRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"A\n\rDeleteRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"Z\n\x11InvalidateRequest\x12\x15\n\x0b\x66ingerprint\x18\x01 \x01(\x0cH\x00\x12\x14\n\neverything\x18\x02 \x01(\x08H\x00\x12\x0e\n\x06tenant\x18\x03 \x01(\tB\x08\n\x06target\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x86\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x04\"\xdd\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12@\n\x0ctenant_bytes\x18\x03 \x03(\x0b\x32*.kvstore.v1.StatsResponse.TenantBytesEntry\x12\x14\n\x0c\x61\x62sent_tiers\x18\x04 \x03(\t\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10TenantBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x13\n\x11ServerInfoRequest\"6\n\x12ServerInfoResponse\x12\x11\n\tdata_port\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"\x0f\n\rAttachRequest\"I\n\x0e\x41ttachResponse\x12\x12\n\narena_name\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\";\n\x04Slot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07present\x18\x03 \x01(\x08\"Q\n\x0eResolveRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\r\n\x05scope\x18\x04 \x01(\t\"e\n\x0fResolveResponse\x12\x1f\n\x05slots\x18\x01 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"p\n\x0eReserveRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\r\n\x05scope\x18\x06 \x01(\t\"J\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\"\'\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\">\n\nGetRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"^\n\nBlockFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x0c\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\r\n\x05scope\x18\x05 \x01(\t\"/\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08received\x18\x02 \x01(\r*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x32\xea\x07\n\x07KvStore\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12K\n\nServerInfo\x12\x1d.kvstore.v1.ServerInfoRequest\x1a\x1e.kvstore.v1.ServerInfoResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x1a.kvstore.v1.AttachResponse\x12\x42\n\x07Resolve\x12\x1a.kvstore.v1.ResolveRequest\x1a\x1b.kvstore.v1.ResolveResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x37\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.BlockFrame0\x01\x12\x38\n\x03Put\x12\x16.kvstore.v1.BlockFrame\x1a\x17.kvstore.v1.PutResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kvstore.proto\x12\nkvstore.v1\"\x88\x03\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x06 \x01(\r\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x17\n\x0fkv_quantization\x18\x08 \x01(\t\x12\x15\n\rmemory_layout\x18\t \x01(\t\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x0b \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x0c \x01(\t\x12\x1d\n\x15\x63hat_template_version\x18\r \x01(\t\x12\x12\n\nrope_theta\x18\x0e \x01(\x01\x12\x14\n\x0crope_scaling\x18\x0f \x01(\t\x12\x0f\n\x07tp_rank\x18\x10 \x01(\r\x12\x15\n\rtp_world_size\x18\x11 \x01(\r\">\n\x0fRegisterRequest\x12+\n\x08identity\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.ModelIdentity\"<\n\x10RegisterResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"T\n\rLookupRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tpin_ttl_s\x18\x03 \x01(\x01\x12\r\n\x05scope\x18\x04 \x01(\t\"l\n\x0eLookupResponse\x12\x12\n\nhit_blocks\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\"A\n\rExistsRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"A\n\rDeleteRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"Z\n\x11InvalidateRequest\x12\x15\n\x0b\x66ingerprint\x18\x01 \x01(\x0cH\x00\x12\x14\n\neverything\x18\x02 \x01(\x08H\x00\x12\x0e\n\x06tenant\x18\x03 \x01(\tB\x08\n\x06target\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x86\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x04\"\xdd\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12@\n\x0ctenant_bytes\x18\x03 \x03(\x0b\x32*.kvstore.v1.StatsResponse.TenantBytesEntry\x12\x14\n\x0c\x61\x62sent_tiers\x18\x04 \x03(\t\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10TenantBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x13\n\x11ServerInfoRequest\"K\n\x12ServerInfoResponse\x12\x11\n\tdata_port\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x03 \x01(\t\"\x0f\n\rAttachRequest\"I\n\x0e\x41ttachResponse\x12\x12\n\narena_name\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\";\n\x04Slot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07present\x18\x03 \x01(\x08\"Q\n\x0eResolveRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\r\n\x05scope\x18\x04 \x01(\t\"e\n\x0fResolveResponse\x12\x1f\n\x05slots\x18\x01 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"p\n\x0eReserveRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\r\n\x05scope\x18\x06 \x01(\t\"J\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\"\'\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\">\n\nGetRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05scope\x18\x03 \x01(\t\"^\n\nBlockFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x0c\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\r\n\x05scope\x18\x05 \x01(\t\"/\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08received\x18\x02 \x01(\r*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x32\xea\x07\n\x07KvStore\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12K\n\nServerInfo\x12\x1d.kvstore.v1.ServerInfoRequest\x1a\x1e.kvstore.v1.ServerInfoResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x1a.kvstore.v1.AttachResponse\x12\x42\n\x07Resolve\x12\x1a.kvstore.v1.ResolveRequest\x1a\x1b.kvstore.v1.ResolveResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x37\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.BlockFrame0\x01\x12\x38\n\x03Put\x12\x16.kvstore.v1.BlockFrame\x1a\x17.kvstore.v1.PutResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_TENANTBYTESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_TENANTBYTESENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2594
-  _globals['_TIER']._serialized_end=2666
+  _globals['_TIER']._serialized_start=2615
+  _globals['_TIER']._serialized_end=2687
   _globals['_MODELIDENTITY']._serialized_start=36
   _globals['_MODELIDENTITY']._serialized_end=428
   _globals['_REGISTERREQUEST']._serialized_start=430
@@ -76,35 +76,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFOREQUEST']._serialized_start=1647
   _globals['_SERVERINFOREQUEST']._serialized_end=1666
   _globals['_SERVERINFORESPONSE']._serialized_start=1668
-  _globals['_SERVERINFORESPONSE']._serialized_end=1722
-  _globals['_ATTACHREQUEST']._serialized_start=1724
-  _globals['_ATTACHREQUEST']._serialized_end=1739
-  _globals['_ATTACHRESPONSE']._serialized_start=1741
-  _globals['_ATTACHRESPONSE']._serialized_end=1814
-  _globals['_SLOT']._serialized_start=1816
-  _globals['_SLOT']._serialized_end=1875
-  _globals['_RESOLVEREQUEST']._serialized_start=1877
-  _globals['_RESOLVEREQUEST']._serialized_end=1958
-  _globals['_RESOLVERESPONSE']._serialized_start=1960
-  _globals['_RESOLVERESPONSE']._serialized_end=2061
-  _globals['_RESERVEREQUEST']._serialized_start=2063
-  _globals['_RESERVEREQUEST']._serialized_end=2175
-  _globals['_RESERVERESPONSE']._serialized_start=2177
-  _globals['_RESERVERESPONSE']._serialized_end=2251
-  _globals['_COMMITREQUEST']._serialized_start=2253
-  _globals['_COMMITREQUEST']._serialized_end=2292
-  _globals['_COMMITRESPONSE']._serialized_start=2294
-  _globals['_COMMITRESPONSE']._serialized_end=2326
-  _globals['_ABORTREQUEST']._serialized_start=2328
-  _globals['_ABORTREQUEST']._serialized_end=2366
-  _globals['_ABORTRESPONSE']._serialized_start=2368
-  _globals['_ABORTRESPONSE']._serialized_end=2383
-  _globals['_GETREQUEST']._serialized_start=2385
-  _globals['_GETREQUEST']._serialized_end=2447
-  _globals['_BLOCKFRAME']._serialized_start=2449
-  _globals['_BLOCKFRAME']._serialized_end=2543
-  _globals['_PUTRESPONSE']._serialized_start=2545
-  _globals['_PUTRESPONSE']._serialized_end=2592
-  _globals['_KVSTORE']._serialized_start=2669
-  _globals['_KVSTORE']._serialized_end=3671
+  _globals['_SERVERINFORESPONSE']._serialized_end=1743
+  _globals['_ATTACHREQUEST']._serialized_start=1745
+  _globals['_ATTACHREQUEST']._serialized_end=1760
+  _globals['_ATTACHRESPONSE']._serialized_start=1762
+  _globals['_ATTACHRESPONSE']._serialized_end=1835
+  _globals['_SLOT']._serialized_start=1837
+  _globals['_SLOT']._serialized_end=1896
+  _globals['_RESOLVEREQUEST']._serialized_start=1898
+  _globals['_RESOLVEREQUEST']._serialized_end=1979
+  _globals['_RESOLVERESPONSE']._serialized_start=1981
+  _globals['_RESOLVERESPONSE']._serialized_end=2082
+  _globals['_RESERVEREQUEST']._serialized_start=2084
+  _globals['_RESERVEREQUEST']._serialized_end=2196
+  _globals['_RESERVERESPONSE']._serialized_start=2198
+  _globals['_RESERVERESPONSE']._serialized_end=2272
+  _globals['_COMMITREQUEST']._serialized_start=2274
+  _globals['_COMMITREQUEST']._serialized_end=2313
+  _globals['_COMMITRESPONSE']._serialized_start=2315
+  _globals['_COMMITRESPONSE']._serialized_end=2347
+  _globals['_ABORTREQUEST']._serialized_start=2349
+  _globals['_ABORTREQUEST']._serialized_end=2387
+  _globals['_ABORTRESPONSE']._serialized_start=2389
+  _globals['_ABORTRESPONSE']._serialized_end=2404
+  _globals['_GETREQUEST']._serialized_start=2406
+  _globals['_GETREQUEST']._serialized_end=2468
+  _globals['_BLOCKFRAME']._serialized_start=2470
+  _globals['_BLOCKFRAME']._serialized_end=2564
+  _globals['_PUTRESPONSE']._serialized_start=2566
+  _globals['_PUTRESPONSE']._serialized_end=2613
+  _globals['_KVSTORE']._serialized_start=2690
+  _globals['_KVSTORE']._serialized_end=3692
 # @@protoc_insertion_point(module_scope)

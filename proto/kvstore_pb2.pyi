@@ -209,12 +209,14 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("data_port", "tiers")
+    __slots__ = ("data_port", "tiers", "data_socket")
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     data_port: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, data_port: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, data_port: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ()
