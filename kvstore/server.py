@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -169,6 +170,9 @@ def start_server(settings: Settings) -> RunningServer:
 
 def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = None) -> int:
     """Run until SIGTERM or SIGINT, then drain; the exit code (0 after a clean drain)."""
+    # Request threads hand the GIL to each other often; the default 5 ms switch interval
+    # would let one busy thread stall a lookup waiting on the GIL for that long.
+    sys.setswitchinterval(0.0005)
     running = start_server(settings)
     stop_requested = threading.Event()
 

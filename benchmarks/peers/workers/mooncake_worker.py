@@ -143,7 +143,7 @@ def run(workload: Workload, workdir: Path) -> Figures:
     meta_port, master_port, metrics_port, node_port = (free_port() for _ in range(4))
     metadata_url = f"http://127.0.0.1:{meta_port}/metadata"
     master = f"127.0.0.1:{master_port}"
-    segment_mib = (workload.total_bytes * 3 // 2) // MiB + 256
+    segment_mib = (workload.total_bytes * 5 // 4) // MiB + 64  # under the 90 % eviction mark
     with Servers(workdir) as servers:
         servers.start(
             "mooncake_http_metadata_server",
