@@ -80,6 +80,16 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:
+    """Header and payload in one gathered send (fewer syscalls than two sendall calls)."""
+    sent = sock.sendmsg([head, body])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(body):
+        sock.sendall(body[sent - len(head) :])
+
+
 def send_status(sock: socket.socket, code_name: str, message: str = "") -> None:
     body = message.encode()
     sock.sendall(struct.pack("<BI", _STATUS_CODES.get(code_name, 2), len(body)) + body)
@@ -239,8 +249,8 @@ class DataPort:
             resolved = self.store.resolve(scope, batch, LEASE_S, owner=owner)
             try:
                 for slot in resolved.slots:
-                    conn.sendall(struct.pack("<Q", slot.size_bytes))
-                    conn.sendall(arena.arena.view[slot.offset : slot.offset + slot.size_bytes])
+                    payload = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
+                    send_parts(conn, struct.pack("<Q", slot.size_bytes), payload)
             finally:
                 if resolved.lease is not None:
                     self.store.release(resolved.lease.lease_id, owner=owner)
