@@ -1,0 +1,114 @@
+"""Calibration: the measured inputs of the cost model, loaded from a file and kept current.
+
+A ``Calibration`` holds one ``TierCost`` per tier and a ``PrefillModel``. It starts from the file
+``kvstore bench calibrate`` writes (JSON) and is updated online from what really happened:
+
+- ``observe_transfer(tier, bytes, seconds)`` moves the tier's bandwidth towards the observed one
+  (exponentially weighted, so a changed disk or a busy link shows up within a few restores);
+- ``observe_prefill(prefix, suffix, seconds)`` keeps the latest observations and refits the
+  three prefill coefficients by non-negative least squares once enough of them differ.
+
+Threads: one lock guards updates; ``snapshot()`` returns immutable values safe to use anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from engine_plugin.cost_model import PrefillModel, TierCost
+
+FORMAT_VERSION = 1
+MIN_FIT_POINTS = 8
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tiers: dict[str, TierCost]
+    prefill: PrefillModel
+
+
+class Calibration:
+    def __init__(self, tiers: dict[str, TierCost], prefill: PrefillModel, ewma_weight: float = 0.2) -> None:
+        if not 0 < ewma_weight <= 1:
+            raise ValueError("ewma_weight must be in (0, 1]")
+        self._tiers = dict(tiers)
+        self._prefill = prefill
+        self._weight = ewma_weight
+        self._points: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- persistence
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: calibration format {doc.get('version')!r}, expected {FORMAT_VERSION}")
+        tiers = {name: TierCost(**fields) for name, fields in doc["tiers"].items()}
+        return cls(tiers, PrefillModel(**doc["prefill"]))
+
+    def save(self, path: str | Path, extra: dict[str, object] | None = None) -> None:
+        snap = self.snapshot()
+        doc: dict[str, object] = {
+            "version": FORMAT_VERSION,
+            "tiers": {name: _finite(asdict(cost)) for name, cost in snap.tiers.items()},
+            "prefill": asdict(snap.prefill),
+        }
+        doc.update(extra or {})
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(dict(self._tiers), self._prefill)
+
+    # ----------------------------------------------------------------- online updates
+
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Fold one measured restore from ``tier`` into its bandwidth (latency is kept)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            cost = self._tiers.get(tier)
+            if cost is None:
+                return
+            spent = max(seconds - cost.latency_s, seconds * 0.1)
+            observed = nbytes / spent
+            blended = (1 - self._weight) * cost.bandwidth_bytes_per_s + self._weight * observed
+            self._tiers[tier] = replace(cost, bandwidth_bytes_per_s=blended)
+
+    def observe_prefill(self, prefix_tokens: int, suffix_tokens: int, seconds: float) -> None:
+        """Record one measured prefill; refit the model once the points span enough shapes."""
+        if suffix_tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._points.append((prefix_tokens, suffix_tokens, seconds))
+            if len(self._points) >= MIN_FIT_POINTS and len({(p, s) for p, s, _ in self._points}) >= 3:
+                self._prefill = fit_prefill(list(self._points))
+
+
+def fit_prefill(points: list[tuple[int, int, float]]) -> PrefillModel:
+    """Least-squares fit of (fixed, per_token, per_token_context) to (prefix, suffix, seconds),
+    with every coefficient kept non-negative (a negative one would reward longer prompts)."""
+    rows = np.array([[1.0, s, s * (2 * p + s) / 2] for p, s, _ in points])
+    times = np.array([t for _, _, t in points])
+    active = [0, 1, 2]
+    coef = np.zeros(3)
+    while active:
+        solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
+        if (solution >= 0).all():
+            coef[:] = 0
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return PrefillModel(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def _finite(fields: dict[str, float]) -> dict[str, float]:
+    """JSON has no infinity: leave an infinite (absent) decode speed out of the file."""
+    return {k: v for k, v in fields.items() if np.isfinite(v)}

@@ -1,0 +1,119 @@
+"""Restore versus recompute: how many leading tokens of a prefix hit to load, from measurements.
+
+Pure functions over measured inputs; no I/O, no engine. The connector feeds them the tier of
+each hit block, the bytes per block, the calibrated cost of each tier and of prefill, and acts
+on the returned ``Plan``.
+
+Time to first token when the first ``k`` hit blocks are restored and the rest is computed:
+
+    ttft(k) = load(k) + prefill(prefix = k * B, suffix = n - k * B)
+    load(k) = sum over tiers used by blocks < k of the tier's fixed latency
+            + sum over blocks i < k of block_bytes / bandwidth(tier of block i)
+    prefill(p, s) = fixed + per_token * s + per_token_context * s * (2p + s) / 2
+
+The last term is attention: each new token attends to everything before it, so computing ``s``
+tokens after a prefix of ``p`` costs about s * (p + s / 2) token-pairs. ``plan_restore`` takes
+the ``k`` (0 .. hit blocks) with the smallest predicted ttft: zero when loading loses, a partial
+prefix when later blocks sit in a slow tier. Ties go to the smaller ``k`` (less I/O).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """What moving bytes out of one tier into the engine costs."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0  # paid once per request that reads from the tier
+    decode_bytes_per_s: float = math.inf  # a codec on the way (zstd): its decode speed
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or not self.decode_bytes_per_s > 0 or self.latency_s < 0:
+            raise ValueError(f"tier cost needs positive bandwidths and a non-negative latency: {self}")
+
+    def seconds_per_byte(self) -> float:
+        return 1.0 / self.bandwidth_bytes_per_s + 1.0 / self.decode_bytes_per_s
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Prefill time of ``suffix`` new tokens after ``prefix`` cached ones (see module docstring)."""
+
+    fixed_s: float
+    per_token_s: float
+    per_token_context_s: float = 0.0
+
+    def seconds(self, prefix_tokens: int, suffix_tokens: int) -> float:
+        if suffix_tokens <= 0:
+            return self.fixed_s
+        s, p = suffix_tokens, prefix_tokens
+        return self.fixed_s + self.per_token_s * s + self.per_token_context_s * s * (2 * p + s) / 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    restore_blocks: int
+    restore_tokens: int
+    predicted_ttft_s: float
+    predicted_load_s: float
+    predicted_prefill_s: float
+    all_recompute_s: float  # predicted ttft with nothing restored
+    all_restore_s: float  # predicted ttft with every hit block restored
+
+    @property
+    def decision(self) -> str:
+        """``recompute``, ``restore`` (every hit block) or ``partial``."""
+        if self.restore_blocks == 0:
+            return "recompute"
+        return "restore" if self.predicted_ttft_s == self.all_restore_s else "partial"
+
+
+def plan_restore(
+    hit_tiers: Sequence[str],
+    block_bytes: int,
+    tokens_per_block: int,
+    prompt_tokens: int,
+    tiers: Mapping[str, TierCost],
+    prefill: PrefillModel,
+) -> Plan:
+    """The number of leading hit blocks to restore that minimizes predicted time to first token.
+
+    ``hit_tiers[i]`` is the tier holding hit block i (the hits are a prefix of the prompt). At
+    least one token is always computed (the engine needs a last token to sample from), so a hit
+    covering the whole prompt is restored at most to ``prompt_tokens - 1``.
+    """
+    if tokens_per_block <= 0 or block_bytes < 0 or prompt_tokens < 0:
+        raise ValueError("tokens_per_block must be positive, sizes non-negative")
+    usable = min(len(hit_tiers), max(0, prompt_tokens - 1) // tokens_per_block)
+    for tier in hit_tiers[:usable]:
+        if tier not in tiers:
+            raise KeyError(f"no cost calibrated for tier {tier!r}")
+    best_k, best = 0, prefill.seconds(0, prompt_tokens)
+    recompute = best
+    best_load = load = 0.0
+    seen: set[str] = set()
+    ttft_k = recompute
+    for k in range(1, usable + 1):
+        cost = tiers[hit_tiers[k - 1]]
+        if hit_tiers[k - 1] not in seen:
+            seen.add(hit_tiers[k - 1])
+            load += cost.latency_s
+        load += block_bytes * cost.seconds_per_byte()
+        restored = k * tokens_per_block
+        ttft_k = load + prefill.seconds(restored, prompt_tokens - restored)
+        if ttft_k < best:
+            best_k, best, best_load = k, ttft_k, load
+    return Plan(
+        restore_blocks=best_k,
+        restore_tokens=best_k * tokens_per_block,
+        predicted_ttft_s=best,
+        predicted_load_s=best_load,
+        predicted_prefill_s=best - best_load,
+        all_recompute_s=recompute,
+        all_restore_s=ttft_k,
+    )

@@ -1,0 +1,111 @@
+"""The restore-versus-recompute cost model and its calibration, as pure functions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine_plugin.calibration import Calibration, fit_prefill
+from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
+
+MB = 1_000_000
+PREFILL = PrefillModel(fixed_s=0.005, per_token_s=0.0004, per_token_context_s=1e-8)  # ~2.5k tok/s
+FAST = {"dram": TierCost(5_000 * MB, 0.0002), "nvme": TierCost(1_000 * MB, 0.001)}
+BLOCK_BYTES, TPB = 2 * MB, 16
+
+
+def brute_force(tiers: list[str], prompt: int, costs: dict[str, TierCost]) -> float:
+    best = PREFILL.seconds(0, prompt)
+    usable = min(len(tiers), (prompt - 1) // TPB)
+    for k in range(1, usable + 1):
+        load = sum(costs[t].latency_s for t in set(tiers[:k])) + sum(
+            BLOCK_BYTES * costs[t].seconds_per_byte() for t in tiers[:k]
+        )
+        best = min(best, load + PREFILL.seconds(k * TPB, prompt - k * TPB))
+    return best
+
+
+def test_fast_tiers_restore_everything() -> None:
+    plan = plan_restore(["dram"] * 100, BLOCK_BYTES, TPB, 2000, FAST, PREFILL)
+    assert plan.restore_blocks == 100 and plan.decision == "restore"
+    assert plan.predicted_ttft_s < plan.all_recompute_s
+
+
+def test_slow_tier_means_recompute() -> None:
+    slow = {"nvme": TierCost(1 * MB, 0.01)}  # 2 s per block
+    plan = plan_restore(["nvme"] * 10, BLOCK_BYTES, TPB, 500, slow, PREFILL)
+    assert plan.restore_blocks == 0 and plan.decision == "recompute"
+    assert plan.predicted_ttft_s == plan.all_recompute_s
+
+
+def test_fast_head_slow_tail_restores_a_partial_prefix() -> None:
+    costs = {"dram": TierCost(5_000 * MB, 0.0002), "nvme": TierCost(5 * MB, 0.002)}
+    tiers = ["dram"] * 20 + ["nvme"] * 20
+    plan = plan_restore(tiers, BLOCK_BYTES, TPB, 1000, costs, PREFILL)
+    assert plan.restore_blocks == 20 and plan.decision == "partial"
+    assert plan.predicted_ttft_s < min(plan.all_recompute_s, plan.all_restore_s)
+
+
+def test_at_least_one_token_is_computed() -> None:
+    plan = plan_restore(["dram"] * 4, BLOCK_BYTES, TPB, 64, FAST, PREFILL)  # the hit covers it all
+    assert plan.restore_tokens == 48
+
+
+def test_no_hits_and_bad_input() -> None:
+    plan = plan_restore([], BLOCK_BYTES, TPB, 100, FAST, PREFILL)
+    assert plan.restore_blocks == 0 and plan.all_restore_s == plan.all_recompute_s
+    with pytest.raises(KeyError):
+        plan_restore(["tape"], BLOCK_BYTES, TPB, 100, FAST, PREFILL)
+    with pytest.raises(ValueError):
+        TierCost(0)
+
+
+def test_a_codec_slows_the_tier_down() -> None:
+    plain = TierCost(1_000 * MB)
+    zstd = TierCost(1_000 * MB, decode_bytes_per_s=500 * MB)
+    assert zstd.seconds_per_byte() == pytest.approx(3 * plain.seconds_per_byte())
+
+
+@given(
+    tiers=st.lists(st.sampled_from(["dram", "nvme", "remote"]), max_size=40),
+    prompt=st.integers(1, 1000),
+    bw=st.floats(0.5, 20_000),
+    lat=st.floats(0, 0.05),
+)
+def test_the_plan_is_the_best_prefix(tiers: list[str], prompt: int, bw: float, lat: float) -> None:
+    costs = {**FAST, "remote": TierCost(bw * MB, lat)}
+    tiers = sorted(tiers, key=["dram", "nvme", "remote"].index)  # a chain is fast at its head
+    plan = plan_restore(tiers, BLOCK_BYTES, TPB, prompt, costs, PREFILL)
+    assert math.isclose(plan.predicted_ttft_s, brute_force(tiers, prompt, costs), rel_tol=1e-9)
+    assert plan.predicted_ttft_s <= plan.all_recompute_s and plan.predicted_ttft_s <= plan.all_restore_s
+
+
+def test_fit_recovers_prefill_coefficients() -> None:
+    truth = PrefillModel(0.01, 0.0003, 2e-8)
+    points = [(p, s, truth.seconds(p, s)) for p in (0, 512, 2048, 8192) for s in (16, 256, 1024)]
+    fitted = fit_prefill(points)
+    for p, s, t in points:
+        assert fitted.seconds(p, s) == pytest.approx(t, rel=1e-6)
+
+
+def test_fit_never_goes_negative() -> None:
+    fitted = fit_prefill([(0, 100, 0.05), (0, 200, 0.05), (0, 300, 0.05), (0, 400, 0.049)])
+    assert fitted.fixed_s >= 0 and fitted.per_token_s >= 0 and fitted.per_token_context_s >= 0
+
+
+def test_calibration_round_trips_and_learns_online(tmp_path: Path) -> None:
+    cal = Calibration(dict(FAST), PREFILL, ewma_weight=0.5)
+    cal.save(tmp_path / "cal.json", {"model": "tiny"})
+    again = Calibration.load(tmp_path / "cal.json")
+    assert again.snapshot() == cal.snapshot()
+    for _ in range(40):  # the disk turned out 10x slower than calibrated
+        again.observe_transfer("nvme", 100 * MB, 1.0 + FAST["nvme"].latency_s)
+    assert again.snapshot().tiers["nvme"].bandwidth_bytes_per_s == pytest.approx(100 * MB, rel=0.01)
+    truth = PrefillModel(0.002, 0.001, 0.0)
+    for p, s in [(0, 100), (100, 50), (400, 200), (0, 800), (800, 16), (32, 32), (64, 640), (256, 128)]:
+        again.observe_prefill(p, s, truth.seconds(p, s))
+    assert again.snapshot().prefill.seconds(1000, 100) == pytest.approx(truth.seconds(1000, 100), rel=1e-6)
