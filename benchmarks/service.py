@@ -366,7 +366,7 @@ def bench_peers(count: int, rounds: int, ours: dict[str, float], console: Consol
 
 def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = True) -> int:
     count = 64 if quick else 256
-    rounds = 3 if quick else 7
+    rounds = 5 if quick else 9
     console = Console(stderr=True)
     server = ServerProcess(arena_bytes=(3 * count + 64) * BLOCK)
     results: list[Result] = []
