@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 source .venv/bin/activate
+python proto/generate.py --check
 ruff check .
 ruff format --check .
 mypy
