@@ -244,7 +244,7 @@ class Client:
         parent: bytes | None = None,
         scope: str = "",
     ) -> int:
-        """Store a chain over the Put stream; how many blocks were new."""
+        """Store a chain (over the data port, else the Put stream); how many blocks were new."""
         if len(keys) != len(blocks):
             raise KvStoreError(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
