@@ -232,6 +232,9 @@ class Client:
             raise
 
     def release(self, lease_id: int) -> None:
+        if self._data_connection("") is not None:
+            self._on_data("", lambda c: c.release(lease_id))
+            return
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse)
 
     # ----------------------------------------------------------------- remote data plane
@@ -310,6 +313,9 @@ class Client:
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float = 30.0, scope: str = ""
     ) -> ResolvedBlocks:
         arena = self.attach()
+        if self._data_connection(scope) is not None:
+            slots, tiers, lease_id = self._on_data(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
+            return ResolvedBlocks([arena.view[o : o + n] for o, n in slots], tiers, lease_id)
         r = self._call(
             "Resolve",
             pb.ResolveRequest(fingerprint=fingerprint, keys=list(keys), ttl_s=ttl_s, scope=scope),

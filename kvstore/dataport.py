@@ -11,6 +11,9 @@ the Unix-socket twin of the sidecar are announced by the ServerInfo RPC.
 Framing (little-endian), one request at a time per connection:
 
     hello    client: b"KVD1" u16 len + bearer token, u16 len + scope   server: status
+    resolve  client: u8 4, fingerprint[32], u32 n, n x key[32], f64 ttl_s      (Unix socket only)
+             server: status, u32 hit, hit x (u64 offset, u64 size, u8 tier), u64 lease id
+    release  client: u8 5, u64 lease id                                       server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme), u64 lease id
     get      client: u8 1, fingerprint[32], u32 n, n x key[32]
@@ -36,14 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.auth import Authenticator, Caller
-from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, Unavailable
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store import Scope, TieredStore
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVD1"
-OP_GET, OP_PUT, OP_LOOKUP = 1, 2, 3
+OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1
@@ -181,6 +184,12 @@ class DataPort:
                     return
                 if op[0] == OP_LOOKUP:
                     self._lookup(conn, session)
+                elif op[0] == OP_RESOLVE:
+                    self._resolve(conn, session)
+                elif op[0] == OP_RELEASE:
+                    (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8))
+                    self.store.release(lease_id, owner=session.caller.tenant)
+                    send_status(conn, "OK")
                 elif op[0] == OP_GET:
                     self._get(conn, session)
                 elif op[0] == OP_PUT:
@@ -222,6 +231,27 @@ class DataPort:
             raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
         raw = recv_exact(conn, 32 * n)
         return fingerprint, [BlockKey(raw[i * 32 : (i + 1) * 32]) for i in range(n)]
+
+    def _resolve(self, conn: socket.socket, session: _Session) -> None:
+        """Same-host restore: arena slots of the present prefix, pinned under a lease."""
+        fingerprint, keys = self._keys(conn)
+        (ttl_s,) = struct.unpack("<d", recv_exact(conn, 8))
+        if conn.family != socket.AF_UNIX:
+            raise FailedPrecondition(
+                "resolve hands out arena slots: same-host clients on the Unix socket only"
+            )
+        scope = Scope(session.namespace, fingerprint)
+        resolved = self.store.resolve(scope, keys, ttl_s if ttl_s > 0 else None, owner=session.caller.tenant)
+        if self.on_lookup is not None:
+            self.on_lookup(session.caller, fingerprint, len(keys), resolved.tiers)
+        body = [struct.pack("<I", len(resolved.slots))]
+        body.extend(
+            struct.pack("<QQB", slot.offset, slot.size_bytes, TIER_CODES[tier])
+            for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
+        )
+        body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
+        send_status(conn, "OK")
+        conn.sendall(b"".join(body))
 
     def _lookup(self, conn: socket.socket, session: _Session) -> None:
         fingerprint, keys = self._keys(conn)
@@ -331,6 +361,33 @@ class DataPortClient:
 
             self.sock.close()
             raise error_for_status(code, message)
+
+    def resolve(
+        self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float
+    ) -> tuple[list[tuple[int, int]], tuple[str, ...], int]:
+        """(arena (offset, size) of each block of the present prefix, their tiers, lease id)."""
+        _check_ids(fingerprint, keys)
+        self.sock.sendall(
+            struct.pack("<B", OP_RESOLVE)
+            + fingerprint
+            + struct.pack("<I", len(keys))
+            + b"".join(keys)
+            + struct.pack("<d", ttl_s)
+        )
+        self._check()
+        (hit,) = struct.unpack("<I", recv_exact(self.sock, 4))
+        raw = recv_exact(self.sock, 17 * hit + 8)
+        slots, tiers = [], []
+        for i in range(hit):
+            offset, size, tier = struct.unpack_from("<QQB", raw, 17 * i)
+            slots.append((offset, size))
+            tiers.append(TIER_NAMES.get(tier, "unknown"))
+        (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
+        return slots, tuple(tiers), int(lease_id)
+
+    def release(self, lease_id: int) -> None:
+        self.sock.sendall(struct.pack("<BQ", OP_RELEASE, lease_id))
+        self._check()
 
     def lookup(
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0

@@ -37,8 +37,9 @@ def blocks_for(keys: list[BlockKey]) -> list[bytes]:
     return [os.urandom(BLOCK) for _ in keys]
 
 
-def test_same_host_write_then_read_in_place(served: Served) -> None:
-    with connect(served.unix) as kv:
+@pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-socket", "grpc"])
+def test_same_host_write_then_read_in_place(served: Served, data_plane: str) -> None:
+    with connect(served.unix, data_plane=data_plane) as kv:
         fp = kv.register(MODEL)
         keys = chain(8)
         blocks = blocks_for(keys)
@@ -244,6 +245,9 @@ def test_data_port_refuses_strangers_and_bad_tokens(served: Served) -> None:
         DataPortClient("127.0.0.1", port, None, "")
     with pytest.raises(PermissionDenied):
         DataPortClient("127.0.0.1", port, "tok-c", "public")
+    client = DataPortClient("127.0.0.1", port, "tok-a", "")
+    with pytest.raises(FailedPrecondition, match="Unix socket"):
+        client.resolve(MODEL.fingerprint(), chain(1), 5.0)  # arena slots mean nothing remotely
     client = DataPortClient("127.0.0.1", port, "tok-a", "")
     with pytest.raises(InvalidArgument, match="layout"):
         connect(served.tcp, token="tok-a").register(MODEL)
