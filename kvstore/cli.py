@@ -129,6 +129,11 @@ def _size(n: int) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.service:
+        from kvstore.demo_service import run_service_demo
+
+        run_service_demo(args.service, args.tcp, args.token or os.environ.get("KVSTORE_TOKEN", ""))
+        return 0
     from kvstore.demo import run_demo
 
     run_demo(_settings(args))
@@ -184,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     invalidate.set_defaults(func=_cmd_invalidate)
 
     demo = sub.add_parser("demo", parents=[common], help="end-to-end demonstration of the store")
+    demo.add_argument(
+        "--service", metavar="UNIX_ADDRESS", help="run against a live server's Unix socket instead"
+    )
+    demo.add_argument("--tcp", metavar="HOST:PORT", help="with --service: the server's TCP listener")
+    demo.add_argument("--token", help="with --service: the bearer token for --tcp")
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks measured on this machine")

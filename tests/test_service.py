@@ -253,3 +253,28 @@ def test_data_port_refuses_strangers_and_bad_tokens(served: Served) -> None:
         connect(served.tcp, token="tok-a").register(MODEL)
         client.put(MODEL.fingerprint(), chain(1), [b"x" * 10])
     client.close()
+
+
+def test_the_service_demo_runs_against_a_live_server() -> None:
+    import shutil
+    import tempfile
+
+    from kvstore.config import load_settings
+    from kvstore.demo_service import run_service_demo
+    from kvstore.server import start_server
+    from tests.service_fixtures import settings_for
+
+    data_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    overrides = settings_for(data_dir, **{"dram.capacity_bytes": "128MiB", "dram.page_bytes": "32MiB"})
+    server = start_server(load_settings(env={}, overrides=overrides))
+    lines: list[str] = []
+    try:
+        run_service_demo(server.unix_address, server.tcp_address or "", "tok-a", lines.append)
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    text = "\n".join(lines)
+    assert "exact: True" in text and "exact: False" not in text
+    assert "93 of 93 blocks present" in text
+    assert "refused (Unauthenticated)" in text
+    assert "another tenant (the socket's default one): 0 blocks visible" in text
