@@ -8,7 +8,8 @@ Load it with::
         kv_role="kv_both",
         kv_load_failure_policy="recompute",   # a failed or missing block is recomputed
         kv_connector_extra_config={"address": "unix:///.../kvstore.sock", "token": None,
-                                   "calibration": "/path/calibration.json"},
+                                   "calibration": "/path/calibration.json",
+                                   "policy": "auto"},   # or "restore" / "recompute" (benchmarks)
     )
 
 Block mapping: one kvstore block is one vLLM block of ``block_size`` tokens, holding that
@@ -71,12 +72,27 @@ DEFAULT_TIERS = {
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
 
+_CALIBRATIONS: dict[tuple[bytes, str], Calibration] = {}
+
+
+def _shared_calibration(fingerprint: bytes, path: str | None) -> Calibration:
+    """One Calibration per model and file in this process, so that the worker's measured
+    restores reach the scheduler's predictions when both run in one process."""
+    key = (fingerprint, str(path or ""))
+    if key not in _CALIBRATIONS:
+        _CALIBRATIONS[key] = (
+            Calibration.load(path) if path else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
+        )
+    return _CALIBRATIONS[key]
+
+
 @dataclass
 class _Transfer:
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
     parent: BlockKey | None = None
+    tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block
 
 
 @dataclass
@@ -89,6 +105,7 @@ class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class _Tracked:
     keys: list[BlockKey]
     hit_blocks: int
+    hit_tiers: tuple[str, ...] = ()
     load_blocks: int = 0
     load_from: int = 0  # first block index to load (after the engine's own prefix cache)
     saved_blocks: int = 0
@@ -108,12 +125,10 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError("the kvstore connector supports tensor_parallel_size=1 for now")
         self.identity = identity_from_vllm(vllm_config)
         self.fingerprint = self.identity.fingerprint()
-        calibration = extra.get("calibration")
-        self.calibration = (
-            Calibration.load(calibration)
-            if calibration
-            else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
-        )
+        self.policy = str(extra.get("policy", "auto"))
+        if self.policy not in ("auto", "restore", "recompute"):
+            raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {self.policy!r}")
+        self.calibration = _shared_calibration(self.fingerprint, extra.get("calibration"))
         self._client: Client | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._kv_caches: list[torch.Tensor] = []
@@ -177,15 +192,21 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._drop_client(exc)
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
+        tracked.hit_tiers = hit.tiers
         prompt = len(request.prompt_token_ids or [])
         snap = self.calibration.snapshot()
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
         plan = plan_restore(
             hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill
         )
+        chosen = plan.restore_blocks
+        if self.policy == "restore":
+            chosen = min(hit.hit_blocks, max(0, prompt - 1) // self._block_size)
+        elif self.policy == "recompute":
+            chosen = 0
         local_blocks = num_computed_tokens // self._block_size
         tracked.load_from = local_blocks
-        tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
+        tracked.load_blocks = max(0, chosen - local_blocks)
         self.decisions.append(
             {
                 "request": request.request_id,
@@ -226,7 +247,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if tracked.load_blocks:
                 first, last = tracked.load_from, tracked.load_from + tracked.load_blocks
                 meta.loads.append(
-                    _Transfer(new.req_id, tracked.keys[first:last], tracked.block_ids[first:last])
+                    _Transfer(
+                        new.req_id,
+                        tracked.keys[first:last],
+                        tracked.block_ids[first:last],
+                        tiers=tracked.hit_tiers[first:last],
+                    )
                 )
                 tracked.load_blocks = 0
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -286,8 +312,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if loaded < len(load.block_ids):
                 self._load_errors.update(load.block_ids[loaded:])
             seconds = time.perf_counter() - start
-            if loaded:
-                self.calibration.observe_transfer("dram", loaded * self.identity.block_bytes, seconds)
+            if loaded and len(set(load.tiers[:loaded])) == 1:
+                # One source tier: the measured restore updates what the scheduler predicts with.
+                self.calibration.observe_transfer(load.tiers[0], loaded * self.identity.block_bytes, seconds)
             log.info(
                 "request %s: loaded %d of %d blocks in %.2f ms",
                 load.req_id,

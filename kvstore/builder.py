@@ -43,6 +43,10 @@ def build_tiers(settings: Settings) -> tuple[list[Tier], list[str]]:
         )
     else:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
+    throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": d.throttle_bytes_per_s}
+    throttles["nvme"] = settings.nvme.throttle_bytes_per_s
+    for tier in tiers:
+        tier.throttle_bytes_per_s = float(throttles.get(tier.name, 0))
     return tiers, absent
 
 

@@ -41,6 +41,7 @@ class DramSettings:
     page_bytes: int = 32 * MiB
     prefault: bool = True
     pin_with_cuda: bool = True
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class NvmeSettings:
     sync_interval_s: float = 1.0
     codec: Literal["none", "zstd", "zstd-byteplane"] = "none"
     zstd_level: int = 1
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class HbmSettings:
     capacity_bytes: int = 4 * GiB
     page_bytes: int = 32 * MiB
     device: str = "cuda"
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
 @dataclass(frozen=True)

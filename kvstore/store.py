@@ -289,6 +289,7 @@ class TieredStore:
         if len(keys) != len(outs):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} buffers")
         plan: list[tuple[_Block, int] | None] = []
+        throttle_s = 0.0
         with self._lock:
             scope = self._intern(scope)
             for key, out in zip(keys, outs, strict=True):
@@ -306,6 +307,9 @@ class TieredStore:
                 block.pins += 1  # transient: the copy below runs without the lock
                 self._touch(block)
                 plan.append((block, block.fastest))
+                throttle_s += self._throttle_s(block.fastest, block.size_bytes)
+        if throttle_s:
+            time.sleep(throttle_s)
         sizes: list[int | None] = []
         try:
             for planned, out in zip(plan, outs, strict=True):
@@ -523,19 +527,24 @@ class TieredStore:
         """Pin the present prefix and make sure each block has an arena copy to read in place."""
         _check_keys(keys)
         a, arena = self._require_arena()
+        throttle_s = 0.0
         with self._lock:
             scope = self._intern(scope)
             self._expire_leases()
             blocks: list[_Block] = []
+            sources: list[str] = []  # the tier each block was found in, before any promotion
             for key in keys:
                 block = self._visible((scope, key))
                 if block is None:
                     break
                 block.pins += 1  # before promotion: making room for the next must not evict it
+                source = block.fastest
                 if a not in block.tiers and not self._copy_into_arena(block, a, arena):
                     self._unpin(block)
                     break
                 blocks.append(block)
+                sources.append(self.tiers[source].name)
+                throttle_s += self._throttle_s(source, block.size_bytes)
             for block in blocks:
                 self._touch(block)
                 self._unpin(block)
@@ -547,7 +556,10 @@ class TieredStore:
                 slot = arena.locate(block.tkey)
                 assert slot is not None, "a pinned block lost its arena slot"
                 slots.append(ArenaSlot(slot.offset, slot.size_bytes))
-            return Resolved(tuple(slots), tuple(self.tiers[b.fastest].name for b in blocks), lease)
+            resolved = Resolved(tuple(slots), tuple(sources), lease)
+        if throttle_s:
+            time.sleep(throttle_s)  # outside the lock: a throttled read delays only its reader
+        return resolved
 
     def _copy_into_arena(self, block: _Block, a: int, arena: DramTier) -> bool:
         """Promote ``block`` into the arena straight from its fastest copy (one copy)."""
@@ -890,6 +902,11 @@ class TieredStore:
             block.version += 1
             self._push_all(block)
             return
+
+    def _throttle_s(self, t: int, nbytes: int) -> float:
+        """The delay a throttled tier adds to serving ``nbytes`` (benchmarks; 0 when off)."""
+        rate = self.tiers[t].throttle_bytes_per_s
+        return nbytes / rate if rate > 0 else 0.0
 
     def _read(self, block: _Block, t: int, out: memoryview) -> int | None:
         try:

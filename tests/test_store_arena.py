@@ -124,7 +124,7 @@ def test_resolve_promotes_from_nvme_into_the_arena(store: TieredStore) -> None:
     assert len(resolved.slots) == 4 and resolved.lease is not None
     store.release(resolved.lease.lease_id)
     resolved = store.resolve(A, keys[4:])  # the tail: copied up from nvme, read in place
-    assert len(resolved.slots) == 2 and resolved.tiers == ("dram", "dram")
+    assert len(resolved.slots) == 2 and resolved.tiers == ("nvme", "nvme")  # where they were found
     assert resolved.lease is not None
     for key, slot in zip(keys[4:], resolved.slots, strict=True):
         assert arena.arena.view[slot.offset : slot.offset + slot.size_bytes] == data(key)
@@ -137,3 +137,26 @@ def test_resolve_of_a_miss_pins_nothing(store: TieredStore) -> None:
     resolved = store.resolve(A, chain(2))
     assert resolved.slots == () and resolved.lease is None
     assert store.stats().leases == 0
+
+
+def test_a_throttled_tier_slows_its_readers_only(store: TieredStore) -> None:
+    import time
+
+    keys = chain(2)
+    store.put(A, keys, [data(k) for k in keys])
+    arena = store.arena
+    assert arena is not None
+    start = time.perf_counter()
+    store.release(store.resolve(A, keys).lease.lease_id)  # type: ignore[union-attr]
+    fast = time.perf_counter() - start
+    arena.throttle_bytes_per_s = 2 * BLOCK / 0.2  # two blocks: 0.2 s
+    start = time.perf_counter()
+    resolved = store.resolve(A, keys)
+    slow = time.perf_counter() - start
+    assert resolved.lease is not None
+    store.release(resolved.lease.lease_id)
+    assert slow >= 0.2 > fast
+    buf = memoryview(bytearray(BLOCK))
+    start = time.perf_counter()
+    store.get_into(A, keys[0], buf)
+    assert time.perf_counter() - start >= 0.1

@@ -35,12 +35,12 @@ ENGINE_START_S = 240
 class Engine:
     """One engine process; ``generate`` sends a prompt and waits for its completion."""
 
-    def __init__(self, model: Path, address: str) -> None:
+    def __init__(self, model: Path, address: str, policy: str = "auto") -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         # Open for the engine's lifetime; its tail goes into the error if the engine dies.
         self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.engine_driver", str(model), address],
+            [sys.executable, "-m", "tests.vllm.engine_driver", str(model), address, policy],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -139,6 +139,14 @@ def test_other_weights_find_nothing(models: tuple[Path, Path], sidecar: RunningS
         assert result["cached"] == 0
     finally:
         other.close()
+
+
+def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: RunningServer) -> None:
+    forced = Engine(models[0], sidecar.unix_address, policy="recompute")
+    try:
+        assert forced.generate(PROMPT)["cached"] == 0  # the blocks are there; the policy says no
+    finally:
+        forced.close()
 
 
 def test_sidecar_gone_means_recompute_not_failure(

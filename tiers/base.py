@@ -132,6 +132,9 @@ class Tier(ABC):
     """One storage medium. See the module docstring for the contract."""
 
     name: str
+    # For benchmarks: the store adds bytes / throttle seconds to every read it serves from this
+    # tier, emulating a slower medium or link. 0 = off.
+    throttle_bytes_per_s: float = 0.0
 
     @abstractmethod
     def can_store(self, size_bytes: int) -> bool: ...

@@ -1,6 +1,6 @@
 """A vLLM CPU engine in its own process, driven over stdin/stdout by the end-to-end tests.
 
-    python -m tests.vllm.engine_driver MODEL_DIR SIDECAR_ADDRESS
+    python -m tests.vllm.engine_driver MODEL_DIR SIDECAR_ADDRESS [POLICY]
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null}
     stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int, "seconds": float}
 
@@ -26,12 +26,13 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, address = sys.argv[1], sys.argv[2]
+    policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
     transfer = KVTransferConfig(
         kv_connector="KvstoreConnector",
         kv_connector_module_path="engine_plugin.vllm_connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"address": address},
+        kv_connector_extra_config={"address": address, "policy": policy},
     )
     llm = LLM(
         model=model,
