@@ -48,6 +48,12 @@ class ServerProcess:
     def __init__(self, arena_bytes: int) -> None:
         self.folder = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         self.port = _free_port()
+        self.arena_bytes = arena_bytes
+        self.unix = f"unix://{self.folder}/kvstore.sock"
+        self.tcp = f"127.0.0.1:{self.port}"
+        self._start()
+
+    def _start(self) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -58,7 +64,7 @@ class ServerProcess:
             "--tcp",
             f"127.0.0.1:{self.port}",
             "--set",
-            f"dram.capacity_bytes={arena_bytes}",
+            f"dram.capacity_bytes={self.arena_bytes}",
             "--set",
             "nvme.capacity_bytes=4GiB",
             "--set",
@@ -69,8 +75,6 @@ class ServerProcess:
             "server.max_message_bytes=64MiB",
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.unix = f"unix://{self.folder}/kvstore.sock"
-        self.tcp = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -83,12 +87,20 @@ class ServerProcess:
                     raise RuntimeError(f"kvstore serve did not start: {err[-2000:]}") from None
                 time.sleep(0.2)
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def restart(self) -> None:
+        """A clean stop and start on the same folder: dram is empty after it, nvme holds all."""
+        self._terminate()
+        self._start()
+
+    def stop(self) -> None:
+        self._terminate()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -6,6 +6,7 @@
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
     kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
+    kvstore bench calibrate        prefill curve and tier restore costs -> the connector's calibration
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
 ``KVSTORE_*`` environment variables sit between the two (see ``kvstore.config``). Benchmarks
@@ -152,6 +153,12 @@ def _cmd_bench_service(args: argparse.Namespace) -> int:
     return run_service_bench(quick=args.quick, json_path=args.json, with_peers=not args.no_peers)
 
 
+def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from benchmarks.calibrate import run_calibrate
+
+    return run_calibrate(model=args.model, out_path=args.out, quick=args.quick)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -209,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--json", metavar="PATH", help="write results as JSON")
     service.add_argument("--no-peers", action="store_true", help="skip Redis, Mooncake Store and LMCache")
     service.set_defaults(func=_cmd_bench_service)
+    calibrate = bench_sub.add_parser(
+        "calibrate",
+        parents=[common],
+        help="measure prefill and tier restore costs; write the calibration file",
+    )
+    calibrate.add_argument(
+        "--model", metavar="DIR", help="a local HF model folder (default: a tiny random Llama)"
+    )
+    calibrate.add_argument("--out", metavar="PATH", default="calibration.json", help="where to write it")
+    calibrate.add_argument("--quick", action="store_true", help="fewer lengths and repetitions")
+    calibrate.set_defaults(func=_cmd_bench_calibrate)
     return parser
 
 

