@@ -18,6 +18,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +74,15 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> TierCost:
     return TierCost(bandwidth_bytes_per_s=bandwidth, latency_s=latency)
 
 
-def measure_tiers(block_bytes: int, many: int, reps: int) -> dict[str, TierCost]:
+def measure_tiers(
+    block_bytes: int, many: int, reps: int, settings: Sequence[str] = ()
+) -> dict[str, TierCost]:
     """Same-host restore cost per tier through a private server, as the connector restores."""
     from kvstore.client import connect
     from kvstore.keys import Fingerprint, block_keys
 
     fp = Fingerprint(b"\xca" * 32)
-    server = ServerProcess(arena_bytes=max(4 * many * block_bytes, 64 << 20) + (64 << 20))
+    server = ServerProcess(arena_bytes=max(4 * many * block_bytes, 64 << 20) + (64 << 20), settings=settings)
     timings: dict[str, dict[int, list[float]]] = {"nvme": {}, "dram": {}}
     try:
         groups = []

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from rich.console import Console
@@ -45,8 +45,9 @@ MODEL = ModelIdentity(
 class ServerProcess:
     """``kvstore serve`` in a child process with a private data folder."""
 
-    def __init__(self, arena_bytes: int) -> None:
+    def __init__(self, arena_bytes: int, settings: Sequence[str] = ()) -> None:
         self.folder = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        self.settings = list(settings)  # extra "section.field=value" overrides
         self.port = _free_port()
         self.arena_bytes = arena_bytes
         self.unix = f"unix://{self.folder}/kvstore.sock"
@@ -74,6 +75,8 @@ class ServerProcess:
             "--set",
             "server.max_message_bytes=64MiB",
         ]
+        for setting in self.settings:
+            cmd += ["--set", setting]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while True:

@@ -183,13 +183,19 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         keys = self._request_keys(request)
         tracked = _Tracked(keys, hit_blocks=0)
         self._tracked[request.request_id] = tracked
-        kv = self._kv()
-        if kv is None or not keys:
+        if not keys:
             return 0, False
-        try:
-            hit = kv.lookup_tiers(self.fingerprint, keys)
-        except KvStoreError as exc:
-            self._drop_client(exc)
+        hit = None
+        for _ in range(2):  # a sidecar that restarted since the last call gets one reconnect
+            kv = self._kv()
+            if kv is None:
+                return 0, False
+            try:
+                hit = kv.lookup_tiers(self.fingerprint, keys)
+                break
+            except KvStoreError as exc:
+                self._drop_client(exc)
+        if hit is None:
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers

@@ -309,18 +309,30 @@ class Client:
                 self._arena = Arena.attach(r.arena_name)
             return self._arena
 
+    def _arena_named(self, name: str) -> Arena:
+        """The mapped arena, re-attached when the server now serves another one (it restarted:
+        slots of the new arena must never be read out of the old mapping)."""
+        with self._arena_lock:
+            if self._arena is not None and name and self._arena.name != name:
+                self._arena.close()
+                self._arena = Arena.attach(name)
+            assert self._arena is not None
+            return self._arena
+
     def resolve(
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float = 30.0, scope: str = ""
     ) -> ResolvedBlocks:
         arena = self.attach()
         if self._data_connection(scope) is not None:
-            slots, tiers, lease_id = self._on_data(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
+            name, slots, tiers, lease_id = self._on_data(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
+            arena = self._arena_named(name)
             return ResolvedBlocks([arena.view[o : o + n] for o, n in slots], tiers, lease_id)
         r = self._call(
             "Resolve",
             pb.ResolveRequest(fingerprint=fingerprint, keys=list(keys), ttl_s=ttl_s, scope=scope),
             pb.ResolveResponse,
         )
+        arena = self._arena_named(r.arena_name)
         views = [arena.view[s.offset : s.offset + s.size_bytes] for s in r.slots]
         return ResolvedBlocks(views, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
 
@@ -359,6 +371,7 @@ class Client:
             ),
             pb.ReserveResponse,
         )
+        arena = self._arena_named(r.arena_name)
         views = [arena.view[s.offset : s.offset + s.size_bytes] if s.present else None for s in r.slots]
         return PendingWrite(views, r.reservation_id)
 

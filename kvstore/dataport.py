@@ -12,7 +12,8 @@ Framing (little-endian), one request at a time per connection:
 
     hello    client: b"KVD1" u16 len + bearer token, u16 len + scope   server: status
     resolve  client: u8 4, fingerprint[32], u32 n, n x key[32], f64 ttl_s      (Unix socket only)
-             server: status, u32 hit, hit x (u64 offset, u64 size, u8 tier), u64 lease id
+             server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
+                     u64 lease id
     release  client: u8 5, u64 lease id                                       server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme), u64 lease id
@@ -244,7 +245,9 @@ class DataPort:
         resolved = self.store.resolve(scope, keys, ttl_s if ttl_s > 0 else None, owner=session.caller.tenant)
         if self.on_lookup is not None:
             self.on_lookup(session.caller, fingerprint, len(keys), resolved.tiers)
-        body = [struct.pack("<I", len(resolved.slots))]
+        arena = self.store.arena
+        name = arena.arena.name.encode() if arena is not None else b""
+        body = [struct.pack("<H", len(name)), name, struct.pack("<I", len(resolved.slots))]
         body.extend(
             struct.pack("<QQB", slot.offset, slot.size_bytes, TIER_CODES[tier])
             for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
@@ -364,8 +367,8 @@ class DataPortClient:
 
     def resolve(
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float
-    ) -> tuple[list[tuple[int, int]], tuple[str, ...], int]:
-        """(arena (offset, size) of each block of the present prefix, their tiers, lease id)."""
+    ) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
+        """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
         _check_ids(fingerprint, keys)
         self.sock.sendall(
             struct.pack("<B", OP_RESOLVE)
@@ -375,6 +378,8 @@ class DataPortClient:
             + struct.pack("<d", ttl_s)
         )
         self._check()
+        (name_len,) = struct.unpack("<H", recv_exact(self.sock, 2))
+        arena_name = recv_exact(self.sock, name_len).decode()
         (hit,) = struct.unpack("<I", recv_exact(self.sock, 4))
         raw = recv_exact(self.sock, 17 * hit + 8)
         slots, tiers = [], []
@@ -383,7 +388,7 @@ class DataPortClient:
             slots.append((offset, size))
             tiers.append(TIER_NAMES.get(tier, "unknown"))
         (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
-        return slots, tuple(tiers), int(lease_id)
+        return arena_name, slots, tuple(tiers), int(lease_id)
 
     def release(self, lease_id: int) -> None:
         self.sock.sendall(struct.pack("<BQ", OP_RELEASE, lease_id))

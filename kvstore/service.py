@@ -271,6 +271,7 @@ class KvStoreService:
                 ],
                 tiers=[TIER_ENUM[t] for t in resolved.tiers],
                 lease_id=resolved.lease.lease_id if resolved.lease else 0,
+                arena_name=self._arena().arena.name,
             )
 
         return self._serve("Resolve", context, body)
@@ -289,6 +290,7 @@ class KvStoreService:
                 owner=caller.tenant,
             )
             return pb.ReserveResponse(
+                arena_name=self._arena().arena.name,
                 reservation_id=reservation.reservation_id,
                 slots=[
                     pb.Slot(offset=s.offset, size_bytes=s.size_bytes, present=True) if s else pb.Slot()

@@ -255,14 +255,16 @@ class ResolveRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("slots", "tiers", "lease_id")
+    __slots__ = ("slots", "tiers", "lease_id", "arena_name")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     lease_id: int
-    def __init__(self, slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    arena_name: str
+    def __init__(self, slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ..., arena_name: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("fingerprint", "keys", "sizes", "parent", "ttl_s", "scope")
@@ -281,12 +283,14 @@ class ReserveRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "slots")
+    __slots__ = ("reservation_id", "slots", "arena_name")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
-    def __init__(self, reservation_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+    arena_name: str
+    def __init__(self, reservation_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., arena_name: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id",)
