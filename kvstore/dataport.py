@@ -144,6 +144,7 @@ class DataPort:
             self._listener = socket.create_server((host or "127.0.0.1", int(port)))
             self.port = self._listener.getsockname()[1]
         self._threads: set[threading.Thread] = set()
+        self._idle: set[socket.socket] = set()  # connections waiting for their next request
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-dataport", daemon=True)
@@ -168,6 +169,9 @@ class DataPort:
                 os.unlink(self.unix_path)
         with self._lock:
             threads = list(self._threads)
+            for conn in self._idle:  # between requests: nothing to finish, wake them now
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
         for thread in threads:
             thread.join(grace_s)
 
@@ -180,7 +184,7 @@ class DataPort:
         try:
             session = self._hello(conn, peer)
             while not self._closing.is_set():
-                op = conn.recv(1)
+                op = self._next_op(conn)
                 if not op:
                     return
                 if op[0] == OP_LOOKUP:
@@ -210,6 +214,21 @@ class DataPort:
             conn.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+    def _next_op(self, conn: socket.socket) -> bytes:
+        """Wait, without a deadline, for the next request; a client may idle between requests
+        for as long as it likes. Within a request every read and write has IO_TIMEOUT_S."""
+        with self._lock:
+            if self._closing.is_set():
+                return b""
+            self._idle.add(conn)
+        conn.settimeout(None)
+        try:
+            return conn.recv(1)
+        finally:
+            with self._lock:
+                self._idle.discard(conn)
+            conn.settimeout(IO_TIMEOUT_S)
 
     def _hello(self, conn: socket.socket, peer: Any) -> _Session:
         if recv_exact(conn, 4) != MAGIC:

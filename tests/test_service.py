@@ -317,3 +317,34 @@ def test_a_client_survives_a_server_restart_without_reading_a_stale_arena(data_p
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_idle_data_connections_live_on_and_do_not_hold_up_a_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    import tempfile
+    import time
+
+    from kvstore import dataport
+    from kvstore.config import load_settings
+    from kvstore.server import start_server
+    from tests.service_fixtures import settings_for
+
+    monkeypatch.setattr(dataport, "IO_TIMEOUT_S", 0.3)  # the per-request deadline, shortened
+    data_dir = tempfile.mkdtemp(prefix="kvi-", dir="/tmp")
+    server = start_server(load_settings(env={}, overrides=settings_for(data_dir)))
+    try:
+        clients = [connect(server.unix_address), connect(server.tcp_address or "", token="tok-a")]
+        for kv in clients:
+            kv.register(MODEL)
+            assert kv.lookup(MODEL.fingerprint(), chain(2)) == 0  # opens its data connection
+        time.sleep(0.8)  # idle for longer than a request may take
+        for kv in clients:
+            assert kv.lookup(MODEL.fingerprint(), chain(2)) == 0  # same connection, still served
+        start = time.perf_counter()
+        server.stop()  # drain_grace_s is 2 s; idle connections must not use it up
+        assert time.perf_counter() - start < 1.5
+        for kv in clients:
+            kv.close()
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
