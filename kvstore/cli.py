@@ -7,6 +7,7 @@
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
     kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
     kvstore bench calibrate        prefill curve and tier restore costs -> the connector's calibration
+    kvstore bench decisions        the connector's plan against all-restore and all-recompute
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
 ``KVSTORE_*`` environment variables sit between the two (see ``kvstore.config``). Benchmarks
@@ -159,6 +160,12 @@ def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(model=args.model, out_path=args.out, quick=args.quick)
 
 
+def _cmd_bench_decisions(args: argparse.Namespace) -> int:
+    from benchmarks.decisions import run_decisions
+
+    return run_decisions(model=args.model, quick=args.quick, json_path=args.json, plot_path=args.plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -227,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", metavar="PATH", default="calibration.json", help="where to write it")
     calibrate.add_argument("--quick", action="store_true", help="fewer lengths and repetitions")
     calibrate.set_defaults(func=_cmd_bench_calibrate)
+    decisions = bench_sub.add_parser(
+        "decisions", parents=[common], help="the plan against all-restore and all-recompute"
+    )
+    decisions.add_argument(
+        "--model", metavar="DIR", help="a local HF model folder (default: a tiny random Llama)"
+    )
+    decisions.add_argument("--quick", action="store_true", help="a smaller sweep (about five minutes here)")
+    decisions.add_argument("--json", metavar="PATH", help="write results as JSON")
+    decisions.add_argument("--plot", metavar="PNG", help="draw the three curves per tier and throttle")
+    decisions.set_defaults(func=_cmd_bench_decisions)
     return parser
 
 
