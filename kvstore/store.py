@@ -749,13 +749,12 @@ class TieredStore:
         todo.sort(key=lambda b: (b.depth, -b.priority))
         spilled = 0
         for block in todo:
-            scratch = bytearray(block.size_bytes)
-            n = self._read(block, block.fastest, memoryview(scratch))
-            if n is None:
+            data = self._bytes_of(block, block.fastest)
+            if data is None:
                 continue
             block.pins += 1  # keep it from being chosen to make room for itself
             try:
-                self._place(block, memoryview(scratch)[:n], lowest=target, highest=target)
+                self._place(block, data, lowest=target, highest=target)
             finally:
                 block.pins -= 1
             spilled += target in block.tiers
@@ -872,10 +871,9 @@ class TieredStore:
         """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
         it can do neither (no room below, and dropping it would strand a resident child)."""
         if len(block.tiers) == 1 and t + 1 < len(self.tiers):
-            scratch = bytearray(block.size_bytes)
-            n = self._read(block, t, memoryview(scratch))
-            if n is not None:
-                self._place(block, memoryview(scratch)[:n], lowest=t + 1, highest=len(self.tiers) - 1)
+            data = self._bytes_of(block, t)
+            if data is not None:
+                self._place(block, data, lowest=t + 1, highest=len(self.tiers) - 1)
                 if len(block.tiers) > 1:
                     self.counters["demotions"] += 1
                 elif self._children.get((block.scope, block.key)):
@@ -902,6 +900,21 @@ class TieredStore:
             block.version += 1
             self._push_all(block)
             return
+
+    def _bytes_of(self, block: _Block, t: int) -> memoryview | None:
+        """The block's bytes in tier ``t`` for copying to another tier; None when unreadable.
+
+        From the arena this is the slot itself (the copy into the next tier is then the only
+        one); it stays valid while the caller holds the store lock and the block its slot.
+        """
+        tier = self.tiers[t]
+        if isinstance(tier, DramTier):
+            slot = tier.locate(block.tkey)
+            if slot is not None:
+                return tier.slot_view(slot)
+        scratch = memoryview(bytearray(block.size_bytes))
+        n = self._read(block, t, scratch)
+        return None if n is None else scratch[:n]
 
     def _throttle_s(self, t: int, nbytes: int) -> float:
         """The delay a throttled tier adds to serving ``nbytes`` (benchmarks; 0 when off)."""
