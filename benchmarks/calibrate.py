@@ -130,15 +130,9 @@ def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
     # Enough blocks that the large restore moves at least 32 MiB: bandwidth, not latency, shows.
     many = max(16, (32 << 20) // block_bytes)
     tiers = measure_tiers(block_bytes, many=many, reps=2 if quick else 4)
-    calibration = Calibration(tiers, prefill)
+    calibration = Calibration(tiers, prefill, points)
     calibration.save(
-        out_path,
-        {
-            "model": str(model_dir),
-            "block_bytes": block_bytes,
-            "machine": machine_info(),
-            "prefill_points": points,
-        },
+        out_path, {"model": str(model_dir), "block_bytes": block_bytes, "machine": machine_info()}
     )
     rows = [
         Result(

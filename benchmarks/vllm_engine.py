@@ -3,7 +3,10 @@
 
     python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION]]
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int}
+            or {"metrics": true}
     stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int, "seconds": float}
+            or {"metrics": {"series{labels}": value}} (the connector's ``kvstore_connector_*``
+            series from vLLM's Prometheus registry)
 
 ``Engine`` starts one and talks to it.
 
@@ -72,6 +75,13 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(300)
 
+    def metrics(self) -> dict[str, float]:
+        """The connector's Prometheus series: ``name{label=value,...}`` -> value."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"metrics": True}) + "\n")
+        self.proc.stdin.flush()
+        return dict(self._read(60)["metrics"])
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -107,10 +117,14 @@ def main() -> None:
         gpu_memory_utilization=0.08,  # on CPU: the share of host memory for KV; three engines run at once
         kv_transfer_config=transfer,
         seed=0,
+        disable_log_stats=False,  # the connector's decisions reach vLLM's Prometheus registry
     )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("metrics"):
+            print(json.dumps({"metrics": _connector_metrics()}), flush=True)
+            continue
         params = SamplingParams(max_tokens=request.get("max_tokens", 4), logprobs=3, temperature=0.0)
         prompt = TokensPrompt(prompt_token_ids=request["prompt"])
         if request.get("salt"):
@@ -127,6 +141,25 @@ def main() -> None:
         }
         reply["seconds"] = seconds
         print(json.dumps(reply), flush=True)
+
+
+def _connector_metrics() -> dict[str, float]:
+    """The connector's series in vLLM's Prometheus registry (``LLM.get_metrics`` shows only
+    ``vllm:`` names), as ``name{label=value,...}`` without vLLM's per-engine labels."""
+    from prometheus_client import REGISTRY
+
+    flat: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if not metric.name.startswith("kvstore_connector_"):
+            continue
+        for sample in metric.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k in ("decision", "tier")
+            )
+            flat[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return flat
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ A ``Calibration`` holds one ``TierCost`` per tier and a ``PrefillModel``. It sta
 - ``observe_transfer(tier, bytes, seconds)`` moves the tier's bandwidth towards the observed one
   (exponentially weighted, so a changed disk or a busy link shows up within a few restores);
 - ``observe_prefill(prefix, suffix, seconds)`` keeps the latest observations and refits the
-  three prefill coefficients by non-negative least squares once enough of them differ.
+  three prefill coefficients by non-negative least squares over them and the file's measured
+  points (those stay: they span prompt shapes a busy engine may not see for a while);
+- ``reload_if_changed()`` re-reads the file when it was rewritten (a new ``kvstore bench
+  calibrate`` run reaches running engines); the online observations start over then.
 
 Threads: one lock guards updates; ``snapshot()`` returns immutable values safe to use anywhere.
 """
@@ -14,6 +17,8 @@ Threads: one lock guards updates; ``snapshot()`` returns immutable values safe t
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +30,9 @@ from engine_plugin.cost_model import PrefillModel, TierCost
 
 FORMAT_VERSION = 1
 MIN_FIT_POINTS = 8
+ONLINE_POINTS = 64
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,24 +42,55 @@ class Snapshot:
 
 
 class Calibration:
-    def __init__(self, tiers: dict[str, TierCost], prefill: PrefillModel, ewma_weight: float = 0.2) -> None:
+    def __init__(
+        self,
+        tiers: dict[str, TierCost],
+        prefill: PrefillModel,
+        points: list[tuple[int, int, float]] | None = None,
+        ewma_weight: float = 0.2,
+    ) -> None:
         if not 0 < ewma_weight <= 1:
             raise ValueError("ewma_weight must be in (0, 1]")
         self._tiers = dict(tiers)
         self._prefill = prefill
+        self._anchors = [(int(p), int(s), float(t)) for p, s, t in points or []]
         self._weight = ewma_weight
-        self._points: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self._points: deque[tuple[int, int, float]] = deque(maxlen=ONLINE_POINTS)
         self._lock = threading.Lock()
+        self.path: Path | None = None
+        self._stamp: tuple[int, int] | None = None
 
     # ----------------------------------------------------------------- persistence
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        doc = json.loads(Path(path).read_text())
-        if doc.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: calibration format {doc.get('version')!r}, expected {FORMAT_VERSION}")
-        tiers = {name: TierCost(**fields) for name, fields in doc["tiers"].items()}
-        return cls(tiers, PrefillModel(**doc["prefill"]))
+        stamp = _stamp(path)
+        tiers, prefill, points = _read(path)
+        calibration = cls(tiers, prefill, points)
+        calibration.path, calibration._stamp = Path(path), stamp
+        return calibration
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file this came from if it changed since; True when it did. A file that
+        is gone or unreadable keeps the current figures (and is logged once per change)."""
+        if self.path is None:
+            return False
+        try:
+            stamp = _stamp(self.path)
+            if stamp == self._stamp:
+                return False
+            tiers, prefill, points = _read(self.path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if self._stamp is not None:
+                log.warning("calibration %s unreadable (%s); keeping the current figures", self.path, exc)
+            self._stamp = None
+            return False
+        with self._lock:
+            self._tiers, self._prefill, self._anchors = tiers, prefill, points
+            self._points.clear()
+            self._stamp = stamp
+        log.info("calibration %s changed: reloaded", self.path)
+        return True
 
     def save(self, path: str | Path, extra: dict[str, object] | None = None) -> None:
         snap = self.snapshot()
@@ -59,6 +98,7 @@ class Calibration:
             "version": FORMAT_VERSION,
             "tiers": {name: _finite(asdict(cost)) for name, cost in snap.tiers.items()},
             "prefill": asdict(snap.prefill),
+            "prefill_points": self._anchors,
         }
         doc.update(extra or {})
         Path(path).write_text(json.dumps(doc, indent=2) + "\n")
@@ -88,8 +128,9 @@ class Calibration:
             return
         with self._lock:
             self._points.append((prefix_tokens, suffix_tokens, seconds))
-            if len(self._points) >= MIN_FIT_POINTS and len({(p, s) for p, s, _ in self._points}) >= 3:
-                self._prefill = fit_prefill(list(self._points))
+            points = self._anchors + list(self._points)
+            if len(points) >= MIN_FIT_POINTS and len({(p, s) for p, s, _ in points}) >= 3:
+                self._prefill = fit_prefill(points)
 
 
 def fit_prefill(points: list[tuple[int, int, float]]) -> PrefillModel:
@@ -107,6 +148,20 @@ def fit_prefill(points: list[tuple[int, int, float]]) -> PrefillModel:
             break
         active.pop(int(np.argmin(solution)))
     return PrefillModel(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def _stamp(path: str | Path) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_mtime_ns, info.st_size
+
+
+def _read(path: str | Path) -> tuple[dict[str, TierCost], PrefillModel, list[tuple[int, int, float]]]:
+    doc = json.loads(Path(path).read_text())
+    if doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: calibration format {doc.get('version')!r}, expected {FORMAT_VERSION}")
+    tiers = {name: TierCost(**fields) for name, fields in doc["tiers"].items()}
+    points = [(int(p), int(s), float(t)) for p, s, t in doc.get("prefill_points", [])]
+    return tiers, PrefillModel(**doc["prefill"]), points
 
 
 def _finite(fields: dict[str, float]) -> dict[str, float]:

@@ -64,13 +64,14 @@ class Plan:
     predicted_prefill_s: float
     all_recompute_s: float  # predicted ttft with nothing restored
     all_restore_s: float  # predicted ttft with every hit block restored
+    usable_blocks: int  # hit blocks that could be restored (the last prompt token is computed)
 
     @property
     def decision(self) -> str:
         """``recompute``, ``restore`` (every hit block) or ``partial``."""
         if self.restore_blocks == 0:
             return "recompute"
-        return "restore" if self.predicted_ttft_s == self.all_restore_s else "partial"
+        return "restore" if self.restore_blocks == self.usable_blocks else "partial"
 
 
 def plan_restore(
@@ -80,24 +81,52 @@ def plan_restore(
     prompt_tokens: int,
     tiers: Mapping[str, TierCost],
     prefill: PrefillModel,
+    restore_blocks: int | None = None,
 ) -> Plan:
-    """The number of leading hit blocks to restore that minimizes predicted time to first token.
+    """The number of leading hit blocks to restore that minimizes predicted time to first token,
+    or, with ``restore_blocks`` given, the prediction for restoring that many (capped at what is
+    usable; benchmarks force a policy this way and still record what the model expected).
 
     ``hit_tiers[i]`` is the tier holding hit block i (the hits are a prefix of the prompt). At
     least one token is always computed (the engine needs a last token to sample from), so a hit
     covering the whole prompt is restored at most to ``prompt_tokens - 1``.
     """
+    curve = ttft_curve(hit_tiers, block_bytes, tokens_per_block, prompt_tokens, tiers, prefill)
+    if restore_blocks is None:
+        best_k = min(range(len(curve)), key=lambda k: (curve[k][1], k))  # ties: less I/O
+    else:
+        best_k = max(0, min(restore_blocks, len(curve) - 1))
+    load, ttft = curve[best_k]
+    return Plan(
+        restore_blocks=best_k,
+        restore_tokens=best_k * tokens_per_block,
+        predicted_ttft_s=ttft,
+        predicted_load_s=load,
+        predicted_prefill_s=ttft - load,
+        all_recompute_s=curve[0][1],
+        all_restore_s=curve[-1][1],
+        usable_blocks=len(curve) - 1,
+    )
+
+
+def ttft_curve(
+    hit_tiers: Sequence[str],
+    block_bytes: int,
+    tokens_per_block: int,
+    prompt_tokens: int,
+    tiers: Mapping[str, TierCost],
+    prefill: PrefillModel,
+) -> list[tuple[float, float]]:
+    """``(load_s, ttft_s)`` for restoring k = 0 .. usable leading hit blocks."""
     if tokens_per_block <= 0 or block_bytes < 0 or prompt_tokens < 0:
         raise ValueError("tokens_per_block must be positive, sizes non-negative")
     usable = min(len(hit_tiers), max(0, prompt_tokens - 1) // tokens_per_block)
     for tier in hit_tiers[:usable]:
         if tier not in tiers:
             raise KeyError(f"no cost calibrated for tier {tier!r}")
-    best_k, best = 0, prefill.seconds(0, prompt_tokens)
-    recompute = best
-    best_load = load = 0.0
+    curve = [(0.0, prefill.seconds(0, prompt_tokens))]
+    load = 0.0
     seen: set[str] = set()
-    ttft_k = recompute
     for k in range(1, usable + 1):
         cost = tiers[hit_tiers[k - 1]]
         if hit_tiers[k - 1] not in seen:
@@ -105,15 +134,5 @@ def plan_restore(
             load += cost.latency_s
         load += block_bytes * cost.seconds_per_byte()
         restored = k * tokens_per_block
-        ttft_k = load + prefill.seconds(restored, prompt_tokens - restored)
-        if ttft_k < best:
-            best_k, best, best_load = k, ttft_k, load
-    return Plan(
-        restore_blocks=best_k,
-        restore_tokens=best_k * tokens_per_block,
-        predicted_ttft_s=best,
-        predicted_load_s=best_load,
-        predicted_prefill_s=best - best_load,
-        all_recompute_s=recompute,
-        all_restore_s=ttft_k,
-    )
+        curve.append((load, load + prefill.seconds(restored, prompt_tokens - restored)))
+    return curve

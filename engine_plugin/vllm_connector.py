@@ -27,6 +27,12 @@ Worker side: load by copying straight out of the mapped arena (same host) or off
 (remote) into the allocated blocks before the forward pass; save after it. Every failure —
 sidecar down, block missing, corrupt — becomes a load error vLLM recomputes, never wrong output.
 
+Measurements (``engine_plugin.vllm_stats``): the worker times every restore and the forward pass
+of a step that prefills one request, and hands them to the scheduler with the step's output; the
+scheduler folds them into its calibration (bandwidth per tier, prefill curve), re-reads the
+calibration file when it changes, and reports each decision with its predicted and measured
+time to first token to vLLM's stat loggers (log line and Prometheus ``/metrics``).
+
 Limits of this version: tensor parallelism of 1; the CPU cache layout (CUDA layouts are the
 next step, isolated and marked ``gpu`` when added).
 """
@@ -41,8 +47,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_plugin.calibration import Calibration
-from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
+from engine_plugin.cost_model import Plan, PrefillModel, TierCost, plan_restore
 from engine_plugin.vllm_identity import identity_from_vllm
+from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics, ObservedWork
 from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
 from kvstore.keys import BlockKey, block_keys
@@ -52,13 +59,16 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as exc:  # pragma: no cover - only without vllm installed
     raise ImportError("engine_plugin.vllm_connector needs vllm (pip install 'kvstore[vllm]')") from exc
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -70,20 +80,6 @@ DEFAULT_TIERS = {
     "nvme": TierCost(1e9, 0.001),
 }
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
-
-
-_CALIBRATIONS: dict[tuple[bytes, str], Calibration] = {}
-
-
-def _shared_calibration(fingerprint: bytes, path: str | None) -> Calibration:
-    """One Calibration per model and file in this process, so that the worker's measured
-    restores reach the scheduler's predictions when both run in one process."""
-    key = (fingerprint, str(path or ""))
-    if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = (
-            Calibration.load(path) if path else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
-        )
-    return _CALIBRATIONS[key]
 
 
 @dataclass
@@ -99,6 +95,8 @@ class _Transfer:
 class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
+    # (tokens computed before this step, tokens computed in it) of every scheduled request
+    steps: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +108,10 @@ class _Tracked:
     load_from: int = 0  # first block index to load (after the engine's own prefix cache)
     saved_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    plan: Plan | None = None
+    planned_at: float = 0.0  # perf_counter at the decision; the prefill's end closes the record
+    prefill_done: bool = False
 
 
 class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -128,12 +130,17 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.policy = str(extra.get("policy", "auto"))
         if self.policy not in ("auto", "restore", "recompute"):
             raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {self.policy!r}")
-        self.calibration = _shared_calibration(self.fingerprint, extra.get("calibration"))
+        path = extra.get("calibration")
+        self.calibration = (
+            Calibration.load(path) if path else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
+        )
         self._client: Client | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._kv_caches: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
-        self.decisions: list[dict[str, Any]] = []
+        self._stats = KvstoreConnectorStats()
+        self._observed = ObservedWork()
+        self._forward_started = 0.0
         log.info(
             "kvstore connector (%s) for %s, fingerprint %s, %d B per block",
             role.name,
@@ -199,30 +206,18 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers
-        prompt = len(request.prompt_token_ids or [])
+        prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
+        self.calibration.reload_if_changed()
         snap = self.calibration.snapshot()
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
+        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[self.policy]
         plan = plan_restore(
-            hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill
+            hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill, forced
         )
-        chosen = plan.restore_blocks
-        if self.policy == "restore":
-            chosen = min(hit.hit_blocks, max(0, prompt - 1) // self._block_size)
-        elif self.policy == "recompute":
-            chosen = 0
         local_blocks = num_computed_tokens // self._block_size
         tracked.load_from = local_blocks
-        tracked.load_blocks = max(0, chosen - local_blocks)
-        self.decisions.append(
-            {
-                "request": request.request_id,
-                "hit_blocks": hit.hit_blocks,
-                "decision": plan.decision,
-                "restore_tokens": plan.restore_tokens,
-                "predicted_ttft_s": plan.predicted_ttft_s,
-                "predicted_recompute_s": plan.all_recompute_s,
-            }
-        )
+        tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
+        tracked.plan, tracked.planned_at = plan, time.perf_counter()
         log.info(
             "request %s: %d of %d blocks hit, %s %d tokens (predicted ttft %.1f ms, recompute %.1f ms)",
             request.request_id,
@@ -261,8 +256,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     )
                 )
                 tracked.load_blocks = 0
-            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            self._add_save(meta, new.req_id, tracked, done)
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._add_step(meta, tracked, new.num_computed_tokens, scheduled)
+            self._add_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -274,9 +270,44 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     tracked.block_ids = list(new_ids[0])
                 else:
                     tracked.block_ids.extend(new_ids[0])
-            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._add_save(meta, req_id, tracked, done)
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._add_step(meta, tracked, cached.num_computed_tokens[i], scheduled)
+            self._add_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled)
         return meta
+
+    def _add_step(
+        self, meta: KvstoreConnectorMetadata, tracked: _Tracked, before: int, scheduled: int
+    ) -> None:
+        meta.steps.append((before, scheduled))
+        if tracked.plan is not None and before + scheduled >= tracked.prompt_tokens:
+            tracked.prefill_done = True  # the step's output (first token) closes the record
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        observed = connector_output.kv_connector_worker_meta
+        if isinstance(observed, ObservedWork):
+            for tier, nbytes, seconds in observed.transfers:
+                self.calibration.observe_transfer(tier, nbytes, seconds)
+            for prefix, new, seconds in observed.prefills:
+                self.calibration.observe_prefill(prefix, new, seconds)
+        for tracked in self._tracked.values():
+            if tracked.prefill_done:
+                self._close_decision(tracked)
+
+    def _close_decision(self, tracked: _Tracked) -> None:
+        """Record the decision with its measured time to first token (once per request)."""
+        plan, tracked.plan = tracked.plan, None
+        if plan is None:
+            return
+        actual = time.perf_counter() - tracked.planned_at if tracked.prefill_done else None
+        self._stats.add_decision(
+            {
+                "decision": plan.decision,
+                "hit_tokens": tracked.hit_blocks * self._block_size,
+                "restored_tokens": plan.restore_tokens,
+                "predicted_ttft_s": plan.predicted_ttft_s,
+                "actual_ttft_s": actual,
+            }
+        )
 
     def _add_save(
         self, meta: KvstoreConnectorMetadata, req_id: str, tracked: _Tracked, done_tokens: int
@@ -292,8 +323,32 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.saved_blocks = max(tracked.saved_blocks, last)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._tracked.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None:
+            self._close_decision(tracked)
         return False, None
+
+    # ----------------------------------------------------------------- stats (both sides)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvstoreConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvstoreConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvstorePromMetrics:
+        return KvstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ----------------------------------------------------------------- worker side
 
@@ -315,12 +370,16 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for load in meta.loads:
             start = time.perf_counter()
             loaded = self._load(load)
+            seconds = time.perf_counter() - start
             if loaded < len(load.block_ids):
                 self._load_errors.update(load.block_ids[loaded:])
-            seconds = time.perf_counter() - start
-            if loaded and len(set(load.tiers[:loaded])) == 1:
-                # One source tier: the measured restore updates what the scheduler predicts with.
-                self.calibration.observe_transfer(load.tiers[0], loaded * self.identity.block_bytes, seconds)
+                self._stats.add_failed(len(load.block_ids) - loaded)
+            if loaded:
+                tier = load.tiers[0] if len(set(load.tiers[:loaded])) == 1 else "mixed"
+                nbytes = loaded * self.identity.block_bytes
+                self._stats.add_restore(tier, nbytes, seconds)
+                if tier != "mixed":  # one source tier: a clean measurement of it
+                    self._observed.transfers.append((tier, nbytes, seconds))
             log.info(
                 "request %s: loaded %d of %d blocks in %.2f ms",
                 load.req_id,
@@ -328,6 +387,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 len(load.keys),
                 seconds * 1e3,
             )
+        self._forward_started = time.perf_counter()
 
     def _load(self, load: _Transfer) -> int:
         kv = self._kv()
@@ -368,6 +428,11 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstoreConnectorMetadata)
+        if len(meta.steps) == 1 and meta.steps[0][1] > 1 and self._forward_started:
+            # One request prefilling alone: the forward pass is its prefill, cleanly timed.
+            before, new = meta.steps[0]
+            self._observed.prefills.append((before, new, time.perf_counter() - self._forward_started))
+        self._forward_started = 0.0
         for save in meta.saves:
             kv = self._kv()
             if kv is None:
@@ -398,6 +463,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             kv.abort(pending.reservation_id)
             raise
         kv.commit(pending.reservation_id)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not (self._observed.transfers or self._observed.prefills):
+            return None
+        observed, self._observed = self._observed, ObservedWork()
+        return observed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

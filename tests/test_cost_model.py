@@ -109,3 +109,52 @@ def test_calibration_round_trips_and_learns_online(tmp_path: Path) -> None:
     for p, s in [(0, 100), (100, 50), (400, 200), (0, 800), (800, 16), (32, 32), (64, 640), (256, 128)]:
         again.observe_prefill(p, s, truth.seconds(p, s))
     assert again.snapshot().prefill.seconds(1000, 100) == pytest.approx(truth.seconds(1000, 100), rel=1e-6)
+
+
+def test_a_forced_restore_count_is_predicted_too() -> None:
+    tiers = ["dram"] * 10
+    best = plan_restore(tiers, BLOCK_BYTES, TPB, 1000, FAST, PREFILL)
+    none = plan_restore(tiers, BLOCK_BYTES, TPB, 1000, FAST, PREFILL, restore_blocks=0)
+    some = plan_restore(tiers, BLOCK_BYTES, TPB, 1000, FAST, PREFILL, restore_blocks=4)
+    over = plan_restore(tiers, BLOCK_BYTES, TPB, 1000, FAST, PREFILL, restore_blocks=99)
+    assert (best.decision, none.decision, some.decision, over.decision) == (
+        "restore",
+        "recompute",
+        "partial",
+        "restore",
+    )
+    assert none.predicted_ttft_s == best.all_recompute_s and over.restore_blocks == 10
+    assert best.predicted_ttft_s <= some.predicted_ttft_s <= none.predicted_ttft_s
+
+
+def test_the_file_is_reread_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    Calibration(dict(FAST), PREFILL).save(path)
+    cal = Calibration.load(path)
+    cal.observe_transfer("dram", 100 * MB, 10.0)  # an online update, forgotten on reload
+    assert not cal.reload_if_changed()
+    slow = {"dram": TierCost(10 * MB, 0.01), "nvme": TierCost(1 * MB, 0.02)}
+    Calibration(slow, PREFILL).save(path)
+    assert cal.reload_if_changed()
+    assert cal.snapshot().tiers == slow
+    path.write_text("{ torn")  # a half-written file keeps the figures in use
+    assert not cal.reload_if_changed()
+    assert cal.snapshot().tiers == slow
+    Calibration(dict(FAST), PREFILL).save(path)
+    assert cal.reload_if_changed() and cal.snapshot().tiers == FAST
+
+
+def test_online_prefill_fit_keeps_the_calibrated_shapes(tmp_path: Path) -> None:
+    truth = PrefillModel(0.002, 0.0004, 2e-8)
+    calibrated = [(0, s, truth.seconds(0, s)) for s in (128, 512, 1024, 2048, 3072)]
+    cal = Calibration(dict(FAST), fit_prefill(calibrated), calibrated)
+    cal.save(tmp_path / "cal.json")
+    cal = Calibration.load(tmp_path / "cal.json")
+    # The engine now only sees long restored prefixes with short suffixes, 2x slower than before
+    # (another tenant on the CPU): the fit follows, and still predicts a full recompute sensibly.
+    slower = PrefillModel(0.004, 0.0008, 4e-8)
+    for p in (1024, 2048, 3008, 2048, 1024, 3008, 2048, 1024) * 4:
+        cal.observe_prefill(p, 64, slower.seconds(p, 64))
+    fitted = cal.snapshot().prefill
+    assert fitted.seconds(2048, 64) == pytest.approx(slower.seconds(2048, 64), rel=0.15)
+    assert truth.seconds(0, 3072) * 0.8 <= fitted.seconds(0, 3072) <= slower.seconds(0, 3072) * 1.2

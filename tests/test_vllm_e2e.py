@@ -68,6 +68,36 @@ def test_second_engine_restores_the_prefix_with_identical_logprobs(engines: tupl
     assert warm["logprobs"] == cold["logprobs"]
 
 
+def test_decisions_are_counted_with_predicted_and_measured_times(
+    models: tuple[Path, Path], engines: tuple[Engine, Engine]
+) -> None:
+    from benchmarks.calibrate import block_bytes_of
+
+    first, second = engines
+    prompt = [(i * 11) % 500 + 3 for i in range(640)]  # 20 full blocks
+    first.generate(prompt, max_tokens=1)
+    before = second.metrics()
+    warm = second.generate(prompt, max_tokens=1)
+    after = second.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    restored = warm["cached"]
+    assert restored > 0  # the tiny model's defaults make restoring from dram win
+    assert grew("kvstore_connector_decisions_total{decision=restore}") == 1
+    assert grew("kvstore_connector_hit_tokens_total") == 640
+    assert grew("kvstore_connector_restored_tokens_total") == restored
+    assert grew("kvstore_connector_predicted_ttft_seconds_count{decision=restore}") == 1
+    assert grew("kvstore_connector_actual_ttft_seconds_count{decision=restore}") == 1
+    actual = grew("kvstore_connector_actual_ttft_seconds_sum{decision=restore}")
+    assert 0 < actual <= warm["seconds"]  # measured inside the request's own time
+    assert grew("kvstore_connector_restored_bytes_total{tier=dram}") == restored // 32 * block_bytes_of(
+        models[0], 32
+    )
+    assert grew("kvstore_connector_restore_seconds_count{tier=dram}") == 1
+
+
 def test_another_cache_salt_finds_nothing(engines: tuple[Engine, Engine]) -> None:
     first, second = engines
     first.generate(PROMPT)  # stored unsalted (again a no-op if already there)

@@ -1,0 +1,209 @@
+"""What the kvstore connector tells vLLM about its decisions and transfers.
+
+Two channels, both vLLM's own:
+
+- ``ObservedWork`` (a ``KVConnectorWorkerMetadata``) goes from the worker-side connector to the
+  scheduler-side one after every step: the measured restores (tier, bytes, seconds) and the
+  measured prefill of a step that computed one request (prefix tokens, new tokens, seconds). The
+  scheduler folds them into its ``Calibration``, so the next plan uses them.
+- ``KvstoreConnectorStats`` (a ``KVConnectorStats``) goes to vLLM's stat loggers: every decision
+  with its predicted and measured time to first token, and every restore. vLLM prints the
+  reduced figures in its periodic log line and, through ``KvstorePromMetrics``, exports them on
+  its ``/metrics`` endpoint (and in ``LLM.get_metrics()``) as
+
+      kvstore_connector_decisions_total{decision="restore"|"partial"|"recompute"}
+      kvstore_connector_hit_tokens_total, kvstore_connector_restored_tokens_total
+      kvstore_connector_predicted_ttft_seconds, kvstore_connector_actual_ttft_seconds
+      kvstore_connector_ttft_actual_over_predicted   (histograms, by decision)
+      kvstore_connector_restored_bytes_total{tier}, kvstore_connector_restore_seconds{tier}
+      kvstore_connector_load_failed_blocks_total
+
+Both are plain data (lists and numbers), so they cross process boundaries with vLLM's own
+serialization when the scheduler and the workers run in different processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+DECISIONS = ("restore", "partial", "recompute")
+TTFT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+RATIO_BUCKETS = [0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0]
+
+
+@dataclass
+class ObservedWork(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Measurements of one step on the workers, for the scheduler's calibration."""
+
+    transfers: list[tuple[str, int, float]] = field(default_factory=list)  # tier, bytes, seconds
+    prefills: list[tuple[int, int, float]] = field(default_factory=list)  # prefix, new tokens, seconds
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, ObservedWork):
+            # Tensor-parallel ranks move their own shards at the same time: one restore each.
+            return ObservedWork(self.transfers + other.transfers, self.prefills + other.prefills)
+        return self
+
+
+class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """``data`` holds ``decisions`` (dicts: decision, hit_tokens, restored_tokens,
+    predicted_ttft_s, actual_ttft_s), ``restores`` ([tier, bytes, seconds]) and
+    ``failed_blocks`` (int)."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=data or {})
+        self.data.setdefault("decisions", [])
+        self.data.setdefault("restores", [])
+        self.data.setdefault("failed_blocks", 0)
+
+    def reset(self) -> None:
+        self.data = {"decisions": [], "restores": [], "failed_blocks": 0}
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        return cast(list[dict[str, Any]], self.data["decisions"])
+
+    @property
+    def restores(self) -> list[list[Any]]:
+        return cast(list[list[Any]], self.data["restores"])
+
+    @property
+    def failed_blocks(self) -> int:
+        return int(cast(int, self.data["failed_blocks"]))
+
+    def add_decision(self, record: dict[str, Any]) -> None:
+        self.decisions.append(record)
+
+    def add_restore(self, tier: str, nbytes: int, seconds: float) -> None:
+        self.restores.append([tier, nbytes, seconds])
+
+    def add_failed(self, blocks: int) -> None:
+        self.data["failed_blocks"] = self.failed_blocks + blocks
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if isinstance(other, KvstoreConnectorStats):
+            self.decisions.extend(other.decisions)
+            self.restores.extend(other.restores)
+            self.add_failed(other.failed_blocks)
+        return self
+
+    def is_empty(self) -> bool:
+        return not (self.decisions or self.restores or self.failed_blocks)
+
+    def reduce(self) -> dict[str, int | float]:
+        decisions = self.decisions
+        out: dict[str, int | float] = {d: sum(1 for r in decisions if r["decision"] == d) for d in DECISIONS}
+        out["restored_tokens"] = sum(int(r["restored_tokens"]) for r in decisions)
+        ratios = sorted(
+            r["actual_ttft_s"] / r["predicted_ttft_s"]
+            for r in decisions
+            if r.get("actual_ttft_s") and r["predicted_ttft_s"] > 0
+        )
+        if ratios:
+            out["ttft_actual_over_predicted_median"] = round(ratios[len(ratios) // 2], 3)
+        seconds = sum(float(s) for _, _, s in self.restores)
+        if seconds > 0:
+            out["restore_GB_per_s"] = round(sum(int(b) for _, b, _ in self.restores) / seconds / 1e9, 3)
+        out["failed_blocks"] = self.failed_blocks
+        return out
+
+
+class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_previous()
+        counter, histogram = self._counter_cls, self._histogram_cls
+        by_decision = [*labelnames, "decision"]
+        by_tier = [*labelnames, "tier"]
+        self.decisions = counter(
+            name="kvstore_connector_decisions",
+            documentation="Restore-versus-recompute decisions of the kvstore connector.",
+            labelnames=by_decision,
+        )
+        self.hit_tokens = counter(
+            name="kvstore_connector_hit_tokens",
+            documentation="Prompt tokens found in kvstore at lookup.",
+            labelnames=labelnames,
+        )
+        self.restored_tokens = counter(
+            name="kvstore_connector_restored_tokens",
+            documentation="Prompt tokens the plan chose to restore from kvstore.",
+            labelnames=labelnames,
+        )
+        self.predicted = histogram(
+            name="kvstore_connector_predicted_ttft_seconds",
+            documentation="Time to first token the cost model predicted for its plan.",
+            buckets=TTFT_BUCKETS_S,
+            labelnames=by_decision,
+        )
+        self.actual = histogram(
+            name="kvstore_connector_actual_ttft_seconds",
+            documentation="Measured time from the plan to the end of the request's prefill.",
+            buckets=TTFT_BUCKETS_S,
+            labelnames=by_decision,
+        )
+        self.ratio = histogram(
+            name="kvstore_connector_ttft_actual_over_predicted",
+            documentation="Measured over predicted time to first token, per decision.",
+            buckets=RATIO_BUCKETS,
+            labelnames=by_decision,
+        )
+        self.restored_bytes = counter(
+            name="kvstore_connector_restored_bytes",
+            documentation="Bytes restored from kvstore into the engine's KV cache.",
+            labelnames=by_tier,
+        )
+        self.restore_seconds = histogram(
+            name="kvstore_connector_restore_seconds",
+            documentation="Duration of one request's restore from kvstore.",
+            buckets=TTFT_BUCKETS_S,
+            labelnames=by_tier,
+        )
+        self.failed = counter(
+            name="kvstore_connector_load_failed_blocks",
+            documentation="Blocks whose restore failed and were recomputed instead.",
+            labelnames=labelnames,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for record in transfer_stats_data.get("decisions", []):
+            decision = record["decision"]
+            self.decisions.labels(*labels, decision).inc()
+            self.hit_tokens.labels(*labels).inc(record["hit_tokens"])
+            self.restored_tokens.labels(*labels).inc(record["restored_tokens"])
+            self.predicted.labels(*labels, decision).observe(record["predicted_ttft_s"])
+            actual = record.get("actual_ttft_s")
+            if actual:
+                self.actual.labels(*labels, decision).observe(actual)
+                if record["predicted_ttft_s"] > 0:
+                    self.ratio.labels(*labels, decision).observe(actual / record["predicted_ttft_s"])
+        for tier, nbytes, seconds in transfer_stats_data.get("restores", []):
+            self.restored_bytes.labels(*labels, tier).inc(nbytes)
+            self.restore_seconds.labels(*labels, tier).observe(seconds)
+        if transfer_stats_data.get("failed_blocks"):
+            self.failed.labels(*labels).inc(transfer_stats_data["failed_blocks"])
+
+
+def _unregister_previous() -> None:
+    """A second engine in one process (tests) registers the same names again."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith("kvstore_connector_"):
+            REGISTRY.unregister(collector)
