@@ -3,6 +3,7 @@
     kvstore serve                  the service: Unix socket sidecar, optional TCP shared store
     kvstore stats                  a running server's tiers and counters (table or --json)
     kvstore invalidate             the kill switch: a fingerprint's blocks, or everything
+    kvstore demote                 move blocks out of a tier into the next one (nothing dropped)
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
     kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
@@ -122,6 +123,20 @@ def _cmd_invalidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demote(args: argparse.Namespace) -> int:
+    fingerprint = None
+    if args.fingerprint:
+        try:
+            fingerprint = bytes.fromhex(args.fingerprint)
+        except ValueError:
+            print("kvstore demote: --fingerprint takes 64 hex digits", file=sys.stderr)
+            return 2
+    with _client(args) as client:
+        moved = client.demote(args.tier, fingerprint, tenant=args.tenant)
+    print(f"moved {moved} blocks out of {args.tier}")
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -201,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     invalidate.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
     invalidate.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     invalidate.set_defaults(func=_cmd_invalidate)
+
+    demote = sub.add_parser(
+        "demote", parents=[common, remote], help="move blocks out of a tier into the next one"
+    )
+    demote.add_argument("--tier", default="dram", help="the tier to empty (default dram)")
+    demote.add_argument("--fingerprint", metavar="HEX", help="only this model fingerprint's blocks")
+    demote.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
+    demote.set_defaults(func=_cmd_demote)
 
     demo = sub.add_parser("demo", parents=[common], help="end-to-end demonstration of the store")
     demo.add_argument(

@@ -166,6 +166,12 @@ class Client:
         )
         return int(self._call("Invalidate", request, pb.InvalidateResponse).removed)
 
+    def demote(self, tier: str, fingerprint: bytes | None = None, *, tenant: str = "") -> int:
+        """Move the caller's blocks (of ``fingerprint``, or all) out of ``tier`` into the next
+        tier; ``tenant`` as for ``invalidate``. Returns how many blocks moved."""
+        request = pb.DemoteRequest(tier=tier, fingerprint=fingerprint or b"", tenant=tenant)
+        return int(self._call("Demote", request, pb.DemoteResponse).moved)
+
     def stats(self) -> dict[str, Any]:
         r = self._call("Stats", pb.StatsRequest(), pb.StatsResponse)
         return {

@@ -166,16 +166,8 @@ class KvStoreService:
             target = request.WhichOneof("target")
             if target is None or (target == "everything" and not request.everything):
                 raise InvalidArgument("Invalidate needs a fingerprint or everything=true")
-            if request.tenant and request.tenant != caller.tenant and not caller.admin:
-                raise PermissionDenied(f"tenant {caller.tenant!r} may only invalidate its own blocks")
-            namespace: str | None
-            if request.tenant == "*":
-                namespace = None
-            else:
-                namespace = Caller(request.tenant or caller.tenant, False).namespace
-            fingerprint = Fingerprint(request.fingerprint) if target == "fingerprint" else None
-            if fingerprint is not None and len(fingerprint) != 32:
-                raise InvalidArgument(f"fingerprints are 32 bytes, got {len(fingerprint)}")
+            namespace = _target_namespace(caller, request.tenant, "invalidate")
+            fingerprint = _optional_fingerprint(request.fingerprint) if target == "fingerprint" else None
             removed = self.store.invalidate(namespace=namespace, fingerprint=fingerprint)
             log.warning(
                 "tenant %s invalidated %d blocks (target %s)", caller.tenant, removed, request.tenant or "own"
@@ -183,6 +175,16 @@ class KvStoreService:
             return pb.InvalidateResponse(removed=removed)
 
         return self._serve("Invalidate", context, body)
+
+    def Demote(self, request: pb.DemoteRequest, context: grpc.ServicerContext) -> pb.DemoteResponse:
+        def body(caller: Caller) -> pb.DemoteResponse:
+            namespace = _target_namespace(caller, request.tenant, "demote")
+            fingerprint = _optional_fingerprint(request.fingerprint) if request.fingerprint else None
+            moved = self.store.demote(request.tier, namespace=namespace, fingerprint=fingerprint)
+            log.info("tenant %s demoted %d blocks out of %s", caller.tenant, moved, request.tier)
+            return pb.DemoteResponse(moved=moved)
+
+        return self._serve("Demote", context, body)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         def body(caller: Caller) -> pb.StatsResponse:
@@ -404,6 +406,7 @@ class KvStoreService:
             "Exists": unary(self.Exists, pb.ExistsRequest),
             "Delete": unary(self.Delete, pb.DeleteRequest),
             "Invalidate": unary(self.Invalidate, pb.InvalidateRequest),
+            "Demote": unary(self.Demote, pb.DemoteRequest),
             "Stats": unary(self.Stats, pb.StatsRequest),
             "Release": unary(self.Release, pb.ReleaseRequest),
             "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
@@ -453,3 +456,19 @@ def _refuse_malformed(
         return fn(request, context)
 
     return handle
+
+
+def _target_namespace(caller: Caller, tenant: str, verb: str) -> str | None:
+    """The namespace an admin-style call acts on: the caller's own by default; another tenant's,
+    or every one (``"*"``, returned as None), for admins only."""
+    if tenant and tenant != caller.tenant and not caller.admin:
+        raise PermissionDenied(f"tenant {caller.tenant!r} may only {verb} its own blocks")
+    if tenant == "*":
+        return None
+    return Caller(tenant or caller.tenant, False).namespace
+
+
+def _optional_fingerprint(raw: bytes) -> Fingerprint:
+    if len(raw) != 32:
+        raise InvalidArgument(f"fingerprints are 32 bytes, got {len(raw)}")
+    return Fingerprint(raw)

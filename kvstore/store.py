@@ -462,6 +462,50 @@ class TieredStore:
             )
             return len(victims)
 
+    def demote(self, tier: str, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
+        """Move every unpinned block of ``tier`` (of a namespace, a fingerprint, both, or all)
+        down into the next tier with free room: DRAM emptied into NVMe before a maintenance
+        window, or a restore from disk measured without a restart. Children go first, so no
+        block leaves ahead of a descendant. Nothing is evicted or dropped to make room: a block
+        the slower tiers cannot take as they are stays where it is. Returns the number of
+        blocks that left ``tier``."""
+        names = [t.name for t in self.tiers]
+        if tier not in names:
+            raise InvalidArgument(f"no tier {tier!r} here (tiers: {', '.join(names)})")
+        t = names.index(tier)
+        if t + 1 == len(self.tiers):
+            raise InvalidArgument(f"{tier} is the slowest tier here: there is nowhere to demote to")
+        with self._lock:
+            self._expire_leases()
+            pool = (
+                self._by_namespace.get(namespace, {}).values()
+                if namespace is not None
+                else self._blocks.values()
+            )
+            chosen = [
+                b
+                for b in pool
+                if t in b.tiers
+                and not b.doomed
+                and (fingerprint is None or b.scope.fingerprint == fingerprint)
+            ]
+            moved = 0
+            for block in sorted(chosen, key=lambda b: -b.depth):
+                if not self._evictable_from(block, t):
+                    continue  # pinned, or a child stays here
+                if len(block.tiers) == 1:
+                    data = self._bytes_of(block, t)
+                    if data is None:
+                        continue
+                    self._place(block, data, lowest=t + 1, highest=len(self.tiers) - 1, evict=False)
+                    if len(block.tiers) == 1:
+                        continue
+                    self.counters["demotions"] += 1
+                self._forget_tier(block, t)
+                moved += 1
+            log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
+            return moved
+
     # ----------------------------------------------------------------- leases
 
     def pin(
@@ -882,12 +926,15 @@ class TieredStore:
         self._forget_tier(block, t)
         return True
 
-    def _place(self, block: _Block, data: BytesLike, lowest: int, highest: int) -> None:
-        """Put a copy into the first tier in [lowest, highest] that has or can make room."""
+    def _place(self, block: _Block, data: BytesLike, lowest: int, highest: int, evict: bool = True) -> None:
+        """Put a copy into the first tier in [lowest, highest] that has room, or (``evict``)
+        can make room."""
         for t in range(lowest, highest + 1):
             if t in block.tiers:
                 return
-            if not self._make_room(t, block.size_bytes):
+            if not (
+                self._make_room(t, block.size_bytes) if evict else self.tiers[t].can_store(block.size_bytes)
+            ):
                 continue
             try:
                 self.tiers[t].put(block.tkey, data, block.scope.fingerprint, block.meta)

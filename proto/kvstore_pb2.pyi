@@ -142,6 +142,22 @@ class InvalidateResponse(_message.Message):
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
+class DemoteRequest(_message.Message):
+    __slots__ = ("tier", "fingerprint", "tenant")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    fingerprint: bytes
+    tenant: str
+    def __init__(self, tier: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DemoteResponse(_message.Message):
+    __slots__ = ("moved",)
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    moved: int
+    def __init__(self, moved: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

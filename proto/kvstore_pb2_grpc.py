@@ -59,6 +59,11 @@ class KvStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.InvalidateRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.InvalidateResponse.FromString,
                 _registered_method=True)
+        self.Demote = channel.unary_unary(
+                '/kvstore.v1.KvStore/Demote',
+                request_serializer=proto_dot_kvstore__pb2.DemoteRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.DemoteResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KvStore/Stats',
                 request_serializer=proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
@@ -143,6 +148,12 @@ class KvStoreServicer:
     def Invalidate(self, request, context):
         """The kill switch: every block of a fingerprint, of a tenant, or everything.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Demote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -237,6 +248,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Invalidate,
                     request_deserializer=proto_dot_kvstore__pb2.InvalidateRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.InvalidateResponse.SerializeToString,
+            ),
+            'Demote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Demote,
+                    request_deserializer=proto_dot_kvstore__pb2.DemoteRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.DemoteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -424,6 +440,33 @@ class KvStore:
             '/kvstore.v1.KvStore/Invalidate',
             proto_dot_kvstore__pb2.InvalidateRequest.SerializeToString,
             proto_dot_kvstore__pb2.InvalidateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Demote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KvStore/Demote',
+            proto_dot_kvstore__pb2.DemoteRequest.SerializeToString,
+            proto_dot_kvstore__pb2.DemoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,6 +112,11 @@ def test_stats_and_invalidate_commands(data_dir: str) -> None:
         assert stats["counters"]["put_blocks"] == 3
         table = _cli(data_dir, "stats").stdout
         assert "dram" in table and "nvme" in table
+        moved = _cli(data_dir, "demote", "--tier", "dram")
+        assert moved.returncode == 0 and "moved 3 blocks out of dram" in moved.stdout
+        with connect(f"unix://{data_dir}/kvstore.sock") as kv:
+            assert kv.lookup_tiers(fp, keys).tiers == ("nvme",) * 3
+        assert _cli(data_dir, "demote", "--tier", "nvme").returncode != 0  # the slowest tier
         refused = _cli(data_dir, "invalidate", "--everything", stdin="no\n")
         assert refused.returncode == 1 and "nothing removed" in refused.stdout
         done = _cli(data_dir, "invalidate", "--fingerprint", fp.hex())

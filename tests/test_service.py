@@ -143,6 +143,31 @@ def test_invalidate_own_and_admin_everything(served: Served) -> None:
         assert a.lookup(fp, keys) == 0
 
 
+def test_demote_moves_own_blocks_to_nvme_and_admins_any(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys, other = chain(3, "d"), chain(2, "e")
+    with (
+        connect(served.tcp, token="tok-a") as a,
+        connect(served.tcp, token="tok-b") as b,
+        connect(served.tcp, token="tok-ops") as ops,
+    ):
+        blocks = blocks_for(keys)
+        a.put(fp, keys, blocks)
+        b.put(fp, other, blocks_for(other))
+        assert a.demote("dram", fp) == 3
+        assert a.lookup_tiers(fp, keys).tiers == ("nvme",) * 3
+        assert b.lookup_tiers(fp, other).tiers == ("dram",) * 2  # not a's to move
+        assert a.get(fp, keys) == blocks  # served from nvme (and promoted again)
+        with pytest.raises(PermissionDenied):
+            a.demote("dram", tenant="tenant-b")
+        assert ops.demote("dram", tenant="*") >= 2
+        assert b.lookup_tiers(fp, other).tiers == ("nvme",) * 2
+        with pytest.raises(InvalidArgument):
+            a.demote("nvme")
+        with pytest.raises(InvalidArgument):
+            a.demote("dram", b"short")
+
+
 def test_bad_requests_get_actionable_codes(served: Served) -> None:
     fp = MODEL.fingerprint()
     keys = chain(2)

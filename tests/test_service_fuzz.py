@@ -36,6 +36,7 @@ UNARY = {
     "Exists": (pb.ExistsRequest, pb.ExistsResponse),
     "Delete": (pb.DeleteRequest, pb.DeleteResponse),
     "Invalidate": (pb.InvalidateRequest, pb.InvalidateResponse),
+    "Demote": (pb.DemoteRequest, pb.DemoteResponse),
     "Stats": (pb.StatsRequest, pb.StatsResponse),
     "Release": (pb.ReleaseRequest, pb.ReleaseResponse),
     "Attach": (pb.AttachRequest, pb.AttachResponse),
@@ -78,6 +79,11 @@ requests = st.one_of(
     ),
     st.builds(
         lambda t: ("Invalidate", pb.InvalidateRequest(tenant=t)), st.sampled_from(["", "tenant-b", "*"])
+    ),
+    st.builds(
+        lambda t, f: ("Demote", pb.DemoteRequest(tier=t, fingerprint=f)),
+        st.sampled_from(["dram", "nvme", "hbm", "", "\x00dram"]),
+        st.sampled_from([b"", FP, b"\x01" * 5]),
     ),
     st.builds(lambda i: ("Release", pb.ReleaseRequest(lease_id=i)), ids),
     st.builds(lambda i: ("Commit", pb.CommitRequest(reservation_id=i)), ids),

@@ -229,6 +229,35 @@ def test_delete_and_invalidate() -> None:
     s.close()
 
 
+def test_demote_moves_a_tier_down_children_first_and_drops_nothing() -> None:
+    s = make_store(fast_blocks=6, slow_blocks=4)
+    a, b, c = chain(3, "a"), chain(2, "b"), chain(1, "c", fp=FP2)
+    s.put(A, a, [data(k) for k in a])
+    s.put(Scope("tenant-a", FP2), c, [data(c[0])])
+    s.put(B, b, [data(k) for k in b])
+    lease = s.pin(A, a[2:], ttl_s=30)
+    # tenant-a's FP blocks: a2 is pinned, so it stays, and so does its parent a1 (a child may
+    # not sit in a faster tier than its parent); a0 has a1 above it here: it stays too.
+    assert s.demote("hbm", namespace="tenant-a", fingerprint=FP) == 0
+    s.release(lease.lease_id)
+    assert s.demote("hbm", namespace="tenant-a", fingerprint=FP) == 3
+    assert where(s, A, a) == ["dram"] * 3
+    assert s.tier_of(Scope("tenant-a", FP2), c[0]) == "hbm"  # another fingerprint
+    assert where(s, B, b) == ["hbm"] * 2  # another tenant
+    assert s.stats().counters["demotions"] == 3
+    # The slow tier has room for one more block: b1 (a leaf, deepest first) takes it; nothing
+    # below is evicted to make room, so c0 and b0 stay.
+    assert s.demote("hbm") == 1
+    assert where(s, B, b) == ["hbm", "dram"] and s.tier_of(Scope("tenant-a", FP2), c[0]) == "hbm"
+    assert where(s, A, a) == ["dram"] * 3
+    assert s.get(A, a) == [data(k) for k in a] and s.get(B, b) == [data(k) for k in b]
+    with pytest.raises(InvalidArgument):
+        s.demote("dram")  # the slowest tier
+    with pytest.raises(InvalidArgument):
+        s.demote("tape")
+    s.close()
+
+
 def test_deleting_a_pinned_block_hides_it_and_frees_it_on_release(store: TieredStore) -> None:
     keys = chain(1)
     store.put(A, keys, [data(keys[0])])

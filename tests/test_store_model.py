@@ -120,6 +120,18 @@ class StoreMachine(RuleBasedStateMachine):
         self.removed_now |= gone | {i for i in self.before if ns is None or i[0] == ns}
         self.unpin_removed()
 
+    @rule(ns=st.one_of(st.none(), st.sampled_from(NAMESPACES)))
+    def demote(self, ns: str | None) -> None:
+        """Moving blocks down loses none of them, and a child never ends up above its parent."""
+        self.step()
+        self.store.demote("hbm", namespace=ns)
+        assert self.present() == self.before
+        for (namespace, key), tier in (((s.namespace, k), t) for s, k, t in self.store.blocks()):
+            for keys in CHAINS.values():
+                if key in keys and keys.index(key) > 0 and tier == "hbm":
+                    parent_tier = self.store.tier_of(Scope(namespace, FP), keys[keys.index(key) - 1])
+                    assert parent_tier in (None, "hbm"), "a parent went below its child"
+
     @rule(ns=st.sampled_from(NAMESPACES), c=st.sampled_from(sorted(CHAINS)), ttl=st.sampled_from([1.0, 5.0]))
     def pin(self, ns: str, c: int, ttl: float) -> None:
         self.step()
