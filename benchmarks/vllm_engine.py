@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,18 +53,32 @@ class Engine:
             cwd=ROOT,
             env=env,
         )
+        # A thread reads stdout line by line: a selector on the pipe cannot see lines already
+        # sitting in the reader's buffer (two lines in one chunk would hang the second).
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
         ready = self._read(ENGINE_START_S)
         if not ready.get("ready"):
             raise RuntimeError(f"the engine said {ready} instead of ready")
 
-    def _read(self, timeout_s: float) -> dict[str, Any]:
+    def _pump(self) -> None:
         assert self.proc.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # end of output: the engine exited
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
         while True:
-            if not selector.select(timeout_s):
-                raise TimeoutError("the engine did not answer in time")
-            line = self.proc.stdout.readline()
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.send_signal(signal.SIGUSR1)  # the engine dumps its stacks into its log
+                time.sleep(1)
+                tail = Path(self.log.name).read_text(errors="replace")[-6000:]
+                raise TimeoutError(
+                    f"the engine did not answer in {timeout_s:.0f} s; its log ends:\n{tail}"
+                ) from None
             if not line:
                 tail = Path(self.log.name).read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"the engine exited with {self.proc.wait()}:\n{tail}")
@@ -92,6 +108,10 @@ class Engine:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack into the log
+
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt

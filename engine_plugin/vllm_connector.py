@@ -71,7 +71,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger tree, so that decisions show up in the engine's own log at its level.
+log = logging.getLogger(f"vllm.{__name__}")
 
 # Used until a calibration file says otherwise: restoring from dram beats recomputing.
 DEFAULT_TIERS = {
@@ -109,6 +110,7 @@ class _Tracked:
     saved_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    req_id: str = ""
     plan: Plan | None = None
     planned_at: float = 0.0  # perf_counter at the decision; the prefill's end closes the record
     prefill_done: bool = False
@@ -139,8 +141,10 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._kv_caches: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
         self._stats = KvstoreConnectorStats()
+        self._calibration_changed = role == KVConnectorRole.SCHEDULER  # report the start figures
         self._observed = ObservedWork()
-        self._forward_started = 0.0
+        self._step_started = 0.0  # worker: when this step's metadata arrived (before its forward)
+        self._step_load_s = 0.0  # worker: time this step spent restoring
         log.info(
             "kvstore connector (%s) for %s, fingerprint %s, %d B per block",
             role.name,
@@ -207,7 +211,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers
         prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
-        self.calibration.reload_if_changed()
+        self._calibration_changed |= self.calibration.reload_if_changed()
         snap = self.calibration.snapshot()
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
         forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[self.policy]
@@ -218,16 +222,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.load_from = local_blocks
         tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
         tracked.plan, tracked.planned_at = plan, time.perf_counter()
-        log.info(
-            "request %s: %d of %d blocks hit, %s %d tokens (predicted ttft %.1f ms, recompute %.1f ms)",
-            request.request_id,
-            hit.hit_blocks,
-            len(keys),
-            plan.decision,
-            plan.restore_tokens,
-            plan.predicted_ttft_s * 1e3,
-            plan.all_recompute_s * 1e3,
-        )
+        tracked.req_id = request.request_id
         return tracked.load_blocks * self._block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -289,6 +284,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.calibration.observe_transfer(tier, nbytes, seconds)
             for prefix, new, seconds in observed.prefills:
                 self.calibration.observe_prefill(prefix, new, seconds)
+            self._calibration_changed = True
         for tracked in self._tracked.values():
             if tracked.prefill_done:
                 self._close_decision(tracked)
@@ -299,6 +295,19 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if plan is None:
             return
         actual = time.perf_counter() - tracked.planned_at if tracked.prefill_done else None
+        log.info(
+            "request %s: %d of %d blocks hit, %s %d tokens: ttft predicted %.1f ms, measured %s "
+            "(all-recompute predicted %.1f ms, all-restore %.1f ms)",
+            tracked.req_id,
+            tracked.hit_blocks,
+            len(tracked.keys),
+            plan.decision,
+            plan.restore_tokens,
+            plan.predicted_ttft_s * 1e3,
+            "-" if actual is None else f"{actual * 1e3:.1f} ms",
+            plan.all_recompute_s * 1e3,
+            plan.all_restore_s * 1e3,
+        )
         self._stats.add_decision(
             {
                 "decision": plan.decision,
@@ -331,6 +340,13 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ----------------------------------------------------------------- stats (both sides)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._calibration_changed:
+            snap = self.calibration.snapshot()
+            self._stats.set_calibration(
+                {name: (cost.bandwidth_bytes_per_s, cost.latency_s) for name, cost in snap.tiers.items()},
+                (snap.prefill.fixed_s, snap.prefill.per_token_s, snap.prefill.per_token_context_s),
+            )
+            self._calibration_changed = False
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvstoreConnectorStats()
@@ -364,7 +380,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
         return [cache[block_id].reshape(-1).view(torch.uint8) for cache in self._kv_caches]
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds the step's metadata before the forward pass, while start_load_kv runs
+        # after it when nothing is to be loaded: the step's clock starts here.
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started, self._step_load_s = time.perf_counter(), 0.0
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstoreConnectorMetadata)
         for load in meta.loads:
@@ -380,14 +403,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._stats.add_restore(tier, nbytes, seconds)
                 if tier != "mixed":  # one source tier: a clean measurement of it
                     self._observed.transfers.append((tier, nbytes, seconds))
-            log.info(
+            log.debug(
                 "request %s: loaded %d of %d blocks in %.2f ms",
                 load.req_id,
                 loaded,
                 len(load.keys),
                 seconds * 1e3,
             )
-        self._forward_started = time.perf_counter()
+        self._step_load_s += time.perf_counter() - started
 
     def _load(self, load: _Transfer) -> int:
         kv = self._kv()
@@ -428,11 +451,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstoreConnectorMetadata)
-        if len(meta.steps) == 1 and meta.steps[0][1] > 1 and self._forward_started:
+        if len(meta.steps) == 1 and meta.steps[0][1] > 1 and self._step_started:
             # One request prefilling alone: the forward pass is its prefill, cleanly timed.
             before, new = meta.steps[0]
-            self._observed.prefills.append((before, new, time.perf_counter() - self._forward_started))
-        self._forward_started = 0.0
+            forward_s = time.perf_counter() - self._step_started - self._step_load_s
+            self._observed.prefills.append((before, new, forward_s))
+        self._step_started = 0.0
         for save in meta.saves:
             kv = self._kv()
             if kv is None:

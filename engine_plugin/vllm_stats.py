@@ -17,6 +17,10 @@ Two channels, both vLLM's own:
       kvstore_connector_ttft_actual_over_predicted   (histograms, by decision)
       kvstore_connector_restored_bytes_total{tier}, kvstore_connector_restore_seconds{tier}
       kvstore_connector_load_failed_blocks_total
+      kvstore_connector_tier_bandwidth_bytes_per_second{tier},
+      kvstore_connector_tier_latency_seconds{tier},
+      kvstore_connector_prefill_{fixed,token,token_context}_seconds  (gauges: what the cost model
+                                                                     uses now, online updates in)
 
 Both are plain data (lists and numbers), so they cross process boundaries with vLLM's own
 serialization when the scheduler and the workers run in different processes.
@@ -56,17 +60,29 @@ class ObservedWork(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
 class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
     """``data`` holds ``decisions`` (dicts: decision, hit_tokens, restored_tokens,
-    predicted_ttft_s, actual_ttft_s), ``restores`` ([tier, bytes, seconds]) and
-    ``failed_blocks`` (int)."""
+    predicted_ttft_s, actual_ttft_s), ``restores`` ([tier, bytes, seconds]), ``failed_blocks``
+    (int) and ``calibration`` (the cost model's current inputs, or empty)."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=data or {})
         self.data.setdefault("decisions", [])
         self.data.setdefault("restores", [])
         self.data.setdefault("failed_blocks", 0)
+        self.data.setdefault("calibration", {})
 
     def reset(self) -> None:
-        self.data = {"decisions": [], "restores": [], "failed_blocks": 0}
+        self.data = {"decisions": [], "restores": [], "failed_blocks": 0, "calibration": {}}
+
+    @property
+    def calibration(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self.data["calibration"])
+
+    def set_calibration(
+        self, tiers: dict[str, tuple[float, float]], prefill: tuple[float, float, float]
+    ) -> None:
+        """``tiers``: name -> (bandwidth bytes/s, latency s); ``prefill``: (fixed, per token,
+        per token-pair) seconds."""
+        self.data["calibration"] = {"tiers": {k: list(v) for k, v in tiers.items()}, "prefill": list(prefill)}
 
     @property
     def decisions(self) -> list[dict[str, Any]]:
@@ -94,10 +110,12 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
             self.decisions.extend(other.decisions)
             self.restores.extend(other.restores)
             self.add_failed(other.failed_blocks)
+            if other.calibration:
+                self.data["calibration"] = other.calibration  # the latest one counts
         return self
 
     def is_empty(self) -> bool:
-        return not (self.decisions or self.restores or self.failed_blocks)
+        return not (self.decisions or self.restores or self.failed_blocks or self.calibration)
 
     def reduce(self) -> dict[str, int | float]:
         decisions = self.decisions
@@ -114,6 +132,11 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
         if seconds > 0:
             out["restore_GB_per_s"] = round(sum(int(b) for _, b, _ in self.restores) / seconds / 1e9, 3)
         out["failed_blocks"] = self.failed_blocks
+        if self.calibration:
+            fixed, token, pair = self.calibration["prefill"]
+            out["predicted_prefill_1k_tokens_ms"] = round(
+                (fixed + 1024 * token + pair * 1024 * 1024 / 2) * 1e3, 1
+            )
         return out
 
 
@@ -179,6 +202,32 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             documentation="Blocks whose restore failed and were recomputed instead.",
             labelnames=labelnames,
         )
+        gauge = self._gauge_cls
+        self.tier_bandwidth = gauge(
+            name="kvstore_connector_tier_bandwidth_bytes_per_second",
+            documentation="Restore bandwidth per tier the cost model uses now (calibrated, updated online).",
+            labelnames=by_tier,
+            multiprocess_mode="mostrecent",
+        )
+        self.tier_latency = gauge(
+            name="kvstore_connector_tier_latency_seconds",
+            documentation="Fixed restore latency per tier the cost model uses now.",
+            labelnames=by_tier,
+            multiprocess_mode="mostrecent",
+        )
+        self.prefill = [
+            gauge(
+                name=f"kvstore_connector_prefill_{what}_seconds",
+                documentation=f"Prefill model coefficient the cost model uses now: {doc}.",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            for what, doc in (
+                ("fixed", "fixed time per prefill"),
+                ("token", "time per new token"),
+                ("token_context", "time per (new token, earlier token) pair of attention"),
+            )
+        ]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -198,6 +247,13 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self.restore_seconds.labels(*labels, tier).observe(seconds)
         if transfer_stats_data.get("failed_blocks"):
             self.failed.labels(*labels).inc(transfer_stats_data["failed_blocks"])
+        calibration = transfer_stats_data.get("calibration")
+        if calibration:
+            for tier, (bandwidth, latency) in calibration["tiers"].items():
+                self.tier_bandwidth.labels(*labels, tier).set(bandwidth)
+                self.tier_latency.labels(*labels, tier).set(latency)
+            for metric, value in zip(self.prefill, calibration["prefill"], strict=True):
+                metric.labels(*labels).set(value)
 
 
 def _unregister_previous() -> None:

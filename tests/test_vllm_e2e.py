@@ -98,6 +98,32 @@ def test_decisions_are_counted_with_predicted_and_measured_times(
     assert grew("kvstore_connector_restore_seconds_count{tier=dram}") == 1
 
 
+def test_the_prefill_curve_is_learned_online(
+    models: tuple[Path, Path], sidecar: RunningServer, tmp_path: Path
+) -> None:
+    from engine_plugin.calibration import Calibration
+    from engine_plugin.cost_model import PrefillModel, TierCost
+
+    # A calibration that is wrong by four orders of magnitude: one second per prompt token.
+    path = tmp_path / "wrong.json"
+    Calibration(
+        {"dram": TierCost(1e9, 0.001), "nvme": TierCost(1e8, 0.002)}, PrefillModel(0.0, 1.0, 0.0)
+    ).save(path)
+    engine = Engine(models[0], sidecar.unix_address, calibration=str(path))
+    try:
+        assert engine.metrics().get("kvstore_connector_prefill_token_seconds", 1.0) == 1.0
+        for i, length in enumerate((100, 300, 500, 700, 200, 400, 600, 800, 900)):
+            engine.generate([(j * 5 + i) % 500 + 3 for j in range(length)], salt=f"learn-{i}", max_tokens=1)
+        m = engine.metrics()
+        fixed, token, pair = (
+            m[f"kvstore_connector_prefill_{what}_seconds"] for what in ("fixed", "token", "token_context")
+        )
+        predicted = fixed + 900 * token + pair * 900 * 900 / 2
+        assert 0 < predicted < 2.0  # measured: well under a second; the file said 900 s
+    finally:
+        engine.close()
+
+
 def test_another_cache_salt_finds_nothing(engines: tuple[Engine, Engine]) -> None:
     first, second = engines
     first.generate(PROMPT)  # stored unsalted (again a no-op if already there)

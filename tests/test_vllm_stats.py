@@ -46,6 +46,16 @@ def test_stats_add_up_across_workers_and_reduce() -> None:
     assert reduced["failed_blocks"] == 2
     merged.reset()
     assert merged.is_empty()
+    older, newer = KvstoreConnectorStats(), KvstoreConnectorStats()
+    older.set_calibration({"dram": (1e9, 0.001)}, (0.0, 0.001, 0.0))
+    newer.set_calibration({"dram": (2e9, 0.001)}, (0.0, 0.0005, 0.0))
+    assert not newer.is_empty()  # a calibration alone is worth reporting
+    latest = older.aggregate(newer)
+    assert isinstance(latest, KvstoreConnectorStats)
+    assert (
+        latest.calibration["tiers"]["dram"][0] == 2e9
+        and latest.reduce()["predicted_prefill_1k_tokens_ms"] == 512
+    )
 
 
 def test_worker_observations_concatenate() -> None:
@@ -67,6 +77,7 @@ def test_prometheus_series() -> None:
     stats.add_decision(_decision("restore", 0.010, 0.015, restored=608))
     stats.add_restore("nvme", 4096, 0.002)
     stats.add_failed(3)
+    stats.set_calibration({"dram": (2e9, 0.0005)}, (0.002, 0.0004, 1e-8))
     metrics.observe(stats.to_dict())
 
     def value(name: str, **extra: str) -> float | None:
@@ -79,6 +90,10 @@ def test_prometheus_series() -> None:
     assert value("kvstore_connector_ttft_actual_over_predicted_sum", decision="restore") == pytest.approx(1.5)
     assert value("kvstore_connector_restored_bytes_total", tier="nvme") == 4096
     assert value("kvstore_connector_load_failed_blocks_total") == 3
+    assert value("kvstore_connector_tier_bandwidth_bytes_per_second", tier="dram") == 2e9
+    assert value("kvstore_connector_tier_latency_seconds", tier="dram") == 0.0005
+    assert value("kvstore_connector_prefill_token_seconds") == 0.0004
+    assert value("kvstore_connector_prefill_token_context_seconds") == 1e-8
     # A second engine in the same process registers the same names without an error.
     KvstorePromMetrics(
         SimpleNamespace(kv_transfer_config=None),

@@ -1,0 +1,51 @@
+"""``kvstore bench decisions`` end to end on a one-case-per-tier sweep with the tiny model: three
+real vLLM CPU engines, a real sidecar, demotion to nvme, the calibration file rewritten, the
+JSON and the plot. (The figures themselves come from the benchmark, not from tests.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the decision benchmark drives vLLM CPU engines")
+
+from benchmarks.decisions import Sweep, run_decisions
+
+SMOKE = Sweep(
+    lengths=(512,),
+    throttles=(0, 5_000_000),
+    rounds=1,
+    prefill_lengths=(128, 512, 1024),
+    model_size="tiny",
+)
+
+
+def test_a_small_sweep_measures_every_policy_and_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "decisions.json", tmp_path / "decisions.png"
+    assert run_decisions(None, quick=True, json_path=str(out), plot_path=str(png), sweep=SMOKE) == 0
+    doc = json.loads(out.read_text())
+    curves = doc["curves"]
+    assert [(c["tier"], c["throttle"]) for c in curves] == [
+        ("dram", 0),
+        ("nvme", 0),
+        ("dram", 5_000_000),
+        ("nvme", 5_000_000),
+    ]
+    for case in curves:
+        assert case["loaded"]["restore"] == 512  # every usable block of the prefix
+        assert case["loaded"]["recompute"] == 0
+        assert case["loaded"]["auto"] in (0, 512)  # whole prefix or nothing: one tier holds it
+        assert all(case[p] > 0 for p in ("restore", "recompute", "auto"))
+    # 5 MB/s: 16 blocks of 16 KiB take ~50 ms more to restore than unthrottled; restoring from the
+    # throttled tier must have cost the restore engine that time.
+    slow = next(c for c in curves if c["throttle"] and c["tier"] == "dram")
+    fast = next(c for c in curves if not c["throttle"] and c["tier"] == "dram")
+    assert slow["restore"] - fast["restore"] > 0.03
+    rows = {r["metric"]: r for r in doc["results"]}
+    assert rows["cases within target"]["reference_value"] == 4
+    case_rows = [r for r in doc["results"] if r["metric"].startswith("plan, ")]
+    assert len(case_rows) == 4 and all(r["ratio"] == r["value"] / r["reference_value"] for r in case_rows)
+    assert any(name.startswith("plan ") and "predicted" in name for name in rows)  # auto's own metrics
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
