@@ -7,10 +7,13 @@ sweep, one per policy: "restore" (load every hit block), "recompute" (load nothi
 (the cost model's plan). Per throttle the sidecar restarts with the throttle set, the tiers are
 measured under it (``kvstore bench calibrate``'s tier measurement) and the calibration file is
 rewritten; the auto engine re-reads it on its next request, as a production engine would. The
-prefill curve is measured once, on the recompute engine.
+prefill curve is measured once, on the recompute engine (three interleaved passes, medians).
 
 Per case a fresh prefix is stored (computed once by the recompute engine), then each policy
-serves it with a suffix of its own, ``rounds`` times, in rotating order; for `nvme` the sidecar
+serves it with a suffix of its own, round after round, each round in another of the six orders
+of the three policies, for at least ``rounds`` rounds and then in sets of six while the case's
+time budget lasts (a cheap case gets more rounds: its few-millisecond jitter is a larger share
+of its time); for `nvme` the sidecar
 demotes every block out of `dram` before each restore-capable run, so the restore reads from
 disk (after a short pause that lets the sidecar's writer thread put them on disk).
 
@@ -35,9 +38,11 @@ here) that the comparison is not lost in the noise of a shared 2-core machine.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +53,7 @@ from benchmarks.common import Result, print_results, write_json
 from benchmarks.service import ServerProcess
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
+from engine_plugin.vllm_connector import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.client import Client, connect
 
 SUFFIX_TOKENS = 64
@@ -61,17 +67,24 @@ class Sweep:
     lengths: tuple[int, ...]
     throttles: tuple[int, ...]  # bytes/s of both tiers; 0: unthrottled
     tiers: tuple[str, ...] = ("dram", "nvme")
-    rounds: int = 3
+    rounds: int = 6  # at least; then sets of six more while ``case_budget_s`` lasts
+    case_budget_s: float = 0.0
+    max_rounds: int = 36
     prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 3072)
     model_size: str = "small"
 
 
-QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), rounds=7)
+QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), rounds=6, case_budget_s=4.0)
 FULL = Sweep(
     lengths=(256, 512, 1024, 1536, 2048, 3008),
     throttles=(0, 160_000_000, 80_000_000, 40_000_000, 20_000_000, 10_000_000),
-    rounds=9,
+    rounds=12,
+    case_budget_s=20.0,
+    max_rounds=60,
 )
+# Every order of the three policies in turn: each one runs after each other one equally often
+# (what ran just before, and what it left warm in caches, shows in a run's time).
+ORDERS = list(itertools.permutations(POLICIES))
 
 
 def _tokens(length: int, seed: int) -> list[int]:
@@ -106,15 +119,16 @@ def run_decisions(
     seed = 0
     try:
         console.print("[dim]engines and prefill curve …[/]")
-        engines["recompute"] = Engine(model_dir, server.unix, policy="recompute")
-        engines["restore"] = Engine(model_dir, server.unix, policy="restore")
-        recompute = engines["recompute"]
-        recompute.generate(_tokens(SUFFIX_TOKENS, 10_000), max_tokens=1)  # first-request warm-up
-        points = []
-        for length in sweep.prefill_lengths:
-            seed += 1
-            out = recompute.generate(_tokens(length, 10_000 + seed), max_tokens=1)
-            points.append((0, length, float(out["seconds"])))
+        # The plan's engine starts on a provisional file; it re-reads the measured one later.
+        Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL).save(calibration_path)
+        for policy in POLICIES:
+            calibration = str(calibration_path) if policy == "auto" else ""
+            engines[policy] = Engine(model_dir, server.unix, policy=policy, calibration=calibration)
+        for engine in engines.values():  # first requests warm an engine up: not measured
+            for _ in range(2):
+                seed += 1
+                engine.generate(_tokens(SUFFIX_TOKENS * 4, 10_000 + seed), max_tokens=1)
+        points = _prefill_points(engines["recompute"], sweep.prefill_lengths, seed)
         prefill = fit_prefill(points)
         for throttle in sweep.throttles:
             settings = [f"dram.throttle_bytes_per_s={throttle}", f"nvme.throttle_bytes_per_s={throttle}"]
@@ -124,10 +138,6 @@ def run_decisions(
             Calibration(tiers, prefill, points).save(calibration_path, {"throttle_bytes_per_s": throttle})
             server.settings = settings
             server.restart()
-            if "auto" not in engines:
-                engines["auto"] = Engine(
-                    model_dir, server.unix, policy="auto", calibration=str(calibration_path)
-                )
             for engine in engines.values():  # reconnect after the restart; the auto one re-reads
                 seed += 1
                 engine.generate(_tokens(SUFFIX_TOKENS, 20_000 + seed), max_tokens=1)
@@ -135,7 +145,7 @@ def run_decisions(
                 for tier in sweep.tiers:
                     for length in sweep.lengths:
                         seed += 1
-                        case = _run_case(engines, admin, tier, length, seed, sweep.rounds)
+                        case = _run_case(engines, admin, tier, length, seed, sweep)
                         case.update(tier=tier, throttle=throttle, length=length)
                         curves.append(case)
                         results.append(_result(case))
@@ -169,7 +179,7 @@ def run_decisions(
             "all cases",
             cases,
             ">= 1",
-            f"{elapsed:.0f} s, {sweep.rounds} rounds, model {model_dir.name} ({block_bytes} B per block)",
+            f"{elapsed:.0f} s, {sweep.rounds}+ rounds per case, model {model_dir.name} ({block_bytes} B per block)",
         )
     )
     print_results(f"kvstore bench decisions{' --quick' if quick else ''}", results)
@@ -180,8 +190,19 @@ def run_decisions(
     return 0
 
 
+def _prefill_points(engine: Engine, lengths: Sequence[int], seed: int) -> list[tuple[int, int, float]]:
+    """Median time to first token of cold prompts of each length, over three interleaved passes
+    (one pass can land in a slow stretch of this machine)."""
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for rep in range(3):
+        for n in lengths:
+            out = engine.generate(_tokens(n, 30_000 + seed + rep * 100 + n), max_tokens=1)
+            times[n].append(float(out["seconds"]))
+    return [(0, n, statistics.median(times[n])) for n in lengths]
+
+
 def _run_case(
-    engines: dict[str, Engine], admin: Client, tier: str, length: int, seed: int, rounds: int
+    engines: dict[str, Engine], admin: Client, tier: str, length: int, seed: int, sweep: Sweep
 ) -> dict[str, object]:
     prefix = _tokens(length, seed)
     before = engines["auto"].metrics()
@@ -190,9 +211,12 @@ def _run_case(
     )  # stores the prefix
     times: dict[str, list[float]] = {p: [] for p in POLICIES}
     loaded: dict[str, list[int]] = {p: [] for p in POLICIES}
-    for rnd in range(rounds):
-        order = POLICIES[rnd % 3 :] + POLICIES[: rnd % 3]  # no policy always runs first
-        for index, policy in enumerate(order):
+    started = time.monotonic()
+    rnd = 0
+    while rnd < sweep.rounds or (
+        rnd < sweep.max_rounds and (rnd % len(ORDERS) or time.monotonic() - started < sweep.case_budget_s)
+    ):
+        for index, policy in enumerate(ORDERS[rnd % len(ORDERS)]):
             engine = engines[policy]
             if tier == "nvme" and policy != "recompute":
                 admin.demote("dram")
@@ -203,9 +227,12 @@ def _run_case(
             out = engine.generate(prefix + suffix, max_tokens=1)
             times[policy].append(float(out["seconds"]))
             loaded[policy].append(int(out["cached"]))
-    case: dict[str, object] = {p: statistics.median(times[p]) for p in POLICIES}
-    better = "restore" if case["restore"] < case["recompute"] else "recompute"  # type: ignore[operator]
+        rnd += 1
+    medians = {p: statistics.median(times[p]) for p in POLICIES}
+    better = "restore" if medians["restore"] < medians["recompute"] else "recompute"
+    case: dict[str, object] = dict(medians)
     case["better"] = better
+    case["rounds"] = rnd
     case["ratio"] = statistics.median(a / b for a, b in zip(times["auto"], times[better], strict=True))
     case["loaded"] = {p: statistics.median(loaded[p]) for p in POLICIES}
     after = engines["auto"].metrics()

@@ -14,14 +14,16 @@ Load it with::
 
 Block mapping: one kvstore block is one vLLM block of ``block_size`` tokens, holding that
 block's K and V for every layer of this tensor-parallel rank, layer after layer in the order
-vLLM registered its caches. On CPU a layer's cache is ``[num_blocks, kv_heads, block_size,
-2 * head_dim]``, so one block of one layer is a contiguous slice and is copied whole.
+vLLM registered its caches (``engine_plugin.kv_layout``: the CPU layout ``[num_blocks,
+kv_heads, block_size, 2 * head_dim]`` and the CUDA layouts, block-major or ``[2, num_blocks,
+...]``; a layer's block is copied as one or two contiguous slices).
 
 Scheduler side, per new request: compute block keys (fingerprint, token ids, ``cache_salt``,
-LoRA adapter), look up the present prefix, and let the cost model decide how many leading
-tokens to load (possibly none); pin nothing here — the worker reads under its own lease a
-moment later, and a block gone by then is reported as a load error and recomputed. Per step:
-tell the worker which blocks to load and which newly computed full blocks to save.
+LoRA adapter), look up the present prefix and pin it under a lease, and let the cost model
+decide how many leading tokens to load (possibly none: the pin goes at once). The pin holds
+until the step that loads them has run (or the request ends, or the lease's 30 s expire), so
+eviction cannot take a planned block. Per step: tell the worker which blocks to load and which
+newly computed full blocks to save.
 
 Worker side: load by copying straight out of the mapped arena (same host) or off the data port
 (remote) into the allocated blocks before the forward pass; save after it. Every failure —
@@ -33,8 +35,8 @@ scheduler folds them into its calibration (bandwidth per tier, prefill curve), r
 calibration file when it changes, and reports each decision with its predicted and measured
 time to first token to vLLM's stat loggers (log line and Prometheus ``/metrics``).
 
-Limits of this version: tensor parallelism of 1; the CPU cache layout (CUDA layouts are the
-next step, isolated and marked ``gpu`` when added).
+Limits of this version: tensor parallelism of 1. The CUDA layouts run only where CUDA is
+present (``gpu``-marked tests); the CPU layout is tested end to end on vLLM CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine_plugin import kv_layout
 from engine_plugin.calibration import Calibration
 from engine_plugin.cost_model import Plan, PrefillModel, TierCost, plan_restore
 from engine_plugin.vllm_identity import identity_from_vllm
@@ -80,6 +83,7 @@ DEFAULT_TIERS = {
     "dram": TierCost(5e9, 0.0005),
     "nvme": TierCost(1e9, 0.001),
 }
+PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
 
@@ -111,6 +115,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     req_id: str = ""
+    lease_id: int = 0  # the hit blocks, pinned from the lookup until they are loaded
+    load_sent: bool = False
     plan: Plan | None = None
     planned_at: float = 0.0  # perf_counter at the decision; the prefill's end closes the record
     prefill_done: bool = False
@@ -139,6 +145,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._client: Client | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._kv_caches: list[torch.Tensor] = []
+        self._layouts: list[kv_layout.LayerLayout] = []
         self._load_errors: set[int] = set()
         self._stats = KvstoreConnectorStats()
         self._calibration_changed = role == KVConnectorRole.SCHEDULER  # report the start figures
@@ -192,6 +199,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         keys = self._request_keys(request)
+        previous = self._tracked.get(request.request_id)
+        if previous is not None:  # asked again (it could not be scheduled): the old pin goes
+            self._unpin(previous)
         tracked = _Tracked(keys, hit_blocks=0)
         self._tracked[request.request_id] = tracked
         if not keys:
@@ -202,7 +212,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if kv is None:
                 return 0, False
             try:
-                hit = kv.lookup_tiers(self.fingerprint, keys)
+                # Pinned until the worker has loaded them (or the plan loads nothing), so that
+                # eviction cannot take a block between this decision and the restore.
+                hit = kv.lookup_tiers(self.fingerprint, keys, pin_ttl_s=PIN_TTL_S)
                 break
             except KvStoreError as exc:
                 self._drop_client(exc)
@@ -210,6 +222,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers
+        tracked.lease_id = hit.lease_id
         prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
         self._calibration_changed |= self.calibration.reload_if_changed()
         snap = self.calibration.snapshot()
@@ -223,6 +236,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
         tracked.plan, tracked.planned_at = plan, time.perf_counter()
         tracked.req_id = request.request_id
+        if not tracked.load_blocks:
+            self._unpin(tracked)
         return tracked.load_blocks * self._block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -232,6 +247,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens == 0:
             tracked.load_blocks = 0
+            self._unpin(tracked)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvstoreConnectorMetadata()
@@ -251,6 +267,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     )
                 )
                 tracked.load_blocks = 0
+                tracked.load_sent = True  # its step's output means the load is done: unpin then
             scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._add_step(meta, tracked, new.num_computed_tokens, scheduled)
             self._add_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled)
@@ -286,8 +303,18 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.calibration.observe_prefill(prefix, new, seconds)
             self._calibration_changed = True
         for tracked in self._tracked.values():
+            if tracked.load_sent:
+                self._unpin(tracked)
             if tracked.prefill_done:
                 self._close_decision(tracked)
+
+    def _unpin(self, tracked: _Tracked) -> None:
+        lease_id, tracked.lease_id = tracked.lease_id, 0
+        if lease_id and self._client is not None:
+            try:
+                self._client.release(lease_id)
+            except KvStoreError as exc:  # expired, or the sidecar restarted: nothing is held
+                log.debug("releasing lease %d: %s", lease_id, exc)
 
     def _close_decision(self, tracked: _Tracked) -> None:
         """Record the decision with its measured time to first token (once per request)."""
@@ -334,6 +361,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is not None:
+            self._unpin(tracked)
             self._close_decision(tracked)
         return False, None
 
@@ -370,15 +398,24 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = list(kv_caches.values())
-        layer_bytes = sum(c[0].numel() * c.element_size() for c in self._kv_caches)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None) or self._kv_caches[0].shape[0]
+        self._layouts = [kv_layout.describe(cache, num_blocks) for cache in self._kv_caches]
+        layer_bytes = sum(layout.block_bytes for layout in self._layouts)
         if layer_bytes != self.identity.block_bytes:
             raise ValueError(
                 f"registered KV caches hold {layer_bytes} B per block, the fingerprint's layout "
                 f"{self.identity.block_bytes} B: unsupported cache layout"
             )
+        log.info(
+            "kvstore connector: %d layers (%s) on %s, %d B per block",
+            len(self._kv_caches),
+            ", ".join(sorted({layout.kind for layout in self._layouts})),
+            self._kv_caches[0].device,
+            layer_bytes,
+        )
 
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        return [cache[block_id].reshape(-1).view(torch.uint8) for cache in self._kv_caches]
+        return kv_layout.block_views(self._kv_caches, self._layouts, block_id)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM binds the step's metadata before the forward pass, while start_load_kv runs
@@ -421,24 +458,24 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 resolved = kv.resolve(self.fingerprint, load.keys)
                 try:
                     for view, block_id in zip(resolved.views, load.block_ids, strict=False):
-                        self._scatter(torch.frombuffer(view, dtype=torch.uint8), block_id)
+                        kv_layout.scatter(
+                            torch.frombuffer(view, dtype=torch.uint8), self._block_views(block_id)
+                        )
+                    kv_layout.synchronize(self._kv_caches)  # device copies done before the slots go
                 finally:
                     if resolved.lease_id:
                         kv.release(resolved.lease_id)
                 return len(resolved.views)
             blocks = kv.get(self.fingerprint, load.keys)
             for data, block_id in zip(blocks, load.block_ids, strict=False):
-                self._scatter(torch.frombuffer(bytearray(data), dtype=torch.uint8), block_id)
+                kv_layout.scatter(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8), self._block_views(block_id)
+                )
+            kv_layout.synchronize(self._kv_caches)
             return len(blocks)
         except KvStoreError as exc:
             self._drop_client(exc)
             return 0
-
-    def _scatter(self, source: torch.Tensor, block_id: int) -> None:
-        offset = 0
-        for dst in self._block_views(block_id):
-            dst.copy_(source[offset : offset + dst.numel()])
-            offset += dst.numel()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous in start_load_kv
@@ -465,8 +502,13 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if self._address.startswith("unix:"):
                     self._save_in_place(kv, save)
                 else:
-                    blocks = [torch.cat(self._block_views(b)).numpy().data for b in save.block_ids]
-                    kv.put(self.fingerprint, save.keys, blocks, parent=save.parent)
+                    blocks = [
+                        torch.empty(self.identity.block_bytes, dtype=torch.uint8) for _ in save.block_ids
+                    ]
+                    for target, block_id in zip(blocks, save.block_ids, strict=True):
+                        kv_layout.gather(self._block_views(block_id), target)
+                    kv_layout.synchronize(self._kv_caches)
+                    kv.put(self.fingerprint, save.keys, [b.numpy().data for b in blocks], parent=save.parent)
             except KvStoreError as exc:
                 self._drop_client(exc)
 
@@ -478,11 +520,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for view, block_id in zip(pending.views, save.block_ids, strict=True):
                 if view is None:
                     continue  # already stored, or another writer has it
-                target = torch.frombuffer(view, dtype=torch.uint8)
-                offset = 0
-                for layer in self._block_views(block_id):
-                    target[offset : offset + layer.numel()].copy_(layer)
-                    offset += layer.numel()
+                kv_layout.gather(self._block_views(block_id), torch.frombuffer(view, dtype=torch.uint8))
+            kv_layout.synchronize(self._kv_caches)  # device copies done before the commit
         except BaseException:
             kv.abort(pending.reservation_id)
             raise

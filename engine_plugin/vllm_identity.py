@@ -10,6 +10,7 @@ the tensor-parallel rank and size. Same configuration with other weights: other 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,17 @@ def _dtype_name(dtype: Any) -> str:
     if name not in DTYPE_BYTES:
         raise ValueError(f"unsupported KV dtype {dtype!r}")
     return name
+
+
+def _memory_layout(vllm_config: Any) -> str:
+    """The tag of how a block's bytes are ordered: the CPU layout, or the CUDA one with the
+    token/head order its attention backend uses (NHD unless configured otherwise)."""
+    if str(vllm_config.device_config.device) == "cpu":
+        return "vllm-cpu"
+    order = getattr(vllm_config.cache_config, "kv_cache_layout", None) or os.environ.get(
+        "VLLM_KV_CACHE_LAYOUT"
+    )
+    return f"vllm-cuda-{order or 'NHD'}"
 
 
 def identity_from_vllm(
@@ -54,7 +66,7 @@ def identity_from_vllm(
         tokens_per_block=cache.block_size,
         kv_dtype=kv_dtype if kv_dtype in DTYPE_BYTES else "fp8",
         kv_quantization="" if cache.cache_dtype in ("auto", None) else str(cache.cache_dtype),
-        memory_layout="vllm-cpu" if str(vllm_config.device_config.device) == "cpu" else "vllm-cuda",
+        memory_layout=_memory_layout(vllm_config),
         tokenizer_digest=tokenizer,
         chat_template_version="",  # covered by the tokenizer files (tokenizer_config.json)
         rope_theta=float(getattr(hf, "rope_theta", 10000.0) or 10000.0),

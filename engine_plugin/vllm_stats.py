@@ -150,77 +150,72 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
-        counter, histogram = self._counter_cls, self._histogram_cls
         by_decision = [*labelnames, "decision"]
         by_tier = [*labelnames, "tier"]
+
+        def counter(name: str, doc: str, labels: list[str]) -> Any:
+            return self._counter_cls(name=f"kvstore_connector_{name}", documentation=doc, labelnames=labels)
+
+        def histogram(name: str, doc: str, labels: list[str], buckets: list[float]) -> Any:
+            return self._histogram_cls(
+                name=f"kvstore_connector_{name}", documentation=doc, buckets=buckets, labelnames=labels
+            )
+
+        def gauge(name: str, doc: str, labels: list[str]) -> Any:
+            return self._gauge_cls(
+                name=f"kvstore_connector_{name}",
+                documentation=doc,
+                labelnames=labels,
+                multiprocess_mode="mostrecent",
+            )
+
         self.decisions = counter(
-            name="kvstore_connector_decisions",
-            documentation="Restore-versus-recompute decisions of the kvstore connector.",
-            labelnames=by_decision,
+            "decisions", "Restore-versus-recompute decisions of the kvstore connector.", by_decision
         )
-        self.hit_tokens = counter(
-            name="kvstore_connector_hit_tokens",
-            documentation="Prompt tokens found in kvstore at lookup.",
-            labelnames=labelnames,
-        )
+        self.hit_tokens = counter("hit_tokens", "Prompt tokens found in kvstore at lookup.", labelnames)
         self.restored_tokens = counter(
-            name="kvstore_connector_restored_tokens",
-            documentation="Prompt tokens the plan chose to restore from kvstore.",
-            labelnames=labelnames,
+            "restored_tokens", "Prompt tokens the plan chose to restore from kvstore.", labelnames
         )
         self.predicted = histogram(
-            name="kvstore_connector_predicted_ttft_seconds",
-            documentation="Time to first token the cost model predicted for its plan.",
-            buckets=TTFT_BUCKETS_S,
-            labelnames=by_decision,
+            "predicted_ttft_seconds",
+            "Time to first token the cost model predicted for its plan.",
+            by_decision,
+            TTFT_BUCKETS_S,
         )
         self.actual = histogram(
-            name="kvstore_connector_actual_ttft_seconds",
-            documentation="Measured time from the plan to the end of the request's prefill.",
-            buckets=TTFT_BUCKETS_S,
-            labelnames=by_decision,
+            "actual_ttft_seconds",
+            "Measured time from the plan to the end of the request's prefill.",
+            by_decision,
+            TTFT_BUCKETS_S,
         )
         self.ratio = histogram(
-            name="kvstore_connector_ttft_actual_over_predicted",
-            documentation="Measured over predicted time to first token, per decision.",
-            buckets=RATIO_BUCKETS,
-            labelnames=by_decision,
+            "ttft_actual_over_predicted",
+            "Measured over predicted time to first token, per decision.",
+            by_decision,
+            RATIO_BUCKETS,
         )
         self.restored_bytes = counter(
-            name="kvstore_connector_restored_bytes",
-            documentation="Bytes restored from kvstore into the engine's KV cache.",
-            labelnames=by_tier,
+            "restored_bytes", "Bytes restored from kvstore into the engine's KV cache.", by_tier
         )
         self.restore_seconds = histogram(
-            name="kvstore_connector_restore_seconds",
-            documentation="Duration of one request's restore from kvstore.",
-            buckets=TTFT_BUCKETS_S,
-            labelnames=by_tier,
+            "restore_seconds", "Duration of one request's restore from kvstore.", by_tier, TTFT_BUCKETS_S
         )
         self.failed = counter(
-            name="kvstore_connector_load_failed_blocks",
-            documentation="Blocks whose restore failed and were recomputed instead.",
-            labelnames=labelnames,
+            "load_failed_blocks", "Blocks whose restore failed and were recomputed instead.", labelnames
         )
-        gauge = self._gauge_cls
         self.tier_bandwidth = gauge(
-            name="kvstore_connector_tier_bandwidth_bytes_per_second",
-            documentation="Restore bandwidth per tier the cost model uses now (calibrated, updated online).",
-            labelnames=by_tier,
-            multiprocess_mode="mostrecent",
+            "tier_bandwidth_bytes_per_second",
+            "Restore bandwidth per tier the cost model uses now (calibrated, updated online).",
+            by_tier,
         )
         self.tier_latency = gauge(
-            name="kvstore_connector_tier_latency_seconds",
-            documentation="Fixed restore latency per tier the cost model uses now.",
-            labelnames=by_tier,
-            multiprocess_mode="mostrecent",
+            "tier_latency_seconds", "Fixed restore latency per tier the cost model uses now.", by_tier
         )
         self.prefill = [
             gauge(
-                name=f"kvstore_connector_prefill_{what}_seconds",
-                documentation=f"Prefill model coefficient the cost model uses now: {doc}.",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
+                f"prefill_{what}_seconds",
+                f"Prefill model coefficient the cost model uses now: {doc}.",
+                labelnames,
             )
             for what, doc in (
                 ("fixed", "fixed time per prefill"),

@@ -98,17 +98,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fingerprint_arg(args: argparse.Namespace, command: str) -> bytes | None:
+    """``--fingerprint HEX`` as bytes, None when absent; ValueError (already reported) if bad."""
+    if not args.fingerprint:
+        return None
+    try:
+        return bytes.fromhex(args.fingerprint)
+    except ValueError:
+        print(f"kvstore {command}: --fingerprint takes 64 hex digits", file=sys.stderr)
+        raise
+
+
 def _cmd_invalidate(args: argparse.Namespace) -> int:
     if bool(args.fingerprint) == bool(args.everything):
         print("kvstore invalidate: give --fingerprint HEX or --everything", file=sys.stderr)
         return 2
-    fingerprint = None
-    if args.fingerprint:
-        try:
-            fingerprint = bytes.fromhex(args.fingerprint)
-        except ValueError:
-            print("kvstore invalidate: --fingerprint takes 64 hex digits", file=sys.stderr)
-            return 2
+    try:
+        fingerprint = _fingerprint_arg(args, "invalidate")
+    except ValueError:
+        return 2
     if args.everything and not args.yes:
         whose = (
             "EVERY tenant's" if args.tenant == "*" else f"tenant {args.tenant!r}'s" if args.tenant else "your"
@@ -124,13 +132,10 @@ def _cmd_invalidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demote(args: argparse.Namespace) -> int:
-    fingerprint = None
-    if args.fingerprint:
-        try:
-            fingerprint = bytes.fromhex(args.fingerprint)
-        except ValueError:
-            print("kvstore demote: --fingerprint takes 64 hex digits", file=sys.stderr)
-            return 2
+    try:
+        fingerprint = _fingerprint_arg(args, "demote")
+    except ValueError:
+        return 2
     with _client(args) as client:
         moved = client.demote(args.tier, fingerprint, tenant=args.tenant)
     print(f"moved {moved} blocks out of {args.tier}")

