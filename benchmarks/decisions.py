@@ -300,7 +300,7 @@ def _plot(curves: list[dict[str, object]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted(
-        {(str(c["tier"]), int(str(c["throttle"]))) for c in curves}, key=lambda p: (p[0], -p[1] or 0)
+        {(str(c["tier"]), int(str(c["throttle"]))) for c in curves}, key=lambda p: (p[0], p[1] != 0, -p[1])
     )
     columns = len({throttle for _, throttle in panels})
     rows_n = (len(panels) + columns - 1) // columns
