@@ -10,10 +10,10 @@ rewritten; the auto engine re-reads it on its next request, as a production engi
 prefill curve is measured once, on the recompute engine (three interleaved passes, medians).
 
 Per case a fresh prefix is stored (computed once by the recompute engine), then each policy
-serves it with a suffix of its own, round after round, each round in another of the six orders
-of the three policies, for at least ``rounds`` rounds and then in sets of six while the case's
-time budget lasts (a cheap case gets more rounds: its few-millisecond jitter is a larger share
-of its time); for `nvme` the sidecar
+serves it with a suffix of its own, round after round: at least ``rounds`` full rounds, each
+in another order of the three policies; then, while the case's time budget lasts, more rounds —
+of the plan and the faster policy only, once the other is clearly slower (cheap cases get many
+rounds, where a few milliseconds of jitter are a large share of their time); for `nvme` the sidecar
 demotes every block out of `dram` before each restore-capable run, so the restore reads from
 disk (after a short pause that lets the sidecar's writer thread put them on disk).
 
@@ -38,7 +38,6 @@ here) that the comparison is not lost in the noise of a shared 2-core machine.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import tempfile
 import time
@@ -67,24 +66,31 @@ class Sweep:
     lengths: tuple[int, ...]
     throttles: tuple[int, ...]  # bytes/s of both tiers; 0: unthrottled
     tiers: tuple[str, ...] = ("dram", "nvme")
-    rounds: int = 6  # at least; then sets of six more while ``case_budget_s`` lasts
+    rounds: int = 3  # full rounds at least; then more while ``case_budget_s`` lasts
     case_budget_s: float = 0.0
-    max_rounds: int = 36
+    max_rounds: int = 40
     prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 3072)
     model_size: str = "small"
 
 
-QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), rounds=6, case_budget_s=4.0)
+QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), case_budget_s=9.0)
 FULL = Sweep(
     lengths=(256, 512, 1024, 1536, 2048, 3008),
     throttles=(0, 160_000_000, 80_000_000, 40_000_000, 20_000_000, 10_000_000),
-    rounds=12,
-    case_budget_s=20.0,
-    max_rounds=60,
+    rounds=6,
+    case_budget_s=25.0,
+    max_rounds=100,
 )
-# Every order of the three policies in turn: each one runs after each other one equally often
-# (what ran just before, and what it left warm in caches, shows in a run's time).
-ORDERS = list(itertools.permutations(POLICIES))
+# Every order of the three policies in turn, the three rotations of one cycle first: each policy
+# runs in each position, and after each other one, equally often (what ran just before, and what
+# it left warm in caches, shows in a run's time).
+ORDERS = [
+    ("restore", "recompute", "auto"),
+    ("recompute", "auto", "restore"),
+    ("auto", "restore", "recompute"),
+]
+ORDERS += [(a, c, b) for a, b, c in ORDERS]
+CLEARLY_WORSE = 1.25  # median over the other's: past it, later rounds drop the slower policy
 
 
 def _tokens(length: int, seed: int) -> list[int]:
@@ -209,36 +215,52 @@ def _run_case(
     engines["recompute"].generate(
         prefix + _tokens(SUFFIX_TOKENS, 50_000 + seed), max_tokens=1
     )  # stores the prefix
-    times: dict[str, list[float]] = {p: [] for p in POLICIES}
+    rounds: list[dict[str, float]] = []  # per round: policy -> seconds
     loaded: dict[str, list[int]] = {p: [] for p in POLICIES}
     started = time.monotonic()
-    rnd = 0
-    while rnd < sweep.rounds or (
-        rnd < sweep.max_rounds and (rnd % len(ORDERS) or time.monotonic() - started < sweep.case_budget_s)
+    while len(rounds) < sweep.rounds or (
+        len(rounds) < sweep.max_rounds and time.monotonic() - started < sweep.case_budget_s
     ):
-        for index, policy in enumerate(ORDERS[rnd % len(ORDERS)]):
-            engine = engines[policy]
+        order: tuple[str, ...] = ORDERS[len(rounds) % len(ORDERS)]
+        if len(rounds) >= sweep.rounds:
+            better, worse = _ranked(rounds)
+            if _median(rounds, worse) >= CLEARLY_WORSE * _median(rounds, better):
+                # The loser is clear: further rounds pair the plan with the winner only, which
+                # buys more samples where they matter (and cheap ones: the loser is the slow one).
+                order = ("auto", better) if len(rounds) % 2 else (better, "auto")
+        measured: dict[str, float] = {}
+        for index, policy in enumerate(order):
             if tier == "nvme" and policy != "recompute":
                 admin.demote("dram")
                 time.sleep(SETTLE_S)
             # A suffix of its own per run: what one engine stored after its prefill must not
             # become another one's hit.
-            suffix = _tokens(SUFFIX_TOKENS, 60_000 + seed * 16 + rnd * 4 + index)
-            out = engine.generate(prefix + suffix, max_tokens=1)
-            times[policy].append(float(out["seconds"]))
+            suffix = _tokens(SUFFIX_TOKENS, 60_000 + seed * 256 + len(rounds) * 4 + index)
+            out = engines[policy].generate(prefix + suffix, max_tokens=1)
+            measured[policy] = float(out["seconds"])
             loaded[policy].append(int(out["cached"]))
-        rnd += 1
-    medians = {p: statistics.median(times[p]) for p in POLICIES}
-    better = "restore" if medians["restore"] < medians["recompute"] else "recompute"
-    case: dict[str, object] = dict(medians)
+        rounds.append(measured)
+    better, _ = _ranked(rounds)
+    case: dict[str, object] = {p: _median(rounds, p) for p in POLICIES}
     case["better"] = better
-    case["rounds"] = rnd
-    case["ratio"] = statistics.median(a / b for a, b in zip(times["auto"], times[better], strict=True))
+    case["rounds"] = len(rounds)
+    case["ratio"] = statistics.median(r["auto"] / r[better] for r in rounds if better in r)
     case["loaded"] = {p: statistics.median(loaded[p]) for p in POLICIES}
     after = engines["auto"].metrics()
     case["auto_metrics"] = {k: v - before.get(k, 0.0) for k, v in after.items() if "ttft" in k}
-    case["runs"] = times
+    case["runs"] = rounds
     return case
+
+
+def _median(rounds: list[dict[str, float]], policy: str) -> float:
+    return statistics.median(r[policy] for r in rounds if policy in r)
+
+
+def _ranked(rounds: list[dict[str, float]]) -> tuple[str, str]:
+    """(better, worse) of restore and recompute by median time so far."""
+    if _median(rounds, "restore") < _median(rounds, "recompute"):
+        return "restore", "recompute"
+    return "recompute", "restore"
 
 
 def _result(case: dict[str, object]) -> Result:
