@@ -73,7 +73,7 @@ class Sweep:
     model_size: str = "small"
 
 
-QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), case_budget_s=9.0)
+QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), case_budget_s=7.0)
 FULL = Sweep(
     lengths=(256, 512, 1024, 1536, 2048, 3008),
     throttles=(0, 160_000_000, 80_000_000, 40_000_000, 20_000_000, 10_000_000),
