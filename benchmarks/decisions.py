@@ -2,12 +2,15 @@
 everything and recomputing everything?
 
 A sweep over prefix length x source tier (`dram`, `nvme`) x the tiers' throttled bandwidth, on
-vLLM CPU with the kvstore connector. Three engine processes share one sidecar for the whole
-sweep, one per policy: "restore" (load every hit block), "recompute" (load nothing) and "auto"
-(the cost model's plan). Per throttle the sidecar restarts with the throttle set, the tiers are
+vLLM CPU with the kvstore connector. One engine process serves the whole sweep, and each request
+names its policy (``kv_transfer_params``): "restore" (load every hit block), "recompute" (load
+nothing) or "auto" (the cost model's plan). One engine, so the three are compared on the same
+KV pool with the same history: separate engine processes doing identical work measured up to
+15% apart here, systematically in some cases. The plan's calibration also learns from the forced
+requests, as an engine learns from whatever it runs. Per throttle the sidecar restarts with the throttle set, the tiers are
 measured under it (``kvstore bench calibrate``'s tier measurement) and the calibration file is
-rewritten; the auto engine re-reads it on its next request, as a production engine would. The
-prefill curve is measured once, on the recompute engine (three interleaved passes, medians).
+rewritten; the engine re-reads it on its next request, as a production engine would. The
+prefill curve is measured once, by recompute requests (three interleaved passes, medians).
 
 Per case a fresh prefix is stored (computed once by the recompute engine), then each policy
 serves it with a suffix of its own, round after round: at least ``rounds`` full rounds, each
@@ -29,7 +32,7 @@ better of restore and recompute, in every case.
 
 A second, noise-free figure: whether the plan took the action (restore everything, restore
 part, recompute) of the policy that measured faster, counting a case where restore and
-recompute came within 5% of each other as agreeing either way. The auto engine's own
+recompute came within 5% of each other as agreeing either way. The engine's own
 Prometheus series give how close its predicted times came to what it measured.
 
 The default model is ``small`` (8 layers, ~24M parameters): long enough prefills (~0.1-0.6 s
@@ -119,22 +122,19 @@ def run_decisions(
     need = 2 * max(sweep.lengths) * block_bytes // BLOCK_SIZE * len(sweep.tiers) + (256 << 20)
     server = ServerProcess(arena_bytes=need)
     calibration_path = folder / "calibration.json"
-    engines: dict[str, Engine] = {}
+    engine: Engine | None = None
     results: list[Result] = []
     curves: list[dict[str, object]] = []
     seed = 0
     try:
-        console.print("[dim]engines and prefill curve …[/]")
-        # The plan's engine starts on a provisional file; it re-reads the measured one later.
+        console.print("[dim]engine and prefill curve …[/]")
+        # The engine starts on a provisional file and re-reads the measured one later.
         Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL).save(calibration_path)
-        for policy in POLICIES:
-            calibration = str(calibration_path) if policy == "auto" else ""
-            engines[policy] = Engine(model_dir, server.unix, policy=policy, calibration=calibration)
-        for engine in engines.values():  # first requests warm an engine up: not measured
-            for _ in range(2):
-                seed += 1
-                engine.generate(_tokens(SUFFIX_TOKENS * 4, 10_000 + seed), max_tokens=1)
-        points = _prefill_points(engines["recompute"], sweep.prefill_lengths, seed)
+        engine = Engine(model_dir, server.unix, policy="auto", calibration=str(calibration_path))
+        for _ in range(3):  # first requests warm an engine up: not measured
+            seed += 1
+            engine.generate(_tokens(SUFFIX_TOKENS * 4, 10_000 + seed), max_tokens=1, policy="recompute")
+        points = _prefill_points(engine, sweep.prefill_lengths, seed)
         prefill = fit_prefill(points)
         for throttle in sweep.throttles:
             settings = [f"dram.throttle_bytes_per_s={throttle}", f"nvme.throttle_bytes_per_s={throttle}"]
@@ -144,21 +144,20 @@ def run_decisions(
             Calibration(tiers, prefill, points).save(calibration_path, {"throttle_bytes_per_s": throttle})
             server.settings = settings
             server.restart()
-            for engine in engines.values():  # reconnect after the restart; the auto one re-reads
-                seed += 1
-                engine.generate(_tokens(SUFFIX_TOKENS, 20_000 + seed), max_tokens=1)
+            seed += 1  # reconnects after the restart and re-reads the calibration
+            engine.generate(_tokens(SUFFIX_TOKENS, 20_000 + seed), max_tokens=1)
             with connect(server.unix) as admin:
                 for tier in sweep.tiers:
                     for length in sweep.lengths:
                         seed += 1
-                        case = _run_case(engines, admin, tier, length, seed, sweep)
+                        case = _run_case(engine, admin, tier, length, seed, sweep)
                         case.update(tier=tier, throttle=throttle, length=length)
                         curves.append(case)
                         results.append(_result(case))
                         console.print(f"[dim]  {results[-1].metric}: {results[-1].ratio:.2f}x[/]")
                         admin.invalidate(everything=True)  # the next case starts from empty tiers
     finally:
-        for engine in engines.values():
+        if engine is not None:
             engine.close()
         server.stop()
     within = sum(1 for r in results if r.ratio is not None and r.ratio <= TARGET)
@@ -202,19 +201,17 @@ def _prefill_points(engine: Engine, lengths: Sequence[int], seed: int) -> list[t
     times: dict[int, list[float]] = {n: [] for n in lengths}
     for rep in range(3):
         for n in lengths:
-            out = engine.generate(_tokens(n, 30_000 + seed + rep * 100 + n), max_tokens=1)
+            out = engine.generate(_tokens(n, 30_000 + seed + rep * 100 + n), max_tokens=1, policy="recompute")
             times[n].append(float(out["seconds"]))
     return [(0, n, statistics.median(times[n])) for n in lengths]
 
 
 def _run_case(
-    engines: dict[str, Engine], admin: Client, tier: str, length: int, seed: int, sweep: Sweep
+    engine: Engine, admin: Client, tier: str, length: int, seed: int, sweep: Sweep
 ) -> dict[str, object]:
     prefix = _tokens(length, seed)
-    before = engines["auto"].metrics()
-    engines["recompute"].generate(
-        prefix + _tokens(SUFFIX_TOKENS, 50_000 + seed), max_tokens=1
-    )  # stores the prefix
+    before = engine.metrics()
+    engine.generate(prefix + _tokens(SUFFIX_TOKENS, 50_000 + seed), max_tokens=1)  # stores the prefix
     rounds: list[dict[str, float]] = []  # per round: policy -> seconds
     loaded: dict[str, list[int]] = {p: [] for p in POLICIES}
     started = time.monotonic()
@@ -236,7 +233,7 @@ def _run_case(
             # A suffix of its own per run: what one engine stored after its prefill must not
             # become another one's hit.
             suffix = _tokens(SUFFIX_TOKENS, 60_000 + seed * 256 + len(rounds) * 4 + index)
-            out = engines[policy].generate(prefix + suffix, max_tokens=1)
+            out = engine.generate(prefix + suffix, max_tokens=1, policy=policy)
             measured[policy] = float(out["seconds"])
             loaded[policy].append(int(out["cached"]))
         rounds.append(measured)
@@ -246,7 +243,7 @@ def _run_case(
     case["rounds"] = len(rounds)
     case["ratio"] = statistics.median(r["auto"] / r[better] for r in rounds if better in r)
     case["loaded"] = {p: statistics.median(loaded[p]) for p in POLICIES}
-    after = engines["auto"].metrics()
+    after = engine.metrics()
     case["auto_metrics"] = {k: v - before.get(k, 0.0) for k, v in after.items() if "ttft" in k}
     case["runs"] = rounds
     return case
@@ -291,7 +288,7 @@ def _agrees(case: dict[str, object]) -> bool:
 
 
 def _prediction_rows(curves: list[dict[str, object]]) -> list[Result]:
-    """Measured over predicted time to first token of the plan engine's timed requests (its own
+    """Measured over predicted time to first token of the engine's timed requests (its own
     ``kvstore_connector_ttft_actual_over_predicted`` series, summed over the cases), by decision."""
     totals: dict[str, float] = {}
     for case in curves:
@@ -306,10 +303,10 @@ def _prediction_rows(curves: list[dict[str, object]]) -> list[Result]:
             total = totals[f"kvstore_connector_ttft_actual_over_predicted_sum{{decision={decision}}}"]
             rows.append(
                 Result(
-                    f"plan {decision}: measured / predicted ttft",
+                    f"cost model, {decision}: measured / predicted ttft",
                     total / count,
                     "x",
-                    note=f"mean over the plan engine's {count:.0f} timed requests that chose {decision}",
+                    note=f"mean over the {count:.0f} timed requests that did {decision} (plan or forced)",
                 )
             )
     return rows

@@ -2,7 +2,8 @@
 (by the end-to-end tests and the calibration and decision benchmarks).
 
     python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION]]
-    stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int}
+    stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
+            "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
             or {"metrics": true}
     stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int, "seconds": float}
             or {"metrics": {"series{labels}": value}} (the connector's ``kvstore_connector_*``
@@ -85,9 +86,13 @@ class Engine:
             if line.startswith("{"):
                 return dict(json.loads(line))
 
-    def generate(self, prompt: list[int], salt: str | None = None, max_tokens: int = 4) -> dict[str, Any]:
+    def generate(
+        self, prompt: list[int], salt: str | None = None, max_tokens: int = 4, policy: str | None = None
+    ) -> dict[str, Any]:
+        """``policy`` overrides the connector's policy for this request only."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "salt": salt, "max_tokens": max_tokens}) + "\n")
+        request = {"prompt": prompt, "salt": salt, "max_tokens": max_tokens, "policy": policy}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._read(300)
 
@@ -145,7 +150,12 @@ def main() -> None:
         if request.get("metrics"):
             print(json.dumps({"metrics": _connector_metrics()}), flush=True)
             continue
-        params = SamplingParams(max_tokens=request.get("max_tokens", 4), logprobs=3, temperature=0.0)
+        extra = (
+            {"kv_transfer_params": {"kvstore_policy": request["policy"]}} if request.get("policy") else None
+        )
+        params = SamplingParams(
+            max_tokens=request.get("max_tokens", 4), logprobs=3, temperature=0.0, extra_args=extra
+        )
         prompt = TokensPrompt(prompt_token_ids=request["prompt"])
         if request.get("salt"):
             prompt["cache_salt"] = request["salt"]

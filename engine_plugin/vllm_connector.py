@@ -12,6 +12,9 @@ Load it with::
                                    "policy": "auto"},   # or "restore" / "recompute" (benchmarks)
     )
 
+One request can override the policy: ``SamplingParams(extra_args={"kv_transfer_params":
+{"kvstore_policy": "restore"}})`` (the decision benchmark compares the three in one engine).
+
 Block mapping: one kvstore block is one vLLM block of ``block_size`` tokens, holding that
 block's K and V for every layer of this tensor-parallel rank, layer after layer in the order
 vLLM registered its caches (``engine_plugin.kv_layout``: the CPU layout ``[num_blocks,
@@ -87,6 +90,13 @@ PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
 
+def _policy(value: object) -> str:
+    policy = str(value)
+    if policy not in ("auto", "restore", "recompute"):
+        raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {policy!r}")
+    return policy
+
+
 @dataclass
 class _Transfer:
     req_id: str
@@ -135,9 +145,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError("the kvstore connector supports tensor_parallel_size=1 for now")
         self.identity = identity_from_vllm(vllm_config)
         self.fingerprint = self.identity.fingerprint()
-        self.policy = str(extra.get("policy", "auto"))
-        if self.policy not in ("auto", "restore", "recompute"):
-            raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {self.policy!r}")
+        self.policy = _policy(extra.get("policy", "auto"))
         path = extra.get("calibration")
         self.calibration = (
             Calibration.load(path) if path else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
@@ -227,7 +235,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._calibration_changed |= self.calibration.reload_if_changed()
         snap = self.calibration.snapshot()
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
-        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[self.policy]
+        policy = self.policy
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if "kvstore_policy" in params:  # one request's override (benchmarks, experiments)
+            try:
+                policy = _policy(params["kvstore_policy"])
+            except ValueError as exc:
+                log.warning("request %s: %s; using %s", request.request_id, exc, policy)
+        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[policy]
         plan = plan_restore(
             hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill, forced
         )
@@ -450,32 +465,35 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._step_load_s += time.perf_counter() - started
 
     def _load(self, load: _Transfer) -> int:
-        kv = self._kv()
-        if kv is None:
-            return 0
-        try:
-            if self._address.startswith("unix:"):
-                resolved = kv.resolve(self.fingerprint, load.keys)
-                try:
-                    for view, block_id in zip(resolved.views, load.block_ids, strict=False):
-                        kv_layout.scatter(
-                            torch.frombuffer(view, dtype=torch.uint8), self._block_views(block_id)
-                        )
-                    kv_layout.synchronize(self._kv_caches)  # device copies done before the slots go
-                finally:
-                    if resolved.lease_id:
-                        kv.release(resolved.lease_id)
-                return len(resolved.views)
-            blocks = kv.get(self.fingerprint, load.keys)
-            for data, block_id in zip(blocks, load.block_ids, strict=False):
-                kv_layout.scatter(
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8), self._block_views(block_id)
-                )
-            kv_layout.synchronize(self._kv_caches)
-            return len(blocks)
-        except KvStoreError as exc:
-            self._drop_client(exc)
-            return 0
+        """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them."""
+        for _ in range(2):  # a sidecar that restarted since the last call gets one reconnect
+            kv = self._kv()
+            if kv is None:
+                return 0
+            try:
+                return self._load_from(kv, load)
+            except KvStoreError as exc:
+                self._drop_client(exc)
+        return 0
+
+    def _load_from(self, kv: Client, load: _Transfer) -> int:
+        if self._address.startswith("unix:"):
+            resolved = kv.resolve(self.fingerprint, load.keys)
+            try:
+                for view, block_id in zip(resolved.views, load.block_ids, strict=False):
+                    kv_layout.scatter(torch.frombuffer(view, dtype=torch.uint8), self._block_views(block_id))
+                kv_layout.synchronize(self._kv_caches)  # device copies done before the slots go
+            finally:
+                if resolved.lease_id:
+                    kv.release(resolved.lease_id)
+            return len(resolved.views)
+        blocks = kv.get(self.fingerprint, load.keys)
+        for data, block_id in zip(blocks, load.block_ids, strict=False):
+            kv_layout.scatter(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), self._block_views(block_id)
+            )
+        kv_layout.synchronize(self._kv_caches)
+        return len(blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous in start_load_kv
@@ -495,22 +513,25 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._observed.prefills.append((before, new, forward_s))
         self._step_started = 0.0
         for save in meta.saves:
-            kv = self._kv()
-            if kv is None:
-                return
-            try:
-                if self._address.startswith("unix:"):
-                    self._save_in_place(kv, save)
-                else:
-                    blocks = [
-                        torch.empty(self.identity.block_bytes, dtype=torch.uint8) for _ in save.block_ids
-                    ]
-                    for target, block_id in zip(blocks, save.block_ids, strict=True):
-                        kv_layout.gather(self._block_views(block_id), target)
-                    kv_layout.synchronize(self._kv_caches)
-                    kv.put(self.fingerprint, save.keys, [b.numpy().data for b in blocks], parent=save.parent)
-            except KvStoreError as exc:
-                self._drop_client(exc)
+            for _ in range(2):  # one reconnect, as for loads
+                kv = self._kv()
+                if kv is None:
+                    return
+                try:
+                    self._save(kv, save)
+                    break
+                except KvStoreError as exc:
+                    self._drop_client(exc)
+
+    def _save(self, kv: Client, save: _Transfer) -> None:
+        if self._address.startswith("unix:"):
+            self._save_in_place(kv, save)
+            return
+        blocks = [torch.empty(self.identity.block_bytes, dtype=torch.uint8) for _ in save.block_ids]
+        for target, block_id in zip(blocks, save.block_ids, strict=True):
+            kv_layout.gather(self._block_views(block_id), target)
+        kv_layout.synchronize(self._kv_caches)
+        kv.put(self.fingerprint, save.keys, [b.numpy().data for b in blocks], parent=save.parent)
 
     def _save_in_place(self, kv: Client, save: _Transfer) -> None:
         """Same host: gather each block's layers straight into its reserved arena slot."""

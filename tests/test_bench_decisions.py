@@ -1,6 +1,6 @@
-"""``kvstore bench decisions`` end to end on a one-case-per-tier sweep with the tiny model: three
-real vLLM CPU engines, a real sidecar, demotion to nvme, the calibration file rewritten, the
-JSON and the plot. (The figures themselves come from the benchmark, not from tests.)"""
+"""``kvstore bench decisions`` end to end on a one-case-per-tier sweep with the tiny model: a real
+vLLM CPU engine serving all three policies (per-request override), a real sidecar, demotion to
+nvme, the calibration file rewritten, the JSON and the plot. (The figures themselves come from the benchmark, not from tests.)"""
 
 from __future__ import annotations
 
@@ -47,5 +47,5 @@ def test_a_small_sweep_measures_every_policy_and_writes_json_and_plot(tmp_path: 
     assert rows["cases within target"]["reference_value"] == 4
     case_rows = [r for r in doc["results"] if r["metric"].startswith("plan, ")]
     assert len(case_rows) == 4 and all(r["ratio"] == r["value"] / r["reference_value"] for r in case_rows)
-    assert any(name.startswith("plan ") and "predicted" in name for name in rows)  # auto's own metrics
+    assert any(name.startswith("cost model, ") and "predicted" in name for name in rows)  # engine metrics
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

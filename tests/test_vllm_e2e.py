@@ -152,6 +152,37 @@ def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: Runn
         forced.close()
 
 
+def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """The cache survives a sidecar restart and the engine's connector (scheduler and worker
+    side alike) reconnects on its own: the first restore after the restart loads, no block fails."""
+    data_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+    overrides = {
+        "data_dir": data_dir,
+        "dram.capacity_bytes": "128MiB",
+        "dram.prefault": "false",
+        "nvme.capacity_bytes": "1GiB",
+        "server.metrics_address": "",
+    }
+    server = start_server(load_settings(env={}, overrides=overrides))
+    engine = Engine(models[0], server.unix_address, policy="restore")
+    try:
+        warm_up = [(i * 3) % 500 + 3 for i in range(200)]
+        engine.generate(warm_up, max_tokens=1)
+        engine.generate(warm_up, max_tokens=1)  # both sides of the connector have used the sidecar
+        prompt = [(i * 13) % 500 + 3 for i in range(640)]
+        cold = engine.generate(prompt)
+        server.stop()  # spills dram to nvme
+        server = start_server(load_settings(env={}, overrides=overrides))
+        warm = engine.generate(prompt)
+        assert warm["cached"] == 19 * 32
+        assert warm["logprobs"] == cold["logprobs"]
+        assert engine.metrics().get("kvstore_connector_load_failed_blocks_total", 0) == 0
+    finally:
+        engine.close()
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 def test_sidecar_gone_means_recompute_not_failure(
     engines: tuple[Engine, Engine], sidecar: RunningServer
 ) -> None:
