@@ -1,7 +1,7 @@
 """A vLLM CPU engine with the kvstore connector in its own process, driven over stdin/stdout
 (by the end-to-end tests and the calibration and decision benchmarks).
 
-    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION]]
+    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE]]]
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
             "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
             or {"metrics": true}
@@ -41,12 +41,29 @@ ENGINE_START_S = 240
 class Engine:
     """One engine process; ``generate`` sends a prompt and waits for its completion."""
 
-    def __init__(self, model: Path, address: str, policy: str = "auto", calibration: str = "") -> None:
+    def __init__(
+        self, model: Path, address: str, policy: str = "auto", calibration: str = "", tensor_parallel: int = 1
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        if tensor_parallel > 1:
+            # vLLM CPU binds each rank's threads to a NUMA node; one node here: a core per rank.
+            cores = os.cpu_count() or 1
+            env.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tensor_parallel))
+            )
         # Open for the engine's lifetime; its tail goes into the error if the engine dies.
         self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.vllm_engine", str(model), address, policy, calibration],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.vllm_engine",
+                str(model),
+                address,
+                policy,
+                calibration,
+                str(tensor_parallel),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -124,6 +141,7 @@ def main() -> None:
     model, address = sys.argv[1], sys.argv[2]
     policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
     calibration = (sys.argv[4] if len(sys.argv) > 4 else "") or None
+    tensor_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     transfer = KVTransferConfig(
         kv_connector="KvstoreConnector",
         kv_connector_module_path="engine_plugin.vllm_connector",
@@ -133,7 +151,8 @@ def main() -> None:
     )
     llm = LLM(
         model=model,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
+        tensor_parallel_size=tensor_parallel,
         dtype="bfloat16",
         max_model_len=4096,
         block_size=32,

@@ -38,14 +38,17 @@ scheduler folds them into its calibration (bandwidth per tier, prefill curve), r
 calibration file when it changes, and reports each decision with its predicted and measured
 time to first token to vLLM's stat loggers (log line and Prometheus ``/metrics``).
 
-Limits of this version: tensor parallelism of 1. The CUDA layouts run only where CUDA is
-present (``gpu``-marked tests); the CPU layout is tested end to end on vLLM CPU.
+Tensor parallel: each rank's blocks are keyed by its own fingerprint (rank and world size are
+in it); the scheduler looks up every rank's keys and plans on the shortest hit (the slowest tier
+per block), each worker moves only its rank's shard. Pipeline parallel: 1 only. The CUDA layouts
+run only where CUDA is present (``gpu``-marked tests); the CPU layout is tested end to end.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +93,37 @@ PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
 
+@dataclass(frozen=True)
+class _RankHit:
+    hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
+    tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
+    lease_ids: list[int]
+
+
+_TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2}
+
+
+def _lookup_ranks(
+    kv: Client, fingerprints: Sequence[bytes], rank_keys: Sequence[Sequence[BlockKey]]
+) -> _RankHit:
+    lookups = [
+        kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S)
+        for fp, keys in zip(fingerprints, rank_keys, strict=True)
+    ]
+    hit = min(lookup.hit_blocks for lookup in lookups)
+    tiers = tuple(
+        max((lookup.tiers[i] for lookup in lookups), key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))
+        for i in range(hit)
+    )
+    return _RankHit(hit, tiers, [lookup.lease_id for lookup in lookups if lookup.lease_id])
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _policy(value: object) -> str:
     policy = str(value)
     if policy not in ("auto", "restore", "recompute"):
@@ -100,10 +134,10 @@ def _policy(value: object) -> str:
 @dataclass
 class _Transfer:
     req_id: str
-    keys: list[BlockKey]
+    rank_keys: list[list[BlockKey]]  # per tensor-parallel rank: each rank stores its own shard
     block_ids: list[int]
-    parent: BlockKey | None = None
-    tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block
+    parents: list[BlockKey | None] = field(default_factory=list)  # per rank
+    tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block (slowest over ranks)
 
 
 @dataclass
@@ -116,7 +150,7 @@ class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class _Tracked:
-    keys: list[BlockKey]
+    rank_keys: list[list[BlockKey]]
     hit_blocks: int
     hit_tiers: tuple[str, ...] = ()
     load_blocks: int = 0
@@ -125,7 +159,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     req_id: str = ""
-    lease_id: int = 0  # the hit blocks, pinned from the lookup until they are loaded
+    lease_ids: list[int] = field(default_factory=list)  # the hit blocks, pinned until loaded
     load_sent: bool = False
     plan: Plan | None = None
     planned_at: float = 0.0  # perf_counter at the decision; the prefill's end closes the record
@@ -141,10 +175,16 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError("kv_connector_extra_config needs 'address' (unix:///path or host:port)")
         self._token = extra.get("token")
         self._block_size = vllm_config.cache_config.block_size
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("the kvstore connector supports tensor_parallel_size=1 for now")
-        self.identity = identity_from_vllm(vllm_config)
+        world = vllm_config.parallel_config.tensor_parallel_size
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("the kvstore connector supports pipeline_parallel_size=1")
+        # Each tensor-parallel rank holds its own KV heads: its blocks are keyed by its own
+        # fingerprint. The scheduler looks up every rank's; a worker moves only its rank's.
+        self._rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self._identities = [identity_from_vllm(vllm_config, tp_rank=r) for r in range(world)]
+        self.identity = self._identities[self._rank]
         self.fingerprint = self.identity.fingerprint()
+        self._fingerprints = [identity.fingerprint() for identity in self._identities]
         self.policy = _policy(extra.get("policy", "auto"))
         path = extra.get("calibration")
         self.calibration = (
@@ -175,7 +215,10 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._client is None:
             try:
                 client = connect(self._address, token=self._token, timeout_s=5.0)
-                client.register(self.identity)
+                for identity in (
+                    self._identities if self._role == KVConnectorRole.SCHEDULER else [self.identity]
+                ):
+                    client.register(identity)
             except KvStoreError as exc:
                 log.warning("kvstore sidecar at %s unreachable (%s); recomputing", self._address, exc)
                 return None
@@ -190,29 +233,29 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ----------------------------------------------------------------- scheduler side
 
-    def _request_keys(self, request: Request) -> list[BlockKey]:
+    def _request_keys(self, request: Request) -> list[list[BlockKey]]:
+        """The request's block keys under each rank's fingerprint."""
         extra: list[bytes] = []
         lora = getattr(request, "lora_request", None)
         if lora is not None:
             extra.append(f"lora:{lora.lora_name}:{lora.lora_int_id}".encode())
-        return block_keys(
-            self.fingerprint,
-            list(request.prompt_token_ids or []),
-            self._block_size,
-            cache_salt=getattr(request, "cache_salt", None),
-            extra_keys=extra,
-        )
+        tokens = list(request.prompt_token_ids or [])
+        salt = getattr(request, "cache_salt", None)
+        return [
+            block_keys(fp, tokens, self._block_size, cache_salt=salt, extra_keys=extra)
+            for fp in self._fingerprints
+        ]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        keys = self._request_keys(request)
+        rank_keys = self._request_keys(request)
         previous = self._tracked.get(request.request_id)
         if previous is not None:  # asked again (it could not be scheduled): the old pin goes
             self._unpin(previous)
-        tracked = _Tracked(keys, hit_blocks=0)
+        tracked = _Tracked(rank_keys, hit_blocks=0)
         self._tracked[request.request_id] = tracked
-        if not keys:
+        if not rank_keys[0]:
             return 0, False
         hit = None
         for _ in range(2):  # a sidecar that restarted since the last call gets one reconnect
@@ -222,7 +265,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             try:
                 # Pinned until the worker has loaded them (or the plan loads nothing), so that
                 # eviction cannot take a block between this decision and the restore.
-                hit = kv.lookup_tiers(self.fingerprint, keys, pin_ttl_s=PIN_TTL_S)
+                hit = _lookup_ranks(kv, self._fingerprints, rank_keys)
                 break
             except KvStoreError as exc:
                 self._drop_client(exc)
@@ -230,7 +273,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers
-        tracked.lease_id = hit.lease_id
+        tracked.lease_ids = hit.lease_ids
         prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
         self._calibration_changed |= self.calibration.reload_if_changed()
         snap = self.calibration.snapshot()
@@ -276,7 +319,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 meta.loads.append(
                     _Transfer(
                         new.req_id,
-                        tracked.keys[first:last],
+                        [keys[first:last] for keys in tracked.rank_keys],
                         tracked.block_ids[first:last],
                         tiers=tracked.hit_tiers[first:last],
                     )
@@ -324,12 +367,13 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._close_decision(tracked)
 
     def _unpin(self, tracked: _Tracked) -> None:
-        lease_id, tracked.lease_id = tracked.lease_id, 0
-        if lease_id and self._client is not None:
-            try:
-                self._client.release(lease_id)
-            except KvStoreError as exc:  # expired, or the sidecar restarted: nothing is held
-                log.debug("releasing lease %d: %s", lease_id, exc)
+        lease_ids, tracked.lease_ids = tracked.lease_ids, []
+        for lease_id in lease_ids:
+            if lease_id and self._client is not None:
+                try:
+                    self._client.release(lease_id)
+                except KvStoreError as exc:  # expired, or the sidecar restarted: nothing is held
+                    log.debug("releasing lease %d: %s", lease_id, exc)
 
     def _close_decision(self, tracked: _Tracked) -> None:
         """Record the decision with its measured time to first token (once per request)."""
@@ -342,7 +386,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "(all-recompute predicted %.1f ms, all-restore %.1f ms)",
             tracked.req_id,
             tracked.hit_blocks,
-            len(tracked.keys),
+            len(tracked.rank_keys[0]),
             plan.decision,
             plan.restore_tokens,
             plan.predicted_ttft_s * 1e3,
@@ -365,12 +409,11 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         """Save the prompt's full blocks computed by the end of this step that are not stored yet."""
         first = max(tracked.saved_blocks, tracked.hit_blocks)
-        last = min(done_tokens // self._block_size, len(tracked.keys), len(tracked.block_ids))
+        last = min(done_tokens // self._block_size, len(tracked.rank_keys[0]), len(tracked.block_ids))
         if last > first:
-            parent = tracked.keys[first - 1] if first else None
-            meta.saves.append(
-                _Transfer(req_id, tracked.keys[first:last], tracked.block_ids[first:last], parent)
-            )
+            parents = [keys[first - 1] if first else None for keys in tracked.rank_keys]
+            rank_keys = [keys[first:last] for keys in tracked.rank_keys]
+            meta.saves.append(_Transfer(req_id, rank_keys, tracked.block_ids[first:last], parents))
         tracked.saved_blocks = max(tracked.saved_blocks, last)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -459,7 +502,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "request %s: loaded %d of %d blocks in %.2f ms",
                 load.req_id,
                 loaded,
-                len(load.keys),
+                len(load.block_ids),
                 seconds * 1e3,
             )
         self._step_load_s += time.perf_counter() - started
@@ -478,7 +521,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _load_from(self, kv: Client, load: _Transfer) -> int:
         if self._address.startswith("unix:"):
-            resolved = kv.resolve(self.fingerprint, load.keys)
+            resolved = kv.resolve(self.fingerprint, load.rank_keys[self._rank])
             try:
                 for view, block_id in zip(resolved.views, load.block_ids, strict=False):
                     kv_layout.scatter(torch.frombuffer(view, dtype=torch.uint8), self._block_views(block_id))
@@ -487,7 +530,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if resolved.lease_id:
                     kv.release(resolved.lease_id)
             return len(resolved.views)
-        blocks = kv.get(self.fingerprint, load.keys)
+        blocks = kv.get(self.fingerprint, load.rank_keys[self._rank])
         for data, block_id in zip(blocks, load.block_ids, strict=False):
             kv_layout.scatter(
                 torch.frombuffer(bytearray(data), dtype=torch.uint8), self._block_views(block_id)
@@ -531,12 +574,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for target, block_id in zip(blocks, save.block_ids, strict=True):
             kv_layout.gather(self._block_views(block_id), target)
         kv_layout.synchronize(self._kv_caches)
-        kv.put(self.fingerprint, save.keys, [b.numpy().data for b in blocks], parent=save.parent)
+        keys, parent = save.rank_keys[self._rank], save.parents[self._rank]
+        kv.put(self.fingerprint, keys, [b.numpy().data for b in blocks], parent=parent)
 
     def _save_in_place(self, kv: Client, save: _Transfer) -> None:
         """Same host: gather each block's layers straight into its reserved arena slot."""
-        sizes = [self.identity.block_bytes] * len(save.keys)
-        pending = kv.reserve(self.fingerprint, save.keys, sizes, parent=save.parent)
+        keys = save.rank_keys[self._rank]
+        sizes = [self.identity.block_bytes] * len(keys)
+        pending = kv.reserve(self.fingerprint, keys, sizes, parent=save.parents[self._rank])
         try:
             for view, block_id in zip(pending.views, save.block_ids, strict=True):
                 if view is None:

@@ -152,6 +152,32 @@ def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: Runn
         forced.close()
 
 
+def test_tensor_parallel_ranks_store_and_restore_their_own_shards(
+    models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
+) -> None:
+    from benchmarks.calibrate import block_bytes_of
+
+    prompt = [(i * 17) % 500 + 3 for i in range(700)]  # 21 full blocks
+    sharded = Engine(models[0], sidecar.unix_address, tensor_parallel=2)
+    try:
+        cold = sharded.generate(prompt)
+        assert cold["cached"] == 0
+        warm = sharded.generate(prompt)  # vLLM's own prefix cache is off: this is kvstore
+        assert warm["cached"] == 21 * 32
+        assert warm["logprobs"] == cold["logprobs"]
+        metrics = sharded.metrics()
+        assert metrics.get("kvstore_connector_load_failed_blocks_total", 0) == 0
+        # Both ranks restored their half of every block (half the KV heads each).
+        assert metrics["kvstore_connector_restored_bytes_total{tier=dram}"] == 21 * block_bytes_of(
+            models[0], 32
+        )
+        assert metrics["kvstore_connector_restore_seconds_count{tier=dram}"] == 2
+    finally:
+        sharded.close()
+    # Each rank's shard is keyed by its rank and the world size: a single-rank engine finds none.
+    assert engines[1].generate(prompt)["cached"] == 0
+
+
 def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], tmp_path: Path) -> None:
     """The cache survives a sidecar restart and the engine's connector (scheduler and worker
     side alike) reconnects on its own: the first restore after the restart loads, no block fails."""
