@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.common import Result, machine_info, print_results
 from benchmarks.service import ServerProcess
+from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.cost_model import TierCost
 
@@ -46,19 +47,27 @@ def _prompt(length: int, salt: int) -> list[int]:
 
 
 def measure_prefill(model: Path, address: str, lengths: list[int], reps: int) -> list[tuple[int, int, float]]:
-    from benchmarks.vllm_engine import Engine
 
     engine = Engine(model, address, policy="recompute")
-    points: list[tuple[int, int, float]] = []
     try:
         engine.generate(_prompt(64, 0), max_tokens=1)  # warm-up
-        for rep in range(reps):
-            for length in lengths:
-                result = engine.generate(_prompt(length, 1000 * rep + length), max_tokens=1)
-                points.append((0, length, float(result["seconds"])))
+        return prefill_points(engine, lengths, reps)
     finally:
         engine.close()
-    return points
+
+
+def prefill_points(
+    engine: Engine, lengths: Sequence[int], reps: int, seed: int = 0
+) -> list[tuple[int, int, float]]:
+    """(0, n, seconds): the median time to first token of cold prompts of each length over
+    ``reps`` interleaved passes (one pass can land in a slow stretch of a shared machine), each
+    request forced to recompute."""
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for rep in range(reps):
+        for n in lengths:
+            out = engine.generate(_prompt(n, 1000 * (rep + 1) + n + seed), max_tokens=1, policy="recompute")
+            times[n].append(float(out["seconds"]))
+    return [(0, n, statistics.median(times[n])) for n in lengths]
 
 
 def _fit_line(sizes: list[int], seconds: list[float]) -> TierCost:
@@ -120,7 +129,7 @@ def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
     model_dir = Path(model) if model else build_tiny_llama(folder / "tiny-llama", seed=0)
     block_bytes = block_bytes_of(model_dir, BLOCK_SIZE)
     lengths = [128, 512, 1024, 2048] if quick else [64, 128, 256, 512, 1024, 1536, 2048, 3072]
-    reps = 1 if quick else 3
+    reps = 3 if quick else 5
     server = ServerProcess(arena_bytes=256 << 20)
     try:
         points = measure_prefill(model_dir, server.unix, lengths, reps)

@@ -44,13 +44,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.calibrate import BLOCK_SIZE, block_bytes_of, measure_tiers
+from benchmarks.calibrate import BLOCK_SIZE, block_bytes_of, measure_tiers, prefill_points
 from benchmarks.common import Result, print_results, write_json
 from benchmarks.service import ServerProcess
 from benchmarks.vllm_engine import Engine
@@ -134,7 +133,7 @@ def run_decisions(
         for _ in range(3):  # first requests warm an engine up: not measured
             seed += 1
             engine.generate(_tokens(SUFFIX_TOKENS * 4, 10_000 + seed), max_tokens=1, policy="recompute")
-        points = _prefill_points(engine, sweep.prefill_lengths, seed)
+        points = prefill_points(engine, sweep.prefill_lengths, reps=3, seed=seed)
         prefill = fit_prefill(points)
         for throttle in sweep.throttles:
             settings = [f"dram.throttle_bytes_per_s={throttle}", f"nvme.throttle_bytes_per_s={throttle}"]
@@ -193,17 +192,6 @@ def run_decisions(
     if plot_path:
         _plot(curves, plot_path)
     return 0
-
-
-def _prefill_points(engine: Engine, lengths: Sequence[int], seed: int) -> list[tuple[int, int, float]]:
-    """Median time to first token of cold prompts of each length, over three interleaved passes
-    (one pass can land in a slow stretch of this machine)."""
-    times: dict[int, list[float]] = {n: [] for n in lengths}
-    for rep in range(3):
-        for n in lengths:
-            out = engine.generate(_tokens(n, 30_000 + seed + rep * 100 + n), max_tokens=1, policy="recompute")
-            times[n].append(float(out["seconds"]))
-    return [(0, n, statistics.median(times[n])) for n in lengths]
 
 
 def _run_case(
