@@ -47,7 +47,6 @@ def _prompt(length: int, salt: int) -> list[int]:
 
 
 def measure_prefill(model: Path, address: str, lengths: list[int], reps: int) -> list[tuple[int, int, float]]:
-
     engine = Engine(model, address, policy="recompute")
     try:
         engine.generate(_prompt(64, 0), max_tokens=1)  # warm-up

@@ -46,11 +46,12 @@ run only where CUDA is present (``gpu``-marked tests); the CPU layout is tested 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -89,6 +90,7 @@ DEFAULT_TIERS = {
     "dram": TierCost(5e9, 0.0005),
     "nvme": TierCost(1e9, 0.001),
 }
+_T = TypeVar("_T")
 PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
@@ -225,6 +227,19 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._client = client
         return self._client
 
+    def _on_sidecar(self, call: Callable[[Client], _T]) -> _T | None:
+        """``call(client)``, with one reconnect when it fails (a sidecar that restarted since
+        the last call); None when the sidecar cannot be reached or fails again."""
+        for _ in range(2):
+            kv = self._kv()
+            if kv is None:
+                return None
+            try:
+                return call(kv)
+            except KvStoreError as exc:
+                self._drop_client(exc)
+        return None
+
     def _drop_client(self, exc: Exception) -> None:
         log.warning("kvstore sidecar call failed (%s); recomputing, will reconnect", exc)
         if self._client is not None:
@@ -257,18 +272,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._tracked[request.request_id] = tracked
         if not rank_keys[0]:
             return 0, False
-        hit = None
-        for _ in range(2):  # a sidecar that restarted since the last call gets one reconnect
-            kv = self._kv()
-            if kv is None:
-                return 0, False
-            try:
-                # Pinned until the worker has loaded them (or the plan loads nothing), so that
-                # eviction cannot take a block between this decision and the restore.
-                hit = _lookup_ranks(kv, self._fingerprints, rank_keys)
-                break
-            except KvStoreError as exc:
-                self._drop_client(exc)
+        # Pinned until the worker has loaded them (or the plan loads nothing), so that eviction
+        # cannot take a block between this decision and the restore.
+        hit = self._on_sidecar(lambda kv: _lookup_ranks(kv, self._fingerprints, rank_keys))
         if hit is None:
             return 0, False
         tracked.hit_blocks = hit.hit_blocks
@@ -509,15 +515,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _load(self, load: _Transfer) -> int:
         """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them."""
-        for _ in range(2):  # a sidecar that restarted since the last call gets one reconnect
-            kv = self._kv()
-            if kv is None:
-                return 0
-            try:
-                return self._load_from(kv, load)
-            except KvStoreError as exc:
-                self._drop_client(exc)
-        return 0
+        return self._on_sidecar(lambda kv: self._load_from(kv, load)) or 0
 
     def _load_from(self, kv: Client, load: _Transfer) -> int:
         if self._address.startswith("unix:"):
@@ -556,26 +554,21 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._observed.prefills.append((before, new, forward_s))
         self._step_started = 0.0
         for save in meta.saves:
-            for _ in range(2):  # one reconnect, as for loads
-                kv = self._kv()
-                if kv is None:
-                    return
-                try:
-                    self._save(kv, save)
-                    break
-                except KvStoreError as exc:
-                    self._drop_client(exc)
+            if self._on_sidecar(functools.partial(self._save, save=save)) is None:
+                return  # the sidecar is gone: these blocks stay unsaved
 
-    def _save(self, kv: Client, save: _Transfer) -> None:
+    def _save(self, kv: Client, save: _Transfer) -> bool:
+        """True once the blocks are stored (or were already)."""
         if self._address.startswith("unix:"):
             self._save_in_place(kv, save)
-            return
+            return True
         blocks = [torch.empty(self.identity.block_bytes, dtype=torch.uint8) for _ in save.block_ids]
         for target, block_id in zip(blocks, save.block_ids, strict=True):
             kv_layout.gather(self._block_views(block_id), target)
         kv_layout.synchronize(self._kv_caches)
         keys, parent = save.rank_keys[self._rank], save.parents[self._rank]
         kv.put(self.fingerprint, keys, [b.numpy().data for b in blocks], parent=parent)
+        return True
 
     def _save_in_place(self, kv: Client, save: _Transfer) -> None:
         """Same host: gather each block's layers straight into its reserved arena slot."""

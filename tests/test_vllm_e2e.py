@@ -34,17 +34,20 @@ def models() -> Iterator[tuple[Path, Path]]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[RunningServer]:
-    data_dir = tempfile.mkdtemp(prefix="kve-", dir="/tmp")
-    overrides = {
+def sidecar_settings(data_dir: str, dram: str) -> dict[str, str]:
+    return {
         "data_dir": data_dir,
-        "dram.capacity_bytes": "256MiB",
+        "dram.capacity_bytes": dram,
         "dram.prefault": "false",
         "nvme.capacity_bytes": "1GiB",
         "server.metrics_address": "",
     }
-    server = start_server(load_settings(env={}, overrides=overrides))
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[RunningServer]:
+    data_dir = tempfile.mkdtemp(prefix="kve-", dir="/tmp")
+    server = start_server(load_settings(env={}, overrides=sidecar_settings(data_dir, "256MiB")))
     yield server
     server.stop()
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -182,13 +185,7 @@ def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], 
     """The cache survives a sidecar restart and the engine's connector (scheduler and worker
     side alike) reconnects on its own: the first restore after the restart loads, no block fails."""
     data_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
-    overrides = {
-        "data_dir": data_dir,
-        "dram.capacity_bytes": "128MiB",
-        "dram.prefault": "false",
-        "nvme.capacity_bytes": "1GiB",
-        "server.metrics_address": "",
-    }
+    overrides = sidecar_settings(data_dir, "128MiB")
     server = start_server(load_settings(env={}, overrides=overrides))
     engine = Engine(models[0], server.unix_address, policy="restore")
     try:
