@@ -36,6 +36,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_START_S = 240
+# vLLM's KV pool, sized in bytes: on CPU `gpu_memory_utilization` is a share of what the NUMA
+# node reports (7.7 GiB on some machines, 24 on others), so a share that fits one machine leaves
+# nothing on another. 256 MiB holds max_model_len tokens many times over for the test models.
+KV_CACHE_BYTES = 256 << 20
 
 
 class Engine:
@@ -158,7 +162,7 @@ def main() -> None:
         block_size=32,
         enforce_eager=True,
         enable_prefix_caching=False,
-        gpu_memory_utilization=0.08,  # on CPU: the share of host memory for KV; three engines run at once
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         kv_transfer_config=transfer,
         seed=0,
         disable_log_stats=False,  # the connector's decisions reach vLLM's Prometheus registry
