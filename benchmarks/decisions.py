@@ -41,6 +41,7 @@ here) that the comparison is not lost in the noise of a shared 2-core machine.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import tempfile
 import time
@@ -56,6 +57,7 @@ from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.vllm_connector import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.client import Client, connect
+from kvstore.errors import FailedPrecondition
 
 SUFFIX_TOKENS = 64
 POLICIES = ("restore", "recompute", "auto")
@@ -112,6 +114,8 @@ def run_decisions(
 ) -> int:
     from benchmarks.tiny_model import build_tiny_llama
 
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise FailedPrecondition("--plot needs matplotlib: pip install 'kvstore[plot]'")
     sweep = sweep or (QUICK if quick else FULL)
     console = Console(stderr=True)
     started = time.monotonic()

@@ -30,6 +30,7 @@ from rich.console import Console
 
 from benchmarks.common import Result, interleaved, print_results, write_json
 from kvstore.client import Client, connect
+from kvstore.datadir import remove_shm_files
 from kvstore.errors import Unavailable
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
 
@@ -104,6 +105,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         self._terminate()
+        remove_shm_files(self.folder)  # a killed server's arena, had it been killed last
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

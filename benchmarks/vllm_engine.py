@@ -1,7 +1,7 @@
 """A vLLM CPU engine with the kvstore connector in its own process, driven over stdin/stdout
 (by the end-to-end tests and the calibration and decision benchmarks).
 
-    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE]]]
+    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE [PREFIX_CACHE]]]]
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
             "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
             or {"metrics": true}
@@ -11,8 +11,10 @@
 
 ``Engine`` starts one and talks to it.
 
-The engine runs with vLLM's own prefix cache off, so every cached token it reports came from
-kvstore through the connector.
+The engine runs with vLLM's own prefix cache off (PREFIX_CACHE ``0``, ``Engine(...,
+prefix_caching=False)``), so every cached token it reports came from kvstore through the
+connector; with it on (``1``) vLLM serves what it still holds itself and the connector is asked
+only about the rest.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ class Engine:
     """One engine process; ``generate`` sends a prompt and waits for its completion."""
 
     def __init__(
-        self, model: Path, address: str, policy: str = "auto", calibration: str = "", tensor_parallel: int = 1
+        self,
+        model: Path,
+        address: str,
+        policy: str = "auto",
+        calibration: str = "",
+        tensor_parallel: int = 1,
+        prefix_caching: bool = False,
     ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         if tensor_parallel > 1:
@@ -67,6 +75,7 @@ class Engine:
                 policy,
                 calibration,
                 str(tensor_parallel),
+                "1" if prefix_caching else "0",
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -86,7 +95,11 @@ class Engine:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self._lines.put(line)
+            if line.startswith("{"):
+                self._lines.put(line)
+            else:  # vLLM logs to stdout: keep it with the engine's stderr
+                self.log.write(line.encode())
+                self.log.flush()
         self._lines.put("")  # end of output: the engine exited
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
@@ -146,6 +159,7 @@ def main() -> None:
     policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
     calibration = (sys.argv[4] if len(sys.argv) > 4 else "") or None
     tensor_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    prefix_caching = len(sys.argv) > 6 and sys.argv[6] == "1"
     transfer = KVTransferConfig(
         kv_connector="KvstoreConnector",
         kv_connector_module_path="engine_plugin.vllm_connector",
@@ -161,7 +175,7 @@ def main() -> None:
         max_model_len=4096,
         block_size=32,
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         kv_transfer_config=transfer,
         seed=0,
@@ -209,7 +223,7 @@ def _connector_metrics() -> dict[str, float]:
             if sample.name.endswith(("_bucket", "_created")):
                 continue
             labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k in ("decision", "tier")
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k in ("decision", "tier", "call")
             )
             flat[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return flat

@@ -4,9 +4,12 @@ Pure functions over measured inputs; no I/O, no engine. The connector feeds them
 each hit block, the bytes per block, the calibrated cost of each tier and of prefill, and acts
 on the returned ``Plan``.
 
-Time to first token when the first ``k`` hit blocks are restored and the rest is computed:
+The engine may already hold the prompt's first ``L`` tokens itself (its own prefix cache, a
+whole number of blocks): those are neither restored nor counted, and the hits are the blocks
+after them. Time to first token when the first ``k`` of those hit blocks are restored and the
+rest is computed:
 
-    ttft(k) = load(k) + prefill(prefix = k * B, suffix = n - k * B)
+    ttft(k) = load(k) + prefill(prefix = L + k * B, suffix = n - L - k * B)
     load(k) = sum over tiers used by blocks < k of the tier's fixed latency
             + sum over blocks i < k of block_bytes / bandwidth(tier of block i)
     prefill(p, s) = fixed + per_token * s + per_token_context * s * (2p + s) / 2
@@ -62,9 +65,10 @@ class Plan:
     predicted_ttft_s: float
     predicted_load_s: float
     predicted_prefill_s: float
-    all_recompute_s: float  # predicted ttft with nothing restored
+    all_recompute_s: float  # predicted ttft with nothing restored (what the engine's own cache leaves)
     all_restore_s: float  # predicted ttft with every hit block restored
     usable_blocks: int  # hit blocks that could be restored (the last prompt token is computed)
+    local_tokens: int = 0  # leading tokens the engine held itself: not part of any figure above
 
     @property
     def decision(self) -> str:
@@ -82,16 +86,19 @@ def plan_restore(
     tiers: Mapping[str, TierCost],
     prefill: PrefillModel,
     restore_blocks: int | None = None,
+    local_tokens: int = 0,
 ) -> Plan:
     """The number of leading hit blocks to restore that minimizes predicted time to first token,
     or, with ``restore_blocks`` given, the prediction for restoring that many (capped at what is
     usable; benchmarks force a policy this way and still record what the model expected).
 
-    ``hit_tiers[i]`` is the tier holding hit block i (the hits are a prefix of the prompt). At
-    least one token is always computed (the engine needs a last token to sample from), so a hit
-    covering the whole prompt is restored at most to ``prompt_tokens - 1``.
+    ``local_tokens`` (a multiple of ``tokens_per_block``) is what the engine already holds at
+    the prompt's head; ``hit_tiers[i]`` is the tier holding the i-th block after it (the hits
+    follow it without a gap). At least one token is always computed (the engine needs a last
+    token to sample from), so a hit covering the whole prompt is restored at most to
+    ``prompt_tokens - 1``.
     """
-    curve = ttft_curve(hit_tiers, block_bytes, tokens_per_block, prompt_tokens, tiers, prefill)
+    curve = ttft_curve(hit_tiers, block_bytes, tokens_per_block, prompt_tokens, tiers, prefill, local_tokens)
     if restore_blocks is None:
         best_k = min(range(len(curve)), key=lambda k: (curve[k][1], k))  # ties: less I/O
     else:
@@ -106,6 +113,7 @@ def plan_restore(
         all_recompute_s=curve[0][1],
         all_restore_s=curve[-1][1],
         usable_blocks=len(curve) - 1,
+        local_tokens=local_tokens,
     )
 
 
@@ -116,15 +124,19 @@ def ttft_curve(
     prompt_tokens: int,
     tiers: Mapping[str, TierCost],
     prefill: PrefillModel,
+    local_tokens: int = 0,
 ) -> list[tuple[float, float]]:
-    """``(load_s, ttft_s)`` for restoring k = 0 .. usable leading hit blocks."""
+    """``(load_s, ttft_s)`` for restoring k = 0 .. usable hit blocks after ``local_tokens``."""
     if tokens_per_block <= 0 or block_bytes < 0 or prompt_tokens < 0:
         raise ValueError("tokens_per_block must be positive, sizes non-negative")
-    usable = min(len(hit_tiers), max(0, prompt_tokens - 1) // tokens_per_block)
+    if local_tokens < 0 or local_tokens % tokens_per_block:
+        raise ValueError(f"local_tokens is a whole number of blocks, got {local_tokens}")
+    local_blocks = local_tokens // tokens_per_block
+    usable = min(len(hit_tiers), max(0, max(0, prompt_tokens - 1) // tokens_per_block - local_blocks))
     for tier in hit_tiers[:usable]:
         if tier not in tiers:
             raise KeyError(f"no cost calibrated for tier {tier!r}")
-    curve = [(0.0, prefill.seconds(0, prompt_tokens))]
+    curve = [(0.0, prefill.seconds(local_tokens, prompt_tokens - local_tokens))]
     load = 0.0
     seen: set[str] = set()
     for k in range(1, usable + 1):
@@ -133,6 +145,6 @@ def ttft_curve(
             seen.add(hit_tiers[k - 1])
             load += cost.latency_s
         load += block_bytes * cost.seconds_per_byte()
-        restored = k * tokens_per_block
-        curve.append((load, load + prefill.seconds(restored, prompt_tokens - restored)))
+        held = local_tokens + k * tokens_per_block
+        curve.append((load, load + prefill.seconds(held, prompt_tokens - held)))
     return curve

@@ -22,15 +22,31 @@ kv_heads, block_size, 2 * head_dim]`` and the CUDA layouts, block-major or ``[2,
 ...]``; a layer's block is copied as one or two contiguous slices).
 
 Scheduler side, per new request: compute block keys (fingerprint, token ids, ``cache_salt``,
-LoRA adapter), look up the present prefix and pin it under a lease, and let the cost model
-decide how many leading tokens to load (possibly none: the pin goes at once). The pin holds
-until the step that loads them has run (or the request ends, or the lease's 30 s expire), so
-eviction cannot take a planned block. Per step: tell the worker which blocks to load and which
-newly computed full blocks to save.
+LoRA adapter); look up the blocks after those vLLM's own prefix cache already holds (none when
+it holds every block a restore could use: no sidecar call at all) and pin them under a lease;
+let the cost model decide how many of them to load (possibly none: the pin goes at once). The
+pin holds until the step that loads them has run (or the request ends, or the lease's 30 s
+expire), so eviction cannot take a planned block. Per step: tell the worker which blocks to
+load and which newly computed full blocks to save. Decisions, their predictions and the
+hit/restored token counts cover only the blocks after vLLM's own; what vLLM held is counted
+apart (``local_tokens``).
 
 Worker side: load by copying straight out of the mapped arena (same host) or off the data port
 (remote) into the allocated blocks before the forward pass; save after it. Every failure —
-sidecar down, block missing, corrupt — becomes a load error vLLM recomputes, never wrong output.
+sidecar down or hung, block missing, corrupt — becomes a load error vLLM recomputes, never wrong
+output; a save that fails is skipped and counted.
+
+The connector never stalls the engine (``engine_plugin.sidecar``): every sidecar call has a
+deadline no longer than what the call saves — a lookup, the predicted prefill of the tokens
+vLLM does not hold (floored at 0.25 s, capped at 2 s); a load, the plan's predicted
+all-recompute time (floored; the scheduler puts it in the load's metadata); a save, 0.25 s plus
+its bytes at 100 MB/s; a side's first call (and its first after a reconnect) gets 1 s more for
+connecting and registering. A timeout is not retried; a broken connection (a restarted sidecar)
+is, once. Each side (scheduler, worker: separate objects, maybe separate processes) has its own
+circuit breaker: after a failure it makes no sidecar call for 1 s, doubling to 30 s while
+probes fail, and recomputes meanwhile — lookups find nothing, loads fail at once into vLLM's
+recompute, saves are skipped. Failed and refused calls are counted by call
+(``sidecar_unreachable``).
 
 Measurements (``engine_plugin.vllm_stats``): the worker times every restore and the forward pass
 of a step that prefills one request, and hands them to the scheduler with the step's output; the
@@ -46,18 +62,21 @@ run only where CUDA is present (``gpu``-marked tests); the CPU layout is tested 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine_plugin import kv_layout
 from engine_plugin.calibration import Calibration
 from engine_plugin.cost_model import Plan, PrefillModel, TierCost, plan_restore
+from engine_plugin.sidecar import SidecarLink, load_deadline_s, lookup_deadline_s, save_deadline_s
 from engine_plugin.vllm_identity import identity_from_vllm
 from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics, ObservedWork
 from kvstore.client import Client, connect
@@ -90,7 +109,6 @@ DEFAULT_TIERS = {
     "dram": TierCost(5e9, 0.0005),
     "nvme": TierCost(1e9, 0.001),
 }
-_T = TypeVar("_T")
 PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 
@@ -108,6 +126,8 @@ _TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2}
 def _lookup_ranks(
     kv: Client, fingerprints: Sequence[bytes], rank_keys: Sequence[Sequence[BlockKey]]
 ) -> _RankHit:
+    # A failure after some ranks answered leaves their pins to expire (PIN_TTL_S): releasing
+    # them would wait on the same sidecar that just failed.
     lookups = [
         kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S)
         for fp, keys in zip(fingerprints, rank_keys, strict=True)
@@ -138,6 +158,7 @@ class _Transfer:
     req_id: str
     rank_keys: list[list[BlockKey]]  # per tensor-parallel rank: each rank stores its own shard
     block_ids: list[int]
+    timeout_s: float  # the worker's deadline for it (the sidecar module says how it is chosen)
     parents: list[BlockKey | None] = field(default_factory=list)  # per rank
     tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block (slowest over ranks)
 
@@ -153,10 +174,11 @@ class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 @dataclass
 class _Tracked:
     rank_keys: list[list[BlockKey]]
-    hit_blocks: int
-    hit_tiers: tuple[str, ...] = ()
-    load_blocks: int = 0
-    load_from: int = 0  # first block index to load (after the engine's own prefix cache)
+    local_blocks: int = 0  # leading blocks vLLM's own prefix cache holds: never looked up
+    hit_blocks: int = 0  # blocks after those found in kvstore
+    hit_tiers: tuple[str, ...] = ()  # of the hit blocks (index 0: block local_blocks)
+    load_blocks: int = 0  # of the hit blocks, how many to load
+    load_timeout_s: float = 0.0
     saved_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -192,7 +214,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.calibration = (
             Calibration.load(path) if path else Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
         )
-        self._client: Client | None = None
+        self._link = SidecarLink(
+            self._address,
+            lambda: connect(self._address, token=self._token),
+            self._identities if role == KVConnectorRole.SCHEDULER else [self.identity],
+            lambda call: self._stats.add_unreachable(call),  # the stats object is replaced per report
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_caches: list[torch.Tensor] = []
         self._layouts: list[kv_layout.LayerLayout] = []
@@ -202,49 +229,16 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._observed = ObservedWork()
         self._step_started = 0.0  # worker: when this step's metadata arrived (before its forward)
         self._step_load_s = 0.0  # worker: time this step spent restoring
+        # The whole fingerprint and what it digests: an operator invalidates by it
+        # (`kvstore invalidate --fingerprint`) and can see why two engines do not share blocks.
         log.info(
-            "kvstore connector (%s) for %s, fingerprint %s, %d B per block",
+            "kvstore connector (%s) for %s: fingerprint %s, %d B per block; computed from %s",
             role.name,
             self.identity.model_id,
-            self.fingerprint.hex()[:16],
+            self.fingerprint.hex(),
             self.identity.block_bytes,
+            json.dumps(dataclasses.asdict(self.identity), sort_keys=True),
         )
-
-    # ----------------------------------------------------------------- sidecar
-
-    def _kv(self) -> Client | None:
-        """The sidecar client, or None while the sidecar is unreachable (then: recompute)."""
-        if self._client is None:
-            try:
-                client = connect(self._address, token=self._token, timeout_s=5.0)
-                for identity in (
-                    self._identities if self._role == KVConnectorRole.SCHEDULER else [self.identity]
-                ):
-                    client.register(identity)
-            except KvStoreError as exc:
-                log.warning("kvstore sidecar at %s unreachable (%s); recomputing", self._address, exc)
-                return None
-            self._client = client
-        return self._client
-
-    def _on_sidecar(self, call: Callable[[Client], _T]) -> _T | None:
-        """``call(client)``, with one reconnect when it fails (a sidecar that restarted since
-        the last call); None when the sidecar cannot be reached or fails again."""
-        for _ in range(2):
-            kv = self._kv()
-            if kv is None:
-                return None
-            try:
-                return call(kv)
-            except KvStoreError as exc:
-                self._drop_client(exc)
-        return None
-
-    def _drop_client(self, exc: Exception) -> None:
-        log.warning("kvstore sidecar call failed (%s); recomputing, will reconnect", exc)
-        if self._client is not None:
-            self._client.close()
-        self._client = None
 
     # ----------------------------------------------------------------- scheduler side
 
@@ -268,21 +262,33 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         previous = self._tracked.get(request.request_id)
         if previous is not None:  # asked again (it could not be scheduled): the old pin goes
             self._unpin(previous)
-        tracked = _Tracked(rank_keys, hit_blocks=0)
+        tracked = _Tracked(rank_keys)
         self._tracked[request.request_id] = tracked
-        if not rank_keys[0]:
+        # vLLM presents its local hit in whole blocks; anything else would not line up with ours.
+        if not rank_keys[0] or num_computed_tokens % self._block_size:
             return 0, False
-        # Pinned until the worker has loaded them (or the plan loads nothing), so that eviction
-        # cannot take a block between this decision and the restore.
-        hit = self._on_sidecar(lambda kv: _lookup_ranks(kv, self._fingerprints, rank_keys))
-        if hit is None:
-            return 0, False
+        local = num_computed_tokens
+        prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
+        tracked.local_blocks = local // self._block_size
+        self._calibration_changed |= self.calibration.reload_if_changed()
+        snap = self.calibration.snapshot()
+        hit = _RankHit(0, (), [])
+        # Only blocks a restore could use (the prompt's last token is always computed) are worth
+        # a sidecar call; when vLLM holds all of them there is nothing to ask.
+        if (prompt - 1) // self._block_size > tracked.local_blocks:
+            further = [keys[tracked.local_blocks :] for keys in rank_keys]
+            # Pinned until the worker has loaded them (or the plan loads nothing), so that
+            # eviction cannot take a block between this decision and the restore.
+            found = self._link.call(
+                "lookup",
+                lookup_deadline_s(snap.prefill.seconds(local, prompt - local)),
+                lambda kv: _lookup_ranks(kv, self._fingerprints, further),
+            )
+            if found is not None:
+                hit = found
         tracked.hit_blocks = hit.hit_blocks
         tracked.hit_tiers = hit.tiers
         tracked.lease_ids = hit.lease_ids
-        prompt = tracked.prompt_tokens = len(request.prompt_token_ids or [])
-        self._calibration_changed |= self.calibration.reload_if_changed()
-        snap = self.calibration.snapshot()
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
         policy = self.policy
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -293,11 +299,17 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.warning("request %s: %s; using %s", request.request_id, exc, policy)
         forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[policy]
         plan = plan_restore(
-            hit.tiers, self.identity.block_bytes, self._block_size, prompt, tiers, snap.prefill, forced
+            hit.tiers,
+            self.identity.block_bytes,
+            self._block_size,
+            prompt,
+            tiers,
+            snap.prefill,
+            forced,
+            local_tokens=local,
         )
-        local_blocks = num_computed_tokens // self._block_size
-        tracked.load_from = local_blocks
-        tracked.load_blocks = max(0, plan.restore_blocks - local_blocks)
+        tracked.load_blocks = plan.restore_blocks
+        tracked.load_timeout_s = load_deadline_s(plan.all_recompute_s)
         tracked.plan, tracked.planned_at = plan, time.perf_counter()
         tracked.req_id = request.request_id
         if not tracked.load_blocks:
@@ -321,13 +333,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             tracked.block_ids = list(new.block_ids[0])
             if tracked.load_blocks:
-                first, last = tracked.load_from, tracked.load_from + tracked.load_blocks
+                first, last = tracked.local_blocks, tracked.local_blocks + tracked.load_blocks
                 meta.loads.append(
                     _Transfer(
                         new.req_id,
                         [keys[first:last] for keys in tracked.rank_keys],
                         tracked.block_ids[first:last],
-                        tiers=tracked.hit_tiers[first:last],
+                        tracked.load_timeout_s,
+                        tiers=tracked.hit_tiers[: tracked.load_blocks],
                     )
                 )
                 tracked.load_blocks = 0
@@ -374,12 +387,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _unpin(self, tracked: _Tracked) -> None:
         lease_ids, tracked.lease_ids = tracked.lease_ids, []
-        for lease_id in lease_ids:
-            if lease_id and self._client is not None:
-                try:
-                    self._client.release(lease_id)
-                except KvStoreError as exc:  # expired, or the sidecar restarted: nothing is held
-                    log.debug("releasing lease %d: %s", lease_id, exc)
+        self._link.release([lease_id for lease_id in lease_ids if lease_id])
 
     def _close_decision(self, tracked: _Tracked) -> None:
         """Record the decision with its measured time to first token (once per request)."""
@@ -388,11 +396,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         actual = time.perf_counter() - tracked.planned_at if tracked.prefill_done else None
         log.info(
-            "request %s: %d of %d blocks hit, %s %d tokens: ttft predicted %.1f ms, measured %s "
-            "(all-recompute predicted %.1f ms, all-restore %.1f ms)",
+            "request %s: vLLM holds %d tokens; %d of %d further blocks hit, %s %d tokens: ttft "
+            "predicted %.1f ms, measured %s (all-recompute predicted %.1f ms, all-restore %.1f ms)",
             tracked.req_id,
+            plan.local_tokens,
             tracked.hit_blocks,
-            len(tracked.rank_keys[0]),
+            max(0, len(tracked.rank_keys[0]) - tracked.local_blocks),
             plan.decision,
             plan.restore_tokens,
             plan.predicted_ttft_s * 1e3,
@@ -403,6 +412,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._stats.add_decision(
             {
                 "decision": plan.decision,
+                "local_tokens": plan.local_tokens,
                 "hit_tokens": tracked.hit_blocks * self._block_size,
                 "restored_tokens": plan.restore_tokens,
                 "predicted_ttft_s": plan.predicted_ttft_s,
@@ -413,13 +423,15 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _add_save(
         self, meta: KvstoreConnectorMetadata, req_id: str, tracked: _Tracked, done_tokens: int
     ) -> None:
-        """Save the prompt's full blocks computed by the end of this step that are not stored yet."""
-        first = max(tracked.saved_blocks, tracked.hit_blocks)
+        """Save the prompt's full blocks computed by the end of this step that are not stored yet.
+        Those vLLM held itself were saved when it computed them (or restored from kvstore)."""
+        first = max(tracked.saved_blocks, tracked.local_blocks + tracked.hit_blocks)
         last = min(done_tokens // self._block_size, len(tracked.rank_keys[0]), len(tracked.block_ids))
         if last > first:
             parents = [keys[first - 1] if first else None for keys in tracked.rank_keys]
             rank_keys = [keys[first:last] for keys in tracked.rank_keys]
-            meta.saves.append(_Transfer(req_id, rank_keys, tracked.block_ids[first:last], parents))
+            timeout_s = save_deadline_s((last - first) * self.identity.block_bytes)
+            meta.saves.append(_Transfer(req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents))
         tracked.saved_blocks = max(tracked.saved_blocks, last)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -514,8 +526,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._step_load_s += time.perf_counter() - started
 
     def _load(self, load: _Transfer) -> int:
-        """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them."""
-        return self._on_sidecar(lambda kv: self._load_from(kv, load)) or 0
+        """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them in time."""
+        return self._link.call("load", load.timeout_s, lambda kv: self._load_from(kv, load)) or 0
 
     def _load_from(self, kv: Client, load: _Transfer) -> int:
         if self._address.startswith("unix:"):
@@ -526,7 +538,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 kv_layout.synchronize(self._kv_caches)  # device copies done before the slots go
             finally:
                 if resolved.lease_id:
-                    kv.release(resolved.lease_id)
+                    self._release_after_load(kv, resolved.lease_id)
             return len(resolved.views)
         blocks = kv.get(self.fingerprint, load.rank_keys[self._rank])
         for data, block_id in zip(blocks, load.block_ids, strict=False):
@@ -535,6 +547,15 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         kv_layout.synchronize(self._kv_caches)
         return len(blocks)
+
+    @staticmethod
+    def _release_after_load(kv: Client, lease_id: int) -> None:
+        """The blocks are copied: a release that fails or runs past the load's deadline must not
+        turn the load into a failure. The pin expires on its own."""
+        try:
+            kv.release(lease_id)
+        except KvStoreError as exc:
+            log.debug("releasing lease %d after a load: %s", lease_id, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous in start_load_kv
@@ -554,8 +575,10 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._observed.prefills.append((before, new, forward_s))
         self._step_started = 0.0
         for save in meta.saves:
-            if self._on_sidecar(functools.partial(self._save, save=save)) is None:
-                return  # the sidecar is gone: these blocks stay unsaved
+            if self._link.call("save", save.timeout_s, functools.partial(self._save, save=save)):
+                self._stats.add_saved(len(save.block_ids))
+            else:  # failed, refused, or the breaker is open: these blocks stay unsaved
+                self._stats.add_failed_save(len(save.block_ids))
 
     def _save(self, kv: Client, save: _Transfer) -> bool:
         """True once the blocks are stored (or were already)."""
@@ -597,6 +620,4 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._link.close()

@@ -13,10 +13,16 @@ Two channels, both vLLM's own:
 
       kvstore_connector_decisions_total{decision="restore"|"partial"|"recompute"}
       kvstore_connector_hit_tokens_total, kvstore_connector_restored_tokens_total
+                                    (both: only tokens beyond what vLLM's own prefix cache held)
+      kvstore_connector_local_tokens_total          (prompt tokens vLLM's prefix cache held)
       kvstore_connector_predicted_ttft_seconds, kvstore_connector_actual_ttft_seconds
       kvstore_connector_ttft_actual_over_predicted   (histograms, by decision)
       kvstore_connector_restored_bytes_total{tier}, kvstore_connector_restore_seconds{tier}
       kvstore_connector_load_failed_blocks_total
+      kvstore_connector_saved_blocks_total, kvstore_connector_failed_save_blocks_total
+      kvstore_connector_sidecar_unreachable_total{call="lookup"|"load"|"save"|"release"}
+                                    (calls that timed out, found no sidecar, or were not made
+                                     while the circuit breaker was open)
       kvstore_connector_tier_bandwidth_bytes_per_second{tier},
       kvstore_connector_tier_latency_seconds{tier},
       kvstore_connector_prefill_{fixed,token,token_context}_seconds  (gauges: what the cost model
@@ -58,20 +64,31 @@ class ObservedWork(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
+def _empty() -> dict[str, Any]:
+    return {
+        "decisions": [],
+        "restores": [],
+        "failed_blocks": 0,
+        "saved_blocks": 0,
+        "failed_save_blocks": 0,
+        "unreachable": {},
+        "calibration": {},
+    }
+
+
 class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """``data`` holds ``decisions`` (dicts: decision, hit_tokens, restored_tokens,
+    """``data`` holds ``decisions`` (dicts: decision, local_tokens, hit_tokens, restored_tokens,
     predicted_ttft_s, actual_ttft_s), ``restores`` ([tier, bytes, seconds]), ``failed_blocks``
-    (int) and ``calibration`` (the cost model's current inputs, or empty)."""
+    (loads), ``saved_blocks`` and ``failed_save_blocks`` (ints), ``unreachable`` (call -> sidecar
+    calls failed or not made) and ``calibration`` (the cost model's current inputs, or empty)."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=data or {})
-        self.data.setdefault("decisions", [])
-        self.data.setdefault("restores", [])
-        self.data.setdefault("failed_blocks", 0)
-        self.data.setdefault("calibration", {})
+        for key, value in _empty().items():
+            self.data.setdefault(key, value)
 
     def reset(self) -> None:
-        self.data = {"decisions": [], "restores": [], "failed_blocks": 0, "calibration": {}}
+        self.data = _empty()
 
     @property
     def calibration(self) -> dict[str, Any]:
@@ -96,6 +113,18 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
     def failed_blocks(self) -> int:
         return int(cast(int, self.data["failed_blocks"]))
 
+    @property
+    def saved_blocks(self) -> int:
+        return int(cast(int, self.data["saved_blocks"]))
+
+    @property
+    def failed_save_blocks(self) -> int:
+        return int(cast(int, self.data["failed_save_blocks"]))
+
+    @property
+    def unreachable(self) -> dict[str, int]:
+        return cast(dict[str, int], self.data["unreachable"])
+
     def add_decision(self, record: dict[str, Any]) -> None:
         self.decisions.append(record)
 
@@ -103,24 +132,47 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
         self.restores.append([tier, nbytes, seconds])
 
     def add_failed(self, blocks: int) -> None:
+        """Blocks whose load failed (vLLM recomputes them)."""
         self.data["failed_blocks"] = self.failed_blocks + blocks
+
+    def add_saved(self, blocks: int) -> None:
+        self.data["saved_blocks"] = self.saved_blocks + blocks
+
+    def add_failed_save(self, blocks: int) -> None:
+        self.data["failed_save_blocks"] = self.failed_save_blocks + blocks
+
+    def add_unreachable(self, call: str, calls: int = 1) -> None:
+        self.unreachable[call] = self.unreachable.get(call, 0) + calls
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if isinstance(other, KvstoreConnectorStats):
             self.decisions.extend(other.decisions)
             self.restores.extend(other.restores)
             self.add_failed(other.failed_blocks)
+            self.add_saved(other.saved_blocks)
+            self.add_failed_save(other.failed_save_blocks)
+            for call, calls in other.unreachable.items():
+                self.add_unreachable(call, calls)
             if other.calibration:
                 self.data["calibration"] = other.calibration  # the latest one counts
         return self
 
     def is_empty(self) -> bool:
-        return not (self.decisions or self.restores or self.failed_blocks or self.calibration)
+        return not (
+            self.decisions
+            or self.restores
+            or self.failed_blocks
+            or self.saved_blocks
+            or self.failed_save_blocks
+            or self.unreachable
+            or self.calibration
+        )
 
     def reduce(self) -> dict[str, int | float]:
         decisions = self.decisions
         out: dict[str, int | float] = {d: sum(1 for r in decisions if r["decision"] == d) for d in DECISIONS}
         out["restored_tokens"] = sum(int(r["restored_tokens"]) for r in decisions)
+        out["local_tokens"] = sum(int(r.get("local_tokens", 0)) for r in decisions)
         ratios = sorted(
             r["actual_ttft_s"] / r["predicted_ttft_s"]
             for r in decisions
@@ -132,6 +184,9 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
         if seconds > 0:
             out["restore_GB_per_s"] = round(sum(int(b) for _, b, _ in self.restores) / seconds / 1e9, 3)
         out["failed_blocks"] = self.failed_blocks
+        out["saved_blocks"] = self.saved_blocks
+        out["failed_save_blocks"] = self.failed_save_blocks
+        out["sidecar_unreachable"] = sum(self.unreachable.values())
         if self.calibration:
             fixed, token, pair = self.calibration["prefill"]
             out["predicted_prefill_1k_tokens_ms"] = round(
@@ -152,6 +207,7 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         _unregister_previous()
         by_decision = [*labelnames, "decision"]
         by_tier = [*labelnames, "tier"]
+        by_call = [*labelnames, "call"]
 
         def counter(name: str, doc: str, labels: list[str]) -> Any:
             return self._counter_cls(name=f"kvstore_connector_{name}", documentation=doc, labelnames=labels)
@@ -172,9 +228,14 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         self.decisions = counter(
             "decisions", "Restore-versus-recompute decisions of the kvstore connector.", by_decision
         )
-        self.hit_tokens = counter("hit_tokens", "Prompt tokens found in kvstore at lookup.", labelnames)
+        self.hit_tokens = counter(
+            "hit_tokens", "Prompt tokens found in kvstore beyond what vLLM held itself.", labelnames
+        )
         self.restored_tokens = counter(
             "restored_tokens", "Prompt tokens the plan chose to restore from kvstore.", labelnames
+        )
+        self.local_tokens = counter(
+            "local_tokens", "Prompt tokens vLLM's own prefix cache held (not looked up).", labelnames
         )
         self.predicted = histogram(
             "predicted_ttft_seconds",
@@ -202,6 +263,15 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         )
         self.failed = counter(
             "load_failed_blocks", "Blocks whose restore failed and were recomputed instead.", labelnames
+        )
+        self.saved = counter("saved_blocks", "Blocks saved to kvstore after the forward pass.", labelnames)
+        self.failed_saves = counter(
+            "failed_save_blocks", "Blocks not saved: the save failed or the sidecar was out.", labelnames
+        )
+        self.unreachable = counter(
+            "sidecar_unreachable",
+            "Sidecar calls that timed out or failed, or were not made while the breaker was open.",
+            by_call,
         )
         self.tier_bandwidth = gauge(
             "tier_bandwidth_bytes_per_second",
@@ -231,6 +301,7 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self.decisions.labels(*labels, decision).inc()
             self.hit_tokens.labels(*labels).inc(record["hit_tokens"])
             self.restored_tokens.labels(*labels).inc(record["restored_tokens"])
+            self.local_tokens.labels(*labels).inc(record.get("local_tokens", 0))
             self.predicted.labels(*labels, decision).observe(record["predicted_ttft_s"])
             actual = record.get("actual_ttft_s")
             if actual:
@@ -242,6 +313,12 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self.restore_seconds.labels(*labels, tier).observe(seconds)
         if transfer_stats_data.get("failed_blocks"):
             self.failed.labels(*labels).inc(transfer_stats_data["failed_blocks"])
+        if transfer_stats_data.get("saved_blocks"):
+            self.saved.labels(*labels).inc(transfer_stats_data["saved_blocks"])
+        if transfer_stats_data.get("failed_save_blocks"):
+            self.failed_saves.labels(*labels).inc(transfer_stats_data["failed_save_blocks"])
+        for call, calls in transfer_stats_data.get("unreachable", {}).items():
+            self.unreachable.labels(*labels, call).inc(calls)
         calibration = transfer_stats_data.get("calibration")
         if calibration:
             for tier, (bandwidth, latency) in calibration["tiers"].items():

@@ -11,11 +11,12 @@ prompts from two tenants never share a block unless both use a scope granted to 
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.config import ServerSettings
-from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.errors import FailedPrecondition, PermissionDenied, Unauthenticated
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,36 @@ def scope_namespace(scope: str) -> str:
     return f"s/{scope}"
 
 
+def read_tokens_file(path: str) -> dict[str, str]:
+    """``TOKEN=TENANT`` per line (``#`` comments, blank lines); refused unless only its owner
+    can read it: a token file others can read is a leaked token."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise FailedPrecondition(f"server.tokens_file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise FailedPrecondition(
+            f"server.tokens_file {path} is readable by group or others (mode {mode & 0o777:o}): chmod 600 it"
+        )
+    tokens: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        token, sep, tenant = line.partition("=")
+        if not sep or not token.strip() or not tenant.strip():
+            raise FailedPrecondition(f"server.tokens_file {path}, line {number}: expected TOKEN=TENANT")
+        tokens[token.strip()] = tenant.strip()
+    return tokens
+
+
 class Authenticator:
     def __init__(self, settings: ServerSettings) -> None:
         self._tokens = dict(settings.tokens)
+        if settings.tokens_file:
+            self._tokens.update(read_tokens_file(settings.tokens_file))
         self._unix_tenant = settings.unix_tenant
         self._admins = frozenset(settings.admins)
         self._scopes = {

@@ -1,48 +1,90 @@
-"""Assemble a tiered store from ``Settings``: the one place that knows the tier order."""
+"""Assemble a tiered store from ``Settings``: the one place that knows the tier order.
+
+``open_store`` locks the data folder (``kvstore.datadir``: one process per folder), salvages a
+dead predecessor's arena into `nvme` and removes it, builds the tiers and hands the store the
+lock to release when it closes. A failure part way closes what was already built, arena included.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from kvstore.config import CODECS, Settings
+from kvstore.datadir import DataDir
+from kvstore.errors import FailedPrecondition
 from kvstore.store import TieredStore
-from tiers import Tier, TierUnavailable
-from tiers.dram import DramConfig, DramTier
+from tiers import Tier, TierError, TierKey, TierUnavailable
+from tiers.dram import DramConfig, DramTier, salvage
+from tiers.errors import ArenaNoRoom
+
+log = logging.getLogger(__name__)
 
 
-def build_tiers(settings: Settings) -> tuple[list[Tier], list[str]]:
-    """The configured tiers, fastest first, and a line for each configured tier that is absent."""
-    tiers: list[Tier] = []
+def build_tiers(settings: Settings, data_dir: DataDir | None = None) -> tuple[list[Tier], list[str]]:
+    """The configured tiers, fastest first, and a line for each configured tier that is absent.
+    With ``data_dir``, the arena takes its name and keeps a journal, and the blocks of a dead
+    predecessor's arena are salvaged into `nvme` first. On an error, the tiers built so far are
+    closed before it propagates."""
+    built: list[Tier] = []
+    try:
+        return _build_tiers(settings, data_dir, built)
+    except BaseException:
+        for tier in built:
+            with contextlib.suppress(Exception):
+                tier.close()
+        raise
+
+
+def _build_tiers(
+    settings: Settings, data_dir: DataDir | None, built: list[Tier]
+) -> tuple[list[Tier], list[str]]:
     absent: list[str] = []
+    hbm: Tier | None = None
     if settings.hbm.enabled:
         from tiers.hbm import HbmConfig, HbmTier
 
         try:
-            tiers.append(
-                HbmTier(HbmConfig(settings.hbm.capacity_bytes, settings.hbm.page_bytes, settings.hbm.device))
+            hbm = HbmTier(
+                HbmConfig(settings.hbm.capacity_bytes, settings.hbm.page_bytes, settings.hbm.device)
             )
+            built.append(hbm)
         except TierUnavailable as exc:
             absent.append(f"hbm: {exc}")
     else:
         absent.append("hbm: disabled in the configuration ([hbm] enabled = false)")
-    d = settings.dram
-    tiers.append(DramTier(DramConfig(d.capacity_bytes, d.page_bytes, None, d.prefault, d.pin_with_cuda)))
-    if settings.nvme.enabled:
-        from tiers.nvme import NvmeConfig, NvmeTier
-
-        n = settings.nvme
-        tiers.append(
-            NvmeTier(
-                NvmeConfig(
-                    path=settings.nvme_path,
-                    capacity_bytes=n.capacity_bytes,
-                    durability=n.durability,
-                    sync_interval_s=n.sync_interval_s,
-                    codec=CODECS[n.codec],
-                    zstd_level=n.zstd_level,
-                )
-            )
-        )
+    # nvme before dram: a dead predecessor's arena is salvaged into it before the new arena
+    # takes its room in /dev/shm.
+    nvme = _nvme(settings) if settings.nvme.enabled else None
+    if nvme is not None:
+        built.append(nvme)
     else:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
+    if data_dir is not None:
+        for name in data_dir.leftovers:
+            _salvage(name, nvme)
+        data_dir.remove_leftovers()
+    d = settings.dram
+    arena_name = data_dir.arena_name if data_dir is not None else None
+    config = DramConfig(
+        d.capacity_bytes,
+        d.page_bytes,
+        arena_name,
+        d.prefault,
+        d.pin_with_cuda,
+        journal=bool(data_dir) and d.journal,
+    )
+    try:
+        dram = DramTier(config)
+    except ArenaNoRoom as exc:
+        raise FailedPrecondition(
+            f"{exc}: lower dram.capacity_bytes (e.g. --set dram.capacity_bytes=32MiB) or give "
+            f"{exc.folder} more room (docker run --shm-size=..., or a memory-backed volume in a pod)"
+        ) from None
+    except TierUnavailable as exc:
+        raise FailedPrecondition(f"the dram tier cannot start: {exc}") from None
+    built.append(dram)
+    tiers = [t for t in (hbm, dram, nvme) if t is not None]
     throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": d.throttle_bytes_per_s}
     throttles["nvme"] = settings.nvme.throttle_bytes_per_s
     for tier in tiers:
@@ -50,8 +92,73 @@ def build_tiers(settings: Settings) -> tuple[list[Tier], list[str]]:
     return tiers, absent
 
 
+def _nvme(settings: Settings) -> Tier:
+    from tiers.nvme import NvmeConfig, NvmeTier
+
+    n = settings.nvme
+    try:
+        return NvmeTier(
+            NvmeConfig(
+                path=settings.nvme_path,
+                capacity_bytes=n.capacity_bytes,
+                durability=n.durability,
+                sync_interval_s=n.sync_interval_s,
+                codec=CODECS[n.codec],
+                zstd_level=n.zstd_level,
+            )
+        )
+    except (TierError, OSError) as exc:
+        raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
+
+
+def _salvage(arena_name: str, nvme: Tier | None) -> None:
+    """Copy the committed blocks of a dead server's arena into `nvme` (by its journal)."""
+    with salvage(arena_name) as blocks:
+        if nvme is None:
+            if blocks:
+                log.warning(
+                    "a killed server left %d blocks in arena %s; without an nvme tier they are dropped",
+                    len(blocks),
+                    arena_name,
+                )
+            return
+        copied = present = 0
+        for record, view in blocks:
+            key = TierKey(record.key)
+            if nvme.size_of(key) is not None:
+                present += 1
+                continue
+            try:
+                nvme.put(key, view, record.fingerprint, record.meta)
+                copied += 1
+            except TierError as exc:  # full: the rest is lost like any block nvme cannot take
+                log.warning("salvage of arena %s stopped after %d blocks: %s", arena_name, copied, exc)
+                break
+        nvme.flush()
+    if blocks:
+        log.warning(
+            "a killed server left %d blocks in arena %s: %d copied to nvme, %d were there already",
+            len(blocks),
+            arena_name,
+            copied,
+            present,
+        )
+
+
 def open_store(settings: Settings) -> TieredStore:
-    """A store over the configured tiers; the persistent ones are indexed from disk."""
-    tiers, absent = build_tiers(settings)
-    store = TieredStore(tiers, settings.store, absent_tiers=absent)
-    return store
+    """A store over the configured tiers; the persistent ones are indexed from disk. The data
+    folder stays locked until the store closes."""
+    data_dir = DataDir.open(settings.data_dir)
+    try:
+        tiers, absent = build_tiers(settings, data_dir)
+    except BaseException:
+        data_dir.close()
+        raise
+    try:
+        return TieredStore(tiers, settings.store, absent_tiers=absent, on_close=data_dir.close)
+    except BaseException:
+        for tier in tiers:
+            with contextlib.suppress(Exception):
+                tier.close()
+        data_dir.close()
+        raise

@@ -7,12 +7,17 @@
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
     kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
+    kvstore bench crash            kill -9 under load: acknowledged blocks served after restart
     kvstore bench calibrate        prefill curve and tier restore costs -> the connector's calibration
     kvstore bench decisions        the connector's plan against all-restore and all-recompute
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
 ``KVSTORE_*`` environment variables sit between the two (see ``kvstore.config``). Benchmarks
 are imported lazily: only this dispatcher reaches up into ``benchmarks/``.
+
+An operator's mistake (a bad setting, a port in use, a server that is not running) ends with
+one line on stderr saying what is wrong and what to do, and exit status 2; ``-v`` adds the
+traceback.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore import __version__
 from kvstore.config import Settings, load_settings
-from kvstore.errors import KvStoreError
+from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
+
+log = logging.getLogger("kvstore.cli")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -56,8 +64,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import connect
 
-    address = args.address or f"unix://{_settings(args).socket_path}"
-    return connect(address, token=args.token or os.environ.get("KVSTORE_TOKEN"))
+    args.tried_address = _address(args)
+    return connect(args.tried_address, token=args.token or os.environ.get("KVSTORE_TOKEN"), timeout_s=10.0)
+
+
+def _address(args: argparse.Namespace) -> str:
+    return str(args.address or os.environ.get("KVSTORE_ADDRESS") or f"unix://{_settings(args).socket_path}")
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -67,9 +79,19 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"kvstore stats (tenant {stats['tenant']})")
+    console = Console()
+    looked, hit = stats["lookup_tokens"], stats["hit_tokens"]
+    ratio = f"{hit / looked:.1%} of {looked:,} tokens looked up" if looked else "no lookups yet"
+    console.print(
+        f"kvstore {escape(stats['version'])} up {_duration(stats['uptime_s'])}, tenant "
+        f"{escape(stats['tenant'])}, token hit ratio {ratio}"
+    )
+    for address in stats["addresses"]:
+        console.print(f"  listening: {escape(address)}")
+    table = Table(title="tiers")
     for col in ("tier", "blocks", "used", "capacity", "fill", "checksum failures"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for t in stats["tiers"]:
@@ -82,10 +104,18 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             f"{fill:.0%}",
             str(t["checksum_failures"]),
         )
-    console = Console()
     console.print(table)
     for line in stats["absent_tiers"]:
-        console.print(f"absent: {line}")
+        console.print(f"absent: {escape(line)}")
+    if stats["fingerprints"]:
+        # Plain lines, not a table: a 64-digit fingerprint must survive any terminal width whole,
+        # ready to copy into `kvstore invalidate --fingerprint`.
+        console.print("models (kvstore invalidate --model ID, or --fingerprint HEX or a unique prefix):")
+        for f in stats["fingerprints"]:
+            rank = f" tp rank {f['tp_rank']}/{f['tp_world_size']}," if f["tp_world_size"] > 1 else ""
+            model = f["model_id"] or "(model not registered since the data folder was made)"
+            print(f"  {f['fingerprint']}  {model},{rank} {f['blocks']:,} blocks, {_size(f['bytes'])}")
+        sys.stdout.flush()
     if stats["counters"]:
         counters = Table(title="counters")
         counters.add_column("counter")
@@ -94,28 +124,53 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             counters.add_row(name, f"{value:,}")
         console.print(counters)
     for namespace, nbytes in sorted(stats["tenant_bytes"].items()):
-        console.print(f"{namespace}: {_size(nbytes)}")
+        console.print(f"{escape(namespace)}: {_size(nbytes)}")
     return 0
 
 
-def _fingerprint_arg(args: argparse.Namespace, command: str) -> bytes | None:
-    """``--fingerprint HEX`` as bytes, None when absent; ValueError (already reported) if bad."""
-    if not args.fingerprint:
-        return None
-    try:
-        return bytes.fromhex(args.fingerprint)
-    except ValueError:
-        print(f"kvstore {command}: --fingerprint takes 64 hex digits", file=sys.stderr)
-        raise
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def _fingerprints(args: argparse.Namespace, client: Any) -> list[tuple[bytes, str]]:
+    """The fingerprints ``--fingerprint HEX-OR-PREFIX`` or ``--model ID`` name, with their model
+    ids; [] when neither was given. A prefix must name exactly one stored fingerprint."""
+    if not args.fingerprint and not getattr(args, "model", None):
+        return []
+    text = (args.fingerprint or "").strip().lower()
+    if text and (len(text) > 64 or any(c not in "0123456789abcdef" for c in text)):
+        raise InvalidArgument(f"--fingerprint takes hex digits (all 64, or a unique prefix), got {text!r}")
+    known = [(bytes.fromhex(f["fingerprint"]), f["model_id"]) for f in client.stats()["fingerprints"]]
+    if getattr(args, "model", None):
+        found = [(fp, model) for fp, model in known if model == args.model]
+        if not found:
+            models = sorted({m for _, m in known if m}) or ["none"]
+            raise InvalidArgument(
+                f"no stored blocks of model {args.model!r}; models with blocks: {', '.join(models)}"
+            )
+        return found
+    if len(text) == 64:
+        fingerprint = bytes.fromhex(text)
+        return [(fingerprint, next((m for fp, m in known if fp == fingerprint), ""))]
+    found = [(fp, model) for fp, model in known if fp.hex().startswith(text)]
+    if len(found) != 1:
+        what = "no stored fingerprint" if not found else f"{len(found)} fingerprints"
+        raise InvalidArgument(
+            f"{what} start with {text!r}; `kvstore stats` lists them (give more digits or all 64)"
+        )
+    return found
 
 
 def _cmd_invalidate(args: argparse.Namespace) -> int:
-    if bool(args.fingerprint) == bool(args.everything):
-        print("kvstore invalidate: give --fingerprint HEX or --everything", file=sys.stderr)
-        return 2
-    try:
-        fingerprint = _fingerprint_arg(args, "invalidate")
-    except ValueError:
+    if (bool(args.fingerprint) + bool(args.model) + bool(args.everything)) != 1:
+        print(
+            "kvstore invalidate: give one of --fingerprint HEX, --model ID or --everything", file=sys.stderr
+        )
         return 2
     if args.everything and not args.yes:
         whose = (
@@ -126,19 +181,25 @@ def _cmd_invalidate(args: argparse.Namespace) -> int:
             print("nothing removed")
             return 1
     with _client(args) as client:
-        removed = client.invalidate(fingerprint, tenant=args.tenant, everything=args.everything)
-    print(f"removed {removed} blocks")
+        if args.everything:
+            removed = client.invalidate(None, tenant=args.tenant, everything=True)
+            print(f"removed {removed} blocks")
+            return 0
+        for fingerprint, model in _fingerprints(args, client):
+            removed = client.invalidate(fingerprint, tenant=args.tenant)
+            print(f"removed {removed} blocks of {fingerprint.hex()}" + (f" ({model})" if model else ""))
     return 0
 
 
 def _cmd_demote(args: argparse.Namespace) -> int:
-    try:
-        fingerprint = _fingerprint_arg(args, "demote")
-    except ValueError:
-        return 2
     with _client(args) as client:
-        moved = client.demote(args.tier, fingerprint, tenant=args.tenant)
-    print(f"moved {moved} blocks out of {args.tier}")
+        targets: list[tuple[bytes | None, str]] = [*_fingerprints(args, client)] or [(None, "")]
+        for fingerprint, _ in targets:
+            moved = client.demote(args.tier, fingerprint, tenant=args.tenant)
+            print(
+                f"moved {moved} blocks out of {args.tier}"
+                + (f" ({fingerprint.hex()[:16]}…)" if fingerprint else "")
+            )
     return 0
 
 
@@ -174,6 +235,14 @@ def _cmd_bench_service(args: argparse.Namespace) -> int:
     return run_service_bench(quick=args.quick, json_path=args.json, with_peers=not args.no_peers)
 
 
+def _cmd_bench_crash(args: argparse.Namespace) -> int:
+    from benchmarks.crash import run_crash_bench
+
+    return run_crash_bench(
+        cycles=args.cycles or (5 if args.quick else 20), quick=args.quick, json_path=args.json
+    )
+
+
 def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from benchmarks.calibrate import run_calibrate
 
@@ -198,11 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore", description="Tiered KV-cache offload storage for LLM serving."
     )
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument(
-        "--address", help="server address: unix:///path or host:port (default: the local socket)"
+        "--address",
+        help="server address: unix:///path or host:port (default: $KVSTORE_ADDRESS, else the "
+        "socket under the data folder)",
     )
     remote.add_argument("--token", help="bearer token (default: $KVSTORE_TOKEN)")
 
@@ -216,7 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_cmd_stats)
 
     invalidate = sub.add_parser("invalidate", parents=[common, remote], help="remove blocks now")
-    invalidate.add_argument("--fingerprint", metavar="HEX", help="every block of this model fingerprint")
+    invalidate.add_argument(
+        "--fingerprint",
+        metavar="HEX",
+        help="every block of this fingerprint (64 hex digits or a unique prefix)",
+    )
+    invalidate.add_argument("--model", metavar="ID", help="every block of every fingerprint of this model id")
     invalidate.add_argument("--everything", action="store_true", help="every block (asks for confirmation)")
     invalidate.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
     invalidate.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -226,7 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demote", parents=[common, remote], help="move blocks out of a tier into the next one"
     )
     demote.add_argument("--tier", default="dram", help="the tier to empty (default dram)")
-    demote.add_argument("--fingerprint", metavar="HEX", help="only this model fingerprint's blocks")
+    demote.add_argument(
+        "--fingerprint", metavar="HEX", help="only this fingerprint's blocks (or a unique prefix)"
+    )
+    demote.add_argument("--model", metavar="ID", help="only the blocks of this model id")
     demote.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
     demote.set_defaults(func=_cmd_demote)
 
@@ -251,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--json", metavar="PATH", help="write results as JSON")
     service.add_argument("--no-peers", action="store_true", help="skip Redis, Mooncake Store and LMCache")
     service.set_defaults(func=_cmd_bench_service)
+    crash = bench_sub.add_parser(
+        "crash", parents=[common], help="kill -9 under load: acknowledged blocks served after restart"
+    )
+    crash.add_argument("--quick", action="store_true", help="5 cycles instead of 20")
+    crash.add_argument("--cycles", type=int, help="kill -9 cycles (default 20)")
+    crash.add_argument("--json", metavar="PATH", help="write results as JSON")
+    crash.set_defaults(func=_cmd_bench_crash)
     calibrate = bench_sub.add_parser(
         "calibrate",
         parents=[common],
@@ -283,10 +370,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         code: int = args.func(args)
+    except Unavailable as exc:
+        if getattr(args, "tried_address", None):
+            return _fail(
+                args,
+                exc,
+                f"cannot reach a kvstore server at {args.tried_address} "
+                f"({_why_unreachable(args.tried_address, exc)}); "
+                "is `kvstore serve` running there? (--address, or $KVSTORE_ADDRESS, names another)",
+            )
+        return _fail(args, exc, str(exc))
     except KvStoreError as exc:
-        print(f"kvstore: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, exc, str(exc))
+    except KeyboardInterrupt:
+        return 130
     return code
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, line: str) -> int:
+    if args.verbose:
+        log.error("traceback", exc_info=exc)
+    print(f"kvstore {args.command}: {line}", file=sys.stderr)
+    return 2
+
+
+def _why_unreachable(address: str, exc: BaseException) -> str:
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:").removeprefix("//")
+        if not os.path.exists(path):
+            return f"no socket at {path}"
+    text = str(exc)
+    for reason in ("Connection refused", "Permission denied", "deadline exceeded", "Deadline Exceeded"):
+        if reason in text:
+            return reason.lower()
+    return text.strip().splitlines()[0][:160] if text.strip() else type(exc).__name__
 
 
 if __name__ == "__main__":

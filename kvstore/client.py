@@ -12,13 +12,21 @@ Same-host calls (Unix socket only) move no bytes through the service: ``resolve`
 of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
 write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases.
 
+Deadlines: every call waits at most the client's ``timeout_s``; inside ``with kv.deadline(s):``
+every call this thread makes (with the ``server_info`` and ``attach`` the first data call makes
+implicitly, and connecting to the data port) must end within ``s`` of entering the block, or
+raises ``DeadlineExceeded`` (a kind of ``Unavailable``). A data-port connection that timed out
+is dropped: its stream stopped mid-message; the next call opens another.
+
 Fingerprints and keys are 32-byte ``bytes``. Every failure raises a ``kvstore.errors`` class
 mirroring the gRPC status code. A Client is safe to share between threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +35,13 @@ import grpc
 import numpy as np
 
 from kvstore.dataport import DataPortClient
-from kvstore.errors import FailedPrecondition, KvStoreError, Unavailable, error_for_status
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvStoreError,
+    Unavailable,
+    error_for_status,
+)
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
 from proto import kvstore_pb2 as pb
@@ -73,7 +87,7 @@ class Client:
         self._data_plane = data_plane
         self._data_port: int | None = None  # None: not asked yet; 0: the server has none
         self._data_socket = ""
-        self._local = threading.local()  # one data connection per thread
+        self._local = threading.local()  # per thread: its data connections, its deadline
         self._data_conns: list[DataPortClient] = []
         self._channel = grpc.insecure_channel(
             address,
@@ -95,6 +109,35 @@ class Client:
 
     # ----------------------------------------------------------------- plumbing
 
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float) -> Iterator[None]:
+        """Calls this thread makes inside the block end within ``timeout_s`` of entering it
+        (nested blocks: the earlier end wins), or raise DeadlineExceeded."""
+        outer: float | None = getattr(self._local, "deadline", None)
+        end = time.monotonic() + timeout_s
+        self._local.deadline = end if outer is None else min(outer, end)
+        try:
+            yield
+        finally:
+            self._local.deadline = outer
+
+    def _timeout_s(self) -> float:
+        """What the next call may take: the client's timeout, or what is left of the deadline."""
+        end: float | None = getattr(self._local, "deadline", None)
+        if end is None:
+            return self.timeout_s
+        left = end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the call's deadline passed before it started")
+        return min(self.timeout_s, left)
+
+    def _data_deadline(self) -> float | None:
+        """The ``time.monotonic()`` by which a data-port operation must end (None: the port's
+        own IO_TIMEOUT_S per socket operation, as without a deadline)."""
+        if getattr(self._local, "deadline", None) is None:
+            return None
+        return time.monotonic() + self._timeout_s()
+
     def _call(self, method: str, request: Any, response_type: Any) -> Any:
         stub = self._unary.get(method)
         if stub is None:
@@ -105,7 +148,7 @@ class Client:
             )
             self._unary[method] = stub
         try:
-            return stub(request, metadata=self._metadata, timeout=self.timeout_s)
+            return stub(request, metadata=self._metadata, timeout=self._timeout_s())
         except grpc.RpcError as exc:
             raise _translate(exc) from None
 
@@ -192,6 +235,22 @@ class Client:
             "absent_tiers": list(r.absent_tiers),
             "blocks": r.blocks,
             "leases": r.leases,
+            "version": r.version,
+            "uptime_s": r.uptime_s,
+            "addresses": list(r.addresses),
+            "lookup_tokens": r.lookup_tokens,
+            "hit_tokens": r.hit_tokens,
+            "fingerprints": [
+                {
+                    "fingerprint": f.fingerprint.hex(),
+                    "model_id": f.model_id,
+                    "blocks": f.blocks,
+                    "bytes": f.bytes,
+                    "tp_rank": f.tp_rank,
+                    "tp_world_size": f.tp_world_size,
+                }
+                for f in r.fingerprints
+            ],
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -212,26 +271,40 @@ class Client:
         conns: dict[str, DataPortClient] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(scope)
         if conn is None:
-            if unix:
-                conn = DataPortClient("", 0, self._token, scope, unix_path=self._data_socket)
-            else:
-                host = self.address.rpartition(":")[0].strip("[]")
-                conn = DataPortClient(host, self._data_port, self._token, scope)
+            deadline = self._data_deadline()
+            connect_s = None if deadline is None else deadline - time.monotonic()
+            try:
+                if unix:
+                    conn = DataPortClient(
+                        "", 0, self._token, scope, unix_path=self._data_socket, connect_timeout_s=connect_s
+                    )
+                else:
+                    host = self.address.rpartition(":")[0].strip("[]")
+                    conn = DataPortClient(
+                        host, self._data_port, self._token, scope, connect_timeout_s=connect_s
+                    )
+            except TimeoutError as exc:
+                raise DeadlineExceeded(f"connecting to the data port: {exc}") from None
+            except OSError as exc:
+                raise Unavailable(f"connecting to the data port: {exc}") from None
             conns[scope] = conn
             with self._arena_lock:
                 self._data_conns.append(conn)
         return conn
 
     def _on_data(self, scope: str, call: Any) -> Any:
-        """Run ``call(conn)`` on the data port; a broken connection is dropped and raised as
-        Unavailable (the next call reconnects)."""
+        """Run ``call(conn)`` on the data port; a broken or timed-out connection is dropped and
+        raised as Unavailable or DeadlineExceeded (the next call reconnects)."""
         conn = self._data_connection(scope)
+        assert conn is not None
+        conn.deadline = self._data_deadline()
         try:
             return call(conn)
         except (OSError, ConnectionError) as exc:
             self._local.__dict__.get("conns", {}).pop(scope, None)
-            if conn is not None:
-                conn.close()
+            conn.close()
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"data port call timed out: {exc}") from None
             raise Unavailable(f"data port connection failed: {exc}") from None
         except KvStoreError:
             self._local.__dict__.get("conns", {}).pop(scope, None)  # the server closed it
@@ -270,7 +343,7 @@ class Client:
                     yield encode_frame(key, block)
 
         try:
-            response = self._put(frames(), metadata=self._metadata, timeout=self.timeout_s)
+            response = self._put(frames(), metadata=self._metadata, timeout=self._timeout_s())
         except grpc.RpcError as exc:
             raise _translate(exc) from None
         return int(response.stored)
@@ -278,7 +351,7 @@ class Client:
     def _stream(self, fingerprint: bytes, keys: Sequence[bytes], scope: str) -> Iterator[memoryview]:
         request = pb.GetRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
         try:
-            for message in self._get(request, metadata=self._metadata, timeout=self.timeout_s):
+            for message in self._get(request, metadata=self._metadata, timeout=self._timeout_s()):
                 yield decode_frame(message).payload
         except grpc.RpcError as exc:
             raise _translate(exc) from None

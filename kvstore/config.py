@@ -11,12 +11,16 @@ section below; an unknown section or field is an error, never silently ignored.
     [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
     data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
 
-Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``).
+Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``); durations (fields
+ending in ``_s``) plain seconds or units (``250ms``, ``10s``, ``5m``, ``1h``). A ``KVSTORE_*``
+variable that names no setting is reported in one warning and ignored (``KVSTORE_TOKEN`` and
+``KVSTORE_ADDRESS`` belong to the client commands); a bad value is an error naming the setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -33,6 +37,9 @@ from tiers.base import Codec
 
 GiB = 1 << 30
 MiB = 1 << 20
+log = logging.getLogger(__name__)
+# Read by the client commands (stats, invalidate, demote) and scripts/demo.sh: not settings.
+CLIENT_VARIABLES = frozenset({"KVSTORE_TOKEN", "KVSTORE_ADDRESS", "KVSTORE_DEMO_DIR"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class DramSettings:
     page_bytes: int = 32 * MiB
     prefault: bool = True
     pin_with_cuda: bool = True
+    journal: bool = True  # record committed slots so a killed server's blocks are salvaged
     throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
@@ -72,6 +80,7 @@ class ServerSettings:
     data_address: str = "auto"  # raw data port: "auto" = tcp_address's host, any port; "" = off
     data_socket_path: str = "auto"  # its Unix twin: "auto" = <data_dir>/kvstore-data.sock; "" = off
     tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
+    tokens_file: str = ""  # lines "TOKEN=TENANT"; must not be readable by group or others
     unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
     admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks
     shared_scopes: Mapping[str, str] = field(default_factory=dict)  # scope -> "tenant-a,tenant-b"
@@ -79,6 +88,10 @@ class ServerSettings:
     max_message_bytes: int = 64 * MiB
     drain_grace_s: float = 10.0
     workers: int = 16
+    max_requests_per_tenant: int = (
+        8  # in flight at once; beyond: RESOURCE_EXHAUSTED (no tenant holds every worker)
+    )
+    stream_timeout_s: float = 60.0  # a Get or Put stream still open after this is cut (DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_B
 _SECTIONS = ("store", "dram", "nvme", "hbm", "server")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_DURATIONS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
 def default_data_dir() -> str:
@@ -112,14 +126,26 @@ def default_data_dir() -> str:
     return str(Path(base) / "kvstore")
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, setting: str = "") -> int:
     """``4GiB`` -> 4294967296. Integers pass through."""
     if isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"not a size: {text!r} (use bytes or units like 512MiB, 4GiB)")
+        where = f"{setting}: " if setting else ""
+        raise InvalidArgument(f"{where}not a size: {text!r} (use bytes or units like 512MiB, 4GiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_duration(text: str | float, setting: str = "") -> float:
+    """``250ms`` -> 0.25, ``5m`` -> 300.0; numbers are seconds. ``inf`` is not a duration."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _DURATIONS:
+        where = f"{setting}: " if setting else ""
+        raise InvalidArgument(f"{where}not a duration: {text!r} (use seconds or units like 250ms, 10s, 5m)")
+    return float(match.group(1)) * _DURATIONS[match.group(2).lower()]
 
 
 def load_settings(
@@ -130,24 +156,55 @@ def load_settings(
     """Merge the sources in precedence order into one ``Settings``."""
     raw: dict[str, Any] = {}
     if toml_path is not None:
-        with open(toml_path, "rb") as f:
-            _merge(raw, tomllib.load(f))
-    _merge(raw, _from_env(os.environ if env is None else env))
+        _merge(raw, _read_toml(Path(toml_path)))
+    from_env, ignored = _from_env(os.environ if env is None else env)
+    if ignored:
+        log.warning(
+            "ignoring %s: no such setting (variables are KVSTORE_<SECTION>_<FIELD>, e.g. "
+            "KVSTORE_DRAM_CAPACITY_BYTES)",
+            ", ".join(sorted(ignored)),
+        )
+    _merge(raw, from_env)
     for dotted, value in (overrides or {}).items():
         _merge(raw, _nest(dotted, value))
     return _build(Settings, raw, "")
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise InvalidArgument(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise InvalidArgument(f"config file {path} is a folder, not a TOML file") from None
+    except PermissionError:
+        raise InvalidArgument(f"config file {path} is not readable by this user") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The settings named by ``KVSTORE_*`` variables, and the variables that name none."""
     out: dict[str, Any] = {}
+    ignored: list[str] = []
+    top_level = {f.name for f in dataclasses.fields(Settings)} - set(_SECTIONS)
     for name, value in env.items():
-        if not name.startswith("KVSTORE_"):
+        if not name.startswith("KVSTORE_") or name in CLIENT_VARIABLES:
             continue
         rest = name[len("KVSTORE_") :].lower()
         section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            known = rest in top_level
+        else:
+            hints = typing.get_type_hints(typing.get_type_hints(Settings)[section])
+            known = rest[len(section) + 1 :] in hints
+        if not known:
+            ignored.append(name)
+            continue
         dotted = f"{section}.{rest[len(section) + 1 :]}" if section else rest
         _merge(out, _nest(dotted, value))
-    return out
+    return out, ignored
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:
@@ -223,8 +280,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if hint is int:
         if isinstance(value, bool):
             raise InvalidArgument(f"{where} must be an integer")
-        return parse_size(value) if "_bytes" in where else _int(value, where)
+        return parse_size(value, where) if "_bytes" in where else _int(value, where)
     if hint is float:
+        if where.endswith("_s"):
+            return parse_duration(value, where)
         try:
             return float(value)
         except (TypeError, ValueError) as exc:

@@ -35,6 +35,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,15 +70,19 @@ _STATUS_CODES = {
 STATUS_NAMES = {v: k for k, v in _STATUS_CODES.items()}
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; ``deadline`` (``time.monotonic()``) bounds the whole read, not each recv,
+    so a peer trickling bytes cannot stretch it. Without one the socket's own timeout applies."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            sock.settimeout(time_left_s(deadline))
         n = sock.recv_into(view[got:], len(view) - got)
         if not n:
             raise ConnectionError("peer closed the data connection mid-message")
@@ -99,9 +104,18 @@ def send_status(sock: socket.socket, code_name: str, message: str = "") -> None:
     sock.sendall(struct.pack("<BI", _STATUS_CODES.get(code_name, 2), len(body)) + body)
 
 
-def read_status(sock: socket.socket) -> tuple[str, str]:
-    code, length = struct.unpack("<BI", recv_exact(sock, 5))
-    return STATUS_NAMES.get(code, "UNKNOWN"), recv_exact(sock, length).decode(errors="replace")
+def read_status(sock: socket.socket, deadline: float | None = None) -> tuple[str, str]:
+    code, length = struct.unpack("<BI", recv_exact(sock, 5, deadline))
+    return STATUS_NAMES.get(code, "UNKNOWN"), recv_exact(sock, length, deadline).decode(errors="replace")
+
+
+def time_left_s(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError once it has passed (a zero socket timeout would
+    mean non-blocking, not "no time left")."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed")
+    return left
 
 
 @dataclass
@@ -360,24 +374,64 @@ class DataPort:
 
 
 class DataPortClient:
-    """One connection to a data port; not for use from several threads at once."""
+    """One connection to a data port; not for use from several threads at once.
 
-    def __init__(self, host: str, port: int, token: str | None, scope: str = "", unix_path: str = "") -> None:
+    Timeouts: connecting and the hello take at most ``connect_timeout_s`` (default IO_TIMEOUT_S)
+    together. Each operation then ends by ``deadline`` (a ``time.monotonic()`` value the caller
+    sets before it, or None: IO_TIMEOUT_S per socket operation). A timeout raises TimeoutError
+    and leaves the stream mid-message: the connection must be closed, never reused.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        scope: str = "",
+        unix_path: str = "",
+        connect_timeout_s: float | None = None,
+    ) -> None:
+        timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
+        self.deadline: float | None = time.monotonic() + timeout_s  # the hello's, until it is done
+        self._default_timeout = False  # the socket's timeout is IO_TIMEOUT_S
         if unix_path:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(IO_TIMEOUT_S)
-            self.sock.connect(unix_path)
+            self.sock.settimeout(timeout_s)
+            try:
+                self.sock.connect(unix_path)
+            except OSError:
+                self.sock.close()
+                raise
         else:
-            self.sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         token_b, scope_b = (token or "").encode(), scope.encode()
-        self.sock.sendall(
-            MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
-        )
-        self._check()
+        try:
+            self._arm()
+            self.sock.sendall(
+                MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
+            )
+            self._check()
+        except OSError:
+            self.sock.close()
+            raise
+        self.deadline = None
+
+    def _arm(self) -> None:
+        """Bound the next send by the deadline (sendall's timeout covers the whole send); without
+        one, put back IO_TIMEOUT_S if a deadline changed it (a syscall saved on the hot path)."""
+        if self.deadline is not None:
+            self.sock.settimeout(time_left_s(self.deadline))
+            self._default_timeout = False
+        elif not self._default_timeout:
+            self.sock.settimeout(IO_TIMEOUT_S)
+            self._default_timeout = True
+
+    def _recv(self, n: int) -> bytes:
+        return recv_exact(self.sock, n, self.deadline)
 
     def _check(self) -> None:
-        code, message = read_status(self.sock)
+        code, message = read_status(self.sock, self.deadline)
         if code != "OK":
             from kvstore.errors import error_for_status
 
@@ -389,6 +443,7 @@ class DataPortClient:
     ) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
         """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
         _check_ids(fingerprint, keys)
+        self._arm()
         self.sock.sendall(
             struct.pack("<B", OP_RESOLVE)
             + fingerprint
@@ -397,10 +452,10 @@ class DataPortClient:
             + struct.pack("<d", ttl_s)
         )
         self._check()
-        (name_len,) = struct.unpack("<H", recv_exact(self.sock, 2))
-        arena_name = recv_exact(self.sock, name_len).decode()
-        (hit,) = struct.unpack("<I", recv_exact(self.sock, 4))
-        raw = recv_exact(self.sock, 17 * hit + 8)
+        (name_len,) = struct.unpack("<H", self._recv(2))
+        arena_name = self._recv(name_len).decode()
+        (hit,) = struct.unpack("<I", self._recv(4))
+        raw = self._recv(17 * hit + 8)
         slots, tiers = [], []
         for i in range(hit):
             offset, size, tier = struct.unpack_from("<QQB", raw, 17 * i)
@@ -410,6 +465,7 @@ class DataPortClient:
         return arena_name, slots, tuple(tiers), int(lease_id)
 
     def release(self, lease_id: int) -> None:
+        self._arm()
         self.sock.sendall(struct.pack("<BQ", OP_RELEASE, lease_id))
         self._check()
 
@@ -418,6 +474,7 @@ class DataPortClient:
     ) -> tuple[int, tuple[str, ...], int]:
         """(hit blocks, tier of each hit, lease id or 0)."""
         _check_ids(fingerprint, keys)
+        self._arm()
         self.sock.sendall(
             struct.pack("<B", OP_LOOKUP)
             + fingerprint
@@ -426,13 +483,14 @@ class DataPortClient:
             + struct.pack("<d", pin_ttl_s)
         )
         self._check()
-        (hit,) = struct.unpack("<I", recv_exact(self.sock, 4))
-        tiers = tuple(TIER_NAMES.get(code, "unknown") for code in recv_exact(self.sock, hit))
-        (lease_id,) = struct.unpack("<Q", recv_exact(self.sock, 8))
+        (hit,) = struct.unpack("<I", self._recv(4))
+        tiers = tuple(TIER_NAMES.get(code, "unknown") for code in self._recv(hit))
+        (lease_id,) = struct.unpack("<Q", self._recv(8))
         return hit, tiers, lease_id
 
     def _request_get(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
         _check_ids(fingerprint, keys)
+        self._arm()
         self.sock.sendall(
             struct.pack("<B", OP_GET) + fingerprint + struct.pack("<I", len(keys)) + b"".join(keys)
         )
@@ -443,12 +501,12 @@ class DataPortClient:
         self._request_get(fingerprint, keys)
         n = 0
         while True:
-            (size,) = struct.unpack("<Q", recv_exact(self.sock, 8))
+            (size,) = struct.unpack("<Q", self._recv(8))
             if size == END:
                 break
             if n >= len(outs) or len(outs[n]) < size:
                 raise InvalidArgument(f"block {n} of {size} B does not fit its buffer")
-            recv_into_exact(self.sock, outs[n][:size])
+            recv_into_exact(self.sock, outs[n][:size], self.deadline)
             n += 1
         self._check()
         return n
@@ -457,10 +515,10 @@ class DataPortClient:
         self._request_get(fingerprint, keys)
         blocks: list[bytes] = []
         while True:
-            (size,) = struct.unpack("<Q", recv_exact(self.sock, 8))
+            (size,) = struct.unpack("<Q", self._recv(8))
             if size == END:
                 break
-            blocks.append(recv_exact(self.sock, size))
+            blocks.append(self._recv(size))
         self._check()
         return blocks
 
@@ -479,6 +537,7 @@ class DataPortClient:
         ]
         head.append(struct.pack("<I", len(keys)))
         head.extend(key + struct.pack("<Q", len(block)) for key, block in zip(keys, blocks, strict=True))
+        self._arm()
         try:
             self.sock.sendall(b"".join(head))
             for block in blocks:
@@ -486,7 +545,7 @@ class DataPortClient:
         except OSError:
             pass  # the server refused early and closed: its status says why
         self._check()
-        (stored,) = struct.unpack("<I", recv_exact(self.sock, 4))
+        (stored,) = struct.unpack("<I", self._recv(4))
         return int(stored)
 
     def close(self) -> None:

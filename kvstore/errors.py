@@ -12,7 +12,8 @@ server translates with ``status_code_name`` in one place, the client raises the 
     │   ├── QuotaExceeded      the tenant's byte quota is full of blocks that cannot go
     │   └── StoreFull          no tier can take the block (everything is pinned)
     ├── FailedPrecondition     a call out of order (commit without reserve)
-    └── Unavailable            the server is draining or a tier's medium is gone
+    └── Unavailable            the server is draining or a tier's medium is gone, or unreachable
+        └── DeadlineExceeded   no answer within the call's deadline (the server may be hung)
 
 Errors raised by ``tiers`` are translated into these by the tiered store, nowhere else.
 """
@@ -68,6 +69,13 @@ class Unavailable(KvStoreError):
     status_code_name = "UNAVAILABLE"
 
 
+class DeadlineExceeded(Unavailable):
+    """A subclass of Unavailable, so callers that retry elsewhere on Unavailable keep doing so;
+    callers that must not wait twice (a retry costs another full deadline) catch it first."""
+
+    status_code_name = "DEADLINE_EXCEEDED"
+
+
 _BY_STATUS: dict[str, type[KvStoreError]] = {
     cls.status_code_name: cls
     for cls in (
@@ -87,5 +95,5 @@ def error_for_status(code_name: str, message: str) -> KvStoreError:
     if code_name == "NOT_FOUND" and "expired" in message:
         return LeaseExpired(message)
     if code_name == "DEADLINE_EXCEEDED":
-        return Unavailable(f"deadline exceeded: {message}")
+        return DeadlineExceeded(f"deadline exceeded: {message}")
     return _BY_STATUS.get(code_name, KvStoreError)(message)

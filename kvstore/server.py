@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -29,7 +30,10 @@ from kvstore.auth import Authenticator, tenant_namespace
 from kvstore.builder import open_store
 from kvstore.config import Settings
 from kvstore.dataport import DataPort
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.metrics import Metrics
+from kvstore.models import FILE_NAME as MODELS_FILE
+from kvstore.models import ModelRegistry
 from kvstore.service import SERVICE_NAME, KvStoreService
 from kvstore.store import TieredStore
 from proto import kvstore_pb2
@@ -78,23 +82,42 @@ class RunningServer:
 
 
 def start_server(settings: Settings) -> RunningServer:
-    """Open the store and start listening; returns once requests can be served."""
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    """Open the store and start listening; returns once requests can be served. A failure part
+    way (a port in use, the data folder locked by another server) undoes what was started —
+    arena, lock, listeners — and raises a ``KvStoreError`` that says what to change."""
     # Quotas are configured per tenant; the store keeps them per namespace.
     quotas = {tenant_namespace(tenant): nbytes for tenant, nbytes in settings.store.quota_bytes.items()}
     settings = dataclasses.replace(settings, store=dataclasses.replace(settings.store, quota_bytes=quotas))
-    store = open_store(settings)
+    with contextlib.ExitStack() as undo:
+        store = open_store(settings)
+        undo.callback(store.close)
+        running = _start_listeners(settings, store, undo)
+        undo.pop_all()  # started: from here on, stop() owns the cleanup
+        return running
+
+
+def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.ExitStack) -> RunningServer:
     for line in store.absent_tiers:
-        log.warning("tier absent: %s", line)
+        # Off by choice is not worth a warning at every start; absent when asked for is.
+        level = logging.INFO if "disabled in the configuration" in line else logging.WARNING
+        log.log(level, "tier absent: %s", line)
     metrics = Metrics(store) if settings.server.metrics_address else None
     auth = Authenticator(settings.server)
-    service = KvStoreService(store, auth, metrics)
+    service = KvStoreService(
+        store,
+        auth,
+        metrics,
+        ModelRegistry(Path(settings.data_dir) / MODELS_FILE),
+        max_requests_per_tenant=settings.server.max_requests_per_tenant,
+        stream_timeout_s=settings.server.stream_timeout_s,
+    )
     options = [
         ("grpc.max_receive_message_length", settings.server.max_message_bytes),
         ("grpc.max_send_message_length", settings.server.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.server.workers), options=options)
+    undo.callback(lambda: server.stop(None))
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -107,44 +130,63 @@ def start_server(settings: Settings) -> RunningServer:
         server,
     )
     socket_path = settings.socket_path
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        socket_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidArgument(f"server.socket_path {socket_path}: cannot make its folder: {exc}") from None
     with contextlib.suppress(FileNotFoundError):
-        socket_path.unlink()  # a stale socket of a process that died
+        socket_path.unlink()  # a dead server's (the data folder's lock says none is alive)
     unix_address = f"unix://{socket_path}"
     old_umask = os.umask(0o177)  # the socket is born 0600: only this user reaches the sidecar
     try:
-        server.add_insecure_port(unix_address)
+        _listen(server, unix_address, "server.socket_path")
     finally:
         os.umask(old_umask)
     tcp_address = None
     if settings.server.tcp_address:
         host, _, _ = settings.server.tcp_address.rpartition(":")
-        port = server.add_insecure_port(settings.server.tcp_address)
-        if port == 0:
-            store.close()
-            raise OSError(f"cannot listen on {settings.server.tcp_address}")
+        port = _listen(server, settings.server.tcp_address, "server.tcp_address (--tcp)")
         tcp_address = f"{host}:{port}"
     data_port = None
     data_address = settings.server.data_address
     if data_address == "auto":
         data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
     if data_address:
-        data_port = DataPort(store, auth, data_address, service.check_sizes)
-        data_port.on_lookup = service.record_hits
+        data_port = _data_port(store, auth, service, data_address, "server.data_address")
+        undo.callback(data_port.close, 0.0)
         service.data_port = data_port.port
     data_socket = None
     data_socket_path = settings.server.data_socket_path
     if data_socket_path == "auto":
         data_socket_path = str(Path(settings.data_dir) / "kvstore-data.sock")
     if data_socket_path:
-        data_socket = DataPort(store, auth, f"unix:{data_socket_path}", service.check_sizes)
-        data_socket.on_lookup = service.record_hits
+        data_socket = _data_port(store, auth, service, f"unix:{data_socket_path}", "server.data_socket_path")
+        undo.callback(data_socket.close, 0.0)
         service.data_socket = data_socket_path
+    metrics_port = None
+    if metrics is not None:
+        undo.callback(metrics.close)
+        try:
+            metrics_port = metrics.serve(settings.server.metrics_address)
+        except (OSError, ValueError) as exc:
+            raise FailedPrecondition(
+                f"cannot serve metrics on {settings.server.metrics_address} ({_reason(exc)}): set "
+                "server.metrics_address to a free host:port, or to nothing to turn metrics off "
+                "(--set server.metrics_address=)"
+            ) from None
     server.start()
     os.chmod(socket_path, 0o600)
+    service.addresses = [unix_address] + [a for a in (tcp_address,) if a]
+    if data_port is not None:
+        service.addresses.append(f"data port {data_address.rpartition(':')[0]}:{data_port.port}")
+    if data_socket is not None:
+        service.addresses.append(f"data socket unix://{data_socket_path}")
+    if metrics_port is not None:
+        service.addresses.append(
+            f"metrics http://{settings.server.metrics_address.rpartition(':')[0] or '127.0.0.1'}:{metrics_port}/metrics"
+        )
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = metrics.serve(settings.server.metrics_address) if metrics is not None else None
     log.info(
         "serving on %s%s%s; tiers: %s",
         unix_address,
@@ -166,6 +208,55 @@ def start_server(settings: Settings) -> RunningServer:
         data_port,
         data_socket,
     )
+
+
+def _listen(server: grpc.Server, address: str, setting: str) -> int:
+    """Bind one gRPC listener; a refusal names the setting to change."""
+    _check_free(address, setting)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises this where older versions returned 0
+        raise FailedPrecondition(f"cannot listen on {address} ({exc}): change {setting}") from None
+    if port == 0:
+        raise FailedPrecondition(
+            f"cannot listen on {address} (in use, or not an address of this machine): change {setting}"
+        )
+    return int(port)
+
+
+def _check_free(address: str, setting: str) -> None:
+    """Refuse a TCP port in use with a clear line (gRPC's own refusal says little)."""
+    if address.startswith("unix:"):
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot listen on {address} ({_reason(exc)}): change {setting}"
+            ) from None
+
+
+def _data_port(
+    store: TieredStore, auth: Authenticator, service: KvStoreService, address: str, setting: str
+) -> DataPort:
+    try:
+        port = DataPort(store, auth, address, service.check_sizes)
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"
+        ) from None
+    port.on_lookup = service.record_hits
+    return port
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc.strerror) if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = None) -> int:

@@ -13,22 +13,34 @@ decoding them through protobuf.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvstore import __version__
 from kvstore.auth import Authenticator, Caller
-from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, PermissionDenied, Unavailable
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvStoreError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.metrics import Metrics
+from kvstore.models import ModelRegistry
 from kvstore.store import Scope, TieredStore
 from proto import kvstore_pb2 as pb
+from tiers import TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +59,72 @@ def _abort(context: grpc.ServicerContext, exc: KvStoreError) -> NoReturn:
 
 
 class KvStoreService:
-    def __init__(self, store: TieredStore, auth: Authenticator, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        auth: Authenticator,
+        metrics: Metrics | None = None,
+        models: ModelRegistry | None = None,
+        max_requests_per_tenant: int = 8,
+        stream_timeout_s: float = 60.0,
+    ) -> None:
         self.store = store
         self.auth = auth
         self.metrics = metrics
         self.draining = threading.Event()
         self.data_port = 0  # set by the server when it runs a raw data port
         self.data_socket = ""  # likewise for its Unix-socket twin
-        self._models: dict[bytes, ModelIdentity] = {}
-        self._models_lock = threading.Lock()
+        self.addresses: list[str] = []  # set by the server once it listens (for Stats)
+        self._started = time.monotonic()
+        self._models = models or ModelRegistry()
+        self._tokens_lock = threading.Lock()
+        self._lookup_tokens: Counter[str] = Counter()  # per tenant: tokens asked for / found
+        self._hit_tokens: Counter[str] = Counter()
+        self._max_in_flight = max_requests_per_tenant
+        self._stream_timeout_s = stream_timeout_s
+        self._in_flight: Counter[str] = Counter()  # per tenant
 
     # ----------------------------------------------------------------- plumbing
 
-    def _serve(self, method: str, context: grpc.ServicerContext, body: Callable[[Caller], R]) -> R:
+    def _serve(
+        self, method: str, context: grpc.ServicerContext, body: Callable[[Caller], R], slot: bool = True
+    ) -> R:
         start = time.perf_counter()
         try:
             if self.draining.is_set():
                 raise Unavailable("the server is draining; retry on another replica or after restart")
             caller = self.auth.caller(context.invocation_metadata(), context.peer())
-            return body(caller)
+            with self._slot(caller.tenant) if slot else contextlib.nullcontext():
+                return body(caller)
         except KvStoreError as exc:
             _abort(context, exc)
         finally:
             if self.metrics is not None:
                 self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def _slot(self, tenant: str) -> Iterator[None]:
+        """One of the tenant's ``max_requests_per_tenant`` in-flight places: the workers are
+        shared, so one tenant's stalled calls must not take them all."""
+        with self._tokens_lock:
+            if self._in_flight[tenant] >= self._max_in_flight:
+                raise ResourceExhausted(
+                    f"tenant {tenant} has {self._max_in_flight} requests in flight already "
+                    "(server.max_requests_per_tenant); retry when one is done"
+                )
+            self._in_flight[tenant] += 1
+        try:
+            yield
+        finally:
+            with self._tokens_lock:
+                self._in_flight[tenant] -= 1
+
+    def _watchdog(self, context: grpc.ServicerContext) -> threading.Timer:
+        """Cuts a stream still open after ``stream_timeout_s``: a stalled peer frees its worker."""
+        timer = threading.Timer(self._stream_timeout_s, context.cancel)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def _scope(self, caller: Caller, fingerprint: bytes, scope: str) -> Scope:
         return Scope(self.auth.namespace(caller, scope), Fingerprint(fingerprint))
@@ -91,8 +145,12 @@ class KvStoreService:
         return identity.tokens_per_block if identity else 0
 
     def record_hits(self, caller: Caller, fingerprint: bytes, asked: int, tiers: Sequence[str]) -> None:
+        tpb = self._tokens_per_block(fingerprint)
+        if tpb:
+            with self._tokens_lock:
+                self._lookup_tokens[caller.tenant] += asked * tpb
+                self._hit_tokens[caller.tenant] += len(tiers) * tpb
         if self.metrics is not None:
-            tpb = self._tokens_per_block(fingerprint)
             self.metrics.record_lookup(caller.tenant, len(tiers), asked - len(tiers), tiers, tpb)
 
     # ----------------------------------------------------------------- control
@@ -122,9 +180,7 @@ class KvStoreService:
                 )
             except ValueError as exc:
                 raise InvalidArgument(f"bad model identity: {exc}") from exc
-            fingerprint = identity.fingerprint()
-            with self._models_lock:
-                self._models[fingerprint] = identity
+            fingerprint = self._models.register(identity)
             return pb.RegisterResponse(fingerprint=fingerprint, block_bytes=identity.block_bytes)
 
         return self._serve("Register", context, body)
@@ -192,30 +248,57 @@ class KvStoreService:
             if caller.admin:
                 counters = dict(stats.counters)
                 tenant_bytes = dict(stats.namespace_bytes)
+                blocks = stats.blocks
+                tiers = [_tier_stats(u, u.used_bytes, u.blocks, u.stored_bytes) for u in stats.tiers]
             else:
+                # A tenant sees its own figures only: how full the tiers are with other tenants'
+                # blocks is theirs to know, not its.
                 counters = dict(stats.namespace_counters.get(caller.namespace, {}))
                 tenant_bytes = {caller.namespace: stats.namespace_bytes.get(caller.namespace, 0)}
+                own = self.store.tier_usage_of(caller.namespace)
+                tiers = [_tier_stats(u, own[u.name][1], own[u.name][0], own[u.name][1]) for u in stats.tiers]
+                blocks = sum(n for n, _ in self.store.fingerprint_usage(caller.namespace).values())
             return pb.StatsResponse(
-                tiers=[
-                    pb.TierStats(
-                        name=u.name,
-                        capacity_bytes=u.capacity_bytes,
-                        used_bytes=u.used_bytes,
-                        blocks=u.blocks,
-                        checksum_failures=u.checksum_failures,
-                        stored_bytes=u.stored_bytes,
-                    )
-                    for u in stats.tiers
-                ],
+                tiers=tiers,
                 counters={k: v for k, v in counters.items() if v >= 0},
                 tenant_bytes=tenant_bytes,
                 absent_tiers=list(stats.absent_tiers),
-                blocks=stats.blocks if caller.admin else len(tenant_bytes),
+                blocks=blocks,
                 leases=stats.leases,
                 tenant=caller.tenant,
+                version=__version__,
+                uptime_s=time.monotonic() - self._started,
+                addresses=self.addresses,
+                **self._token_figures(caller),
+                fingerprints=self._fingerprint_stats(None if caller.admin else caller.namespace),
             )
 
         return self._serve("Stats", context, body)
+
+    def _token_figures(self, caller: Caller) -> dict[str, int]:
+        with self._tokens_lock:
+            if caller.admin:
+                return {"lookup_tokens": self._lookup_tokens.total(), "hit_tokens": self._hit_tokens.total()}
+            return {
+                "lookup_tokens": self._lookup_tokens[caller.tenant],
+                "hit_tokens": self._hit_tokens[caller.tenant],
+            }
+
+    def _fingerprint_stats(self, namespace: str | None) -> list[pb.FingerprintStats]:
+        out = []
+        for fingerprint, (blocks, nbytes) in sorted(self.store.fingerprint_usage(namespace).items()):
+            identity = self._models.get(fingerprint)
+            out.append(
+                pb.FingerprintStats(
+                    fingerprint=fingerprint,
+                    model_id=identity.model_id if identity else "",
+                    blocks=blocks,
+                    bytes=nbytes,
+                    tp_rank=identity.tp_rank if identity else 0,
+                    tp_world_size=identity.tp_world_size if identity else 0,
+                )
+            )
+        return out
 
     def ServerInfo(
         self, request: pb.ServerInfoRequest, context: grpc.ServicerContext
@@ -324,6 +407,20 @@ class KvStoreService:
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Frames of the present prefix of ``keys``, in order. Each step pins a batch, copies it
         into frames and releases it before yielding, so a slow reader never holds a pin."""
+        caller = self._serve("Get", context, lambda c: c, slot=False)  # authenticated, for its slot
+        slot = self._slot(caller.tenant)
+        try:
+            slot.__enter__()  # the whole stream holds one: a slow reader keeps its worker
+        except KvStoreError as exc:
+            _abort(context, exc)
+        watchdog = self._watchdog(context)
+        try:
+            yield from self._get(request, context)
+        finally:
+            watchdog.cancel()
+            slot.__exit__(None, None, None)
+
+    def _get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         start_s = time.perf_counter()
         keys = [BlockKey(k) for k in request.keys]
         served: list[str] = []
@@ -349,7 +446,7 @@ class KvStoreService:
                 served.extend(resolved.tiers)
                 return frames
 
-            frames = self._serve("Get", context, step)
+            frames = self._serve("Get", context, step, slot=False)  # the stream holds one
             yield from frames
             if len(frames) < len(batch_keys):
                 break
@@ -360,6 +457,13 @@ class KvStoreService:
             self.metrics.restore_seconds.labels("get").observe(time.perf_counter() - start_s)
 
     def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
+        watchdog = self._watchdog(context)
+        try:
+            return self._put(request_iterator, context)
+        finally:
+            watchdog.cancel()
+
+    def _put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
         def body(caller: Caller) -> pb.PutResponse:
             start = time.perf_counter()
             scope: Scope | None = None
@@ -466,6 +570,17 @@ def _target_namespace(caller: Caller, tenant: str, verb: str) -> str | None:
     if tenant == "*":
         return None
     return Caller(tenant or caller.tenant, False).namespace
+
+
+def _tier_stats(usage: TierUsage, used_bytes: int, blocks: int, stored_bytes: int) -> pb.TierStats:
+    return pb.TierStats(
+        name=usage.name,
+        capacity_bytes=usage.capacity_bytes,
+        used_bytes=used_bytes,
+        blocks=blocks,
+        checksum_failures=usage.checksum_failures,
+        stored_bytes=stored_bytes,
+    )
 
 
 def _optional_fingerprint(raw: bytes) -> Fingerprint:

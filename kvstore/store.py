@@ -24,7 +24,10 @@ Same-host data plane (the `dram` arena, which another process maps by name):
                                    An uncommitted reservation expires like a lease.
 
 Placement: new blocks land in the first tier; with ``write_through`` the persistent tier gets a
-copy at once, otherwise only on demotion. A hit in a slower tier is promoted to the first tier.
+copy at once (the put waits for it); with ``write_behind`` a thread copies each new block there
+soon after (``kvstore.write_behind``: bounded, a full queue drops and counts), so a
+crash loses only what is still queued; otherwise only on demotion and on a clean close. A hit in
+a slower tier is promoted to the first tier.
 
 Eviction demotes a block to the next tier while there is one, and drops it from the last. It is
 prefix-aware — a block is never evicted from a tier while a child of it sits in that tier or a
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import struct
 import threading
 import time
@@ -57,6 +61,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import FailedPrecondition, InvalidArgument, QuotaExceeded, StoreFull
 from kvstore.keys import BlockKey, Fingerprint, check_key
 from kvstore.leases import Lease, LeaseTable
+from kvstore.write_behind import WriteBehind
 from tiers import BytesLike, Tier, TierError, TierFull, TierKey, TierUsage
 from tiers.dram import DramTier
 from tiers.slab import Slot as ArenaSlotView
@@ -117,10 +122,14 @@ class StoreConfig:
     write_through: bool = False
     promote_on_hit: bool = True
     lease_ttl_s: float = 5.0
+    max_lease_ttl_s: float = 120.0  # a client's pin or reservation lasts at most this long
+    max_block_bytes: int = 64 << 20  # larger blocks are refused before anything is evicted
     quota_bytes: Mapping[str, int] = field(default_factory=dict)  # namespace -> bytes
     default_quota_bytes: int | None = None  # for namespaces not listed; None = unlimited
     attention_cost_per_block: float = 0.02  # recompute cost of block i = 1 + this * i
     persist_on_close: bool = True  # a clean close copies volatile-only blocks to the persistent tier
+    write_behind: bool = False  # copy new blocks to the persistent tier on a thread, soon after
+    write_behind_max_bytes: int = 1 << 30  # bytes queued at most; a crash loses at most these
 
 
 @dataclass(frozen=True)
@@ -217,12 +226,14 @@ class TieredStore:
         clock: Callable[[], float] = time.monotonic,
         persistent: Sequence[bool] | None = None,
         absent_tiers: Sequence[str] = (),
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
         self.config = config or StoreConfig()
         self.absent_tiers = tuple(absent_tiers)  # "hbm: no CUDA", for logs and stats
+        self._on_close = on_close  # after the tiers closed (the builder's data-folder lock)
         self._persistent = list(persistent) if persistent is not None else [t.name == "nvme" for t in tiers]
         self._lock = threading.RLock()
         self._blocks: dict[BlockId, _Block] = {}
@@ -244,6 +255,10 @@ class TieredStore:
         self.counters: Counter[str] = Counter()
         self._ns_counters: dict[str, Counter[str]] = {}
         self._rebuild()
+        self._persistent_index = next((t for t, p in enumerate(self._persistent) if p), None)
+        self._write_behind: WriteBehind[BlockId] | None = None
+        if self.config.write_behind and not self.config.write_through and self._persistent_index is not None:
+            self._write_behind = WriteBehind(self._copy_behind, self.config.write_behind_max_bytes)
 
     # ----------------------------------------------------------------- queries
 
@@ -264,7 +279,10 @@ class TieredStore:
                 hits.append(block)
             self._count(scope, "lookup_hit_blocks", len(hits))
             self._count(scope, "lookup_miss_blocks", len(keys) - len(hits))
-            lease = self._pin(hits, pin_ttl_s, owner) if pin_ttl_s is not None and hits else None
+            lease = None
+            if pin_ttl_s is not None and hits:
+                self._expire_leases()  # a lookup that pins must not let expired pins pile up
+                lease = self._pin(hits, pin_ttl_s, owner)
             return LookupResult(len(hits), tuple(tiers), lease)
 
     def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
@@ -371,6 +389,7 @@ class TieredStore:
         _check_keys(keys)
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        self._check_sizes([len(memoryview(b)) for b in blocks])
         stored = 0
         with self._lock:
             scope = self._intern(scope)
@@ -418,6 +437,7 @@ class TieredStore:
                         for t, persistent in enumerate(self._persistent):
                             if persistent and t not in block.tiers:
                                 self._place(block, data, lowest=t, highest=t)
+                    self._behind(block)
                     stored += 1
                     self._count(scope, "put_blocks")
                 prev = key
@@ -517,7 +537,7 @@ class TieredStore:
             scope = self._intern(scope)
             self._expire_leases()
             present = [b for b in (self._visible((scope, k)) for k in keys) if b is not None]
-            return self._pin(present, ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner)
+            return self._pin(present, ttl_s, owner)
 
     def release(self, lease_id: int, owner: str = "") -> None:
         with self._lock:
@@ -525,8 +545,26 @@ class TieredStore:
             for block in self.leases.release(lease_id, owner):
                 self._unpin(block)
 
+    def _check_sizes(self, sizes: Iterable[int]) -> None:
+        """Refuse impossible sizes up front: a block announced huge must not evict anything."""
+        for size in sizes:
+            if size < 0:
+                raise InvalidArgument("block sizes must not be negative")
+            if size > self.config.max_block_bytes:
+                raise InvalidArgument(
+                    f"a block of {size} B is larger than store.max_block_bytes ({self.config.max_block_bytes} B)"
+                )
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        """A client's lease lifetime: the default when unset, capped by ``max_lease_ttl_s``."""
+        if ttl_s is None:
+            return min(self.config.lease_ttl_s, self.config.max_lease_ttl_s)
+        if not math.isfinite(ttl_s) or ttl_s <= 0:
+            raise InvalidArgument(f"a lease lifetime must be a positive number of seconds, got {ttl_s}")
+        return min(ttl_s, self.config.max_lease_ttl_s)
+
     def _pin(self, blocks: Sequence[_Block], ttl_s: float | None, owner: str = "") -> Lease:
-        lease = self.leases.grant(blocks, ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner)
+        lease = self.leases.grant(blocks, self._ttl(ttl_s), owner)
         for block in blocks:
             block.pins += 1
         return lease
@@ -570,6 +608,7 @@ class TieredStore:
     ) -> Resolved:
         """Pin the present prefix and make sure each block has an arena copy to read in place."""
         _check_keys(keys)
+        ttl_s = self._ttl(ttl_s)
         a, arena = self._require_arena()
         throttle_s = 0.0
         with self._lock:
@@ -641,8 +680,8 @@ class TieredStore:
         _check_keys(keys)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
-        if any(size < 0 for size in sizes):
-            raise InvalidArgument("block sizes must not be negative")
+        self._check_sizes(sizes)
+        ttl_s = self._ttl(ttl_s)
         a, arena = self._require_arena()
         with self._lock:
             scope = self._intern(scope)
@@ -670,9 +709,7 @@ class TieredStore:
             pending = _Pending(
                 scope, tuple(keys), tuple(slots), parent, self._depth_after(scope, parent), pinned_parent
             )
-            lease = self._reservations.grant(
-                [pending], ttl_s if ttl_s is not None else self.config.lease_ttl_s, owner
-            )
+            lease = self._reservations.grant([pending], self._ttl(ttl_s), owner)
             return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
 
     def commit(self, reservation_id: int, owner: str = "") -> int:
@@ -709,6 +746,7 @@ class TieredStore:
                             for t, persistent in enumerate(self._persistent):
                                 if persistent:
                                     self._place(block, view, lowest=t, highest=t)
+                        self._behind(block)
                         stored += 1
                         self._count(pending.scope, "put_blocks")
                 prev = key
@@ -769,14 +807,60 @@ class TieredStore:
 
     def close(self) -> None:
         """Spill volatile-only blocks to the persistent tier (``persist_on_close``), then close."""
+        if self._write_behind is not None:
+            self._write_behind.close()  # before the lock: its thread takes it for every block
         with self._lock:
             if self._closed:
                 return
             if self.config.persist_on_close:
                 self._spill()
             self._closed = True
-            for tier in self.tiers:
-                tier.close()
+            try:
+                for tier in self.tiers:
+                    tier.close()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
+
+    def _behind(self, block: _Block) -> None:
+        """Queue a new block for the write-behind copy (under the lock; never blocks)."""
+        wb, p = self._write_behind, self._persistent_index
+        if wb is None or p is None or p in block.tiers:
+            return
+        if wb.offer((block.scope, block.key), block.size_bytes):
+            self.counters["write_behind_queued_blocks"] += 1
+        else:
+            self.counters["write_behind_dropped_blocks"] += 1
+
+    def _copy_behind(self, ident: BlockId) -> None:
+        """The write-behind thread's step: copy one block to the persistent tier. The block is
+        pinned for the copy, which runs outside the lock (the tier's put may wait for its writer)."""
+        p = self._persistent_index
+        assert p is not None
+        with self._lock:
+            block = self._visible(ident)
+            if self._closed or block is None or p in block.tiers or not self._make_room(p, block.size_bytes):
+                return
+            view = self._bytes_of(block, block.fastest)
+            if view is None:
+                return
+            block.pins += 1  # its slot stays put (and allocated) until the copy is done
+        copied = False
+        try:
+            self.tiers[p].put(block.tkey, view, block.scope.fingerprint, block.meta)
+            copied = True
+        except TierError as exc:  # full after all, or closing: the block stays volatile
+            log.debug("write-behind of a %d B block: %s", block.size_bytes, exc)
+        finally:
+            with self._lock:
+                if copied and block.doomed:
+                    self.tiers[p].delete(block.tkey)  # deleted while copying: the copy goes too
+                elif copied:
+                    block.tiers.add(p)
+                    block.version += 1
+                    self._push_all(block)
+                    self.counters["write_behind_blocks"] += 1
+                self._unpin(block)
 
     def _spill(self) -> None:
         """Copy every block held only by volatile tiers down to the first persistent one.
@@ -1055,10 +1139,11 @@ class TieredStore:
         """Index what the persistent tiers already hold: the cache survives restarts."""
         found = 0
         for t, tier in enumerate(self.tiers):
+            unnamed = 0
             for stored in tier.scan():
                 ident = parse_tier_key(stored.key)
                 if ident is None or ident[0].fingerprint != stored.fingerprint:
-                    log.warning("tier %s holds a block the store cannot name; deleting it", tier.name)
+                    unnamed += 1
                     tier.delete(stored.key)
                     continue
                 block = self._blocks.get(ident)
@@ -1079,8 +1164,36 @@ class TieredStore:
                 else:
                     block.tiers.add(t)
                     self._push_all(block)
+            if unnamed:
+                log.warning("tier %s held %d blocks the store cannot name; deleted them", tier.name, unnamed)
         if found:
             log.info("rebuilt the index: %d blocks found on persistent tiers", found)
+
+    def fingerprint_usage(self, namespace: str | None = None) -> dict[Fingerprint, tuple[int, int]]:
+        """(blocks, bytes) per model fingerprint, of one namespace or of all (for ``stats``)."""
+        with self._lock:
+            blocks = (
+                self._blocks.values() if namespace is None else self._by_namespace.get(namespace, {}).values()
+            )
+            usage: dict[Fingerprint, list[int]] = {}
+            for b in blocks:
+                if not b.doomed:
+                    entry = usage.setdefault(b.scope.fingerprint, [0, 0])
+                    entry[0] += 1
+                    entry[1] += b.size_bytes
+        return {fp: (n, nbytes) for fp, (n, nbytes) in usage.items()}
+
+    def tier_usage_of(self, namespace: str) -> dict[str, tuple[int, int]]:
+        """(blocks, bytes) one namespace holds in each tier (a non-admin's ``stats``)."""
+        usage = {tier.name: [0, 0] for tier in self.tiers}
+        with self._lock:
+            for b in self._by_namespace.get(namespace, {}).values():
+                if not b.doomed:
+                    for t in b.tiers:
+                        entry = usage[self.tiers[t].name]
+                        entry[0] += 1
+                        entry[1] += b.size_bytes
+        return {name: (n, nbytes) for name, (n, nbytes) in usage.items()}
 
     def blocks(self) -> Iterator[tuple[Scope, BlockKey, str]]:
         """Every visible block with its fastest tier's name (for tests and tools)."""

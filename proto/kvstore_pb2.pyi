@@ -179,7 +179,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "tenant_bytes", "absent_tiers", "blocks", "leases", "tenant")
+    __slots__ = ("tiers", "counters", "tenant_bytes", "absent_tiers", "blocks", "leases", "tenant", "version", "uptime_s", "addresses", "lookup_tokens", "hit_tokens", "fingerprints")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,12 @@ class StatsResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     tenant_bytes: _containers.ScalarMap[str, int]
@@ -208,7 +214,29 @@ class StatsResponse(_message.Message):
     blocks: int
     leases: int
     tenant: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., tenant_bytes: _Optional[_Mapping[str, int]] = ..., absent_tiers: _Optional[_Iterable[str]] = ..., blocks: _Optional[int] = ..., leases: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    version: str
+    uptime_s: float
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    lookup_tokens: int
+    hit_tokens: int
+    fingerprints: _containers.RepeatedCompositeFieldContainer[FingerprintStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., tenant_bytes: _Optional[_Mapping[str, int]] = ..., absent_tiers: _Optional[_Iterable[str]] = ..., blocks: _Optional[int] = ..., leases: _Optional[int] = ..., tenant: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., fingerprints: _Optional[_Iterable[_Union[FingerprintStats, _Mapping]]] = ...) -> None: ...
+
+class FingerprintStats(_message.Message):
+    __slots__ = ("fingerprint", "model_id", "blocks", "bytes", "tp_rank", "tp_world_size")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    model_id: str
+    blocks: int
+    bytes: int
+    tp_rank: int
+    tp_world_size: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., model_id: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_world_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

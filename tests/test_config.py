@@ -82,3 +82,39 @@ def test_settings_are_frozen() -> None:
     s = Settings()
     with pytest.raises(AttributeError):
         s.data_dir = "/elsewhere"  # type: ignore[misc]
+
+
+def test_durations_take_units() -> None:
+    s = load_settings(
+        env={"KVSTORE_STORE_LEASE_TTL_S": "250ms"},
+        overrides={"server.drain_grace_s": "2m", "nvme.sync_interval_s": "1.5"},
+    )
+    assert s.store.lease_ttl_s == 0.25
+    assert s.server.drain_grace_s == 120.0
+    assert s.nvme.sync_interval_s == 1.5
+    with pytest.raises(InvalidArgument, match=r"server\.drain_grace_s"):
+        load_settings(env={}, overrides={"server.drain_grace_s": "10 fortnights"})
+
+
+def test_variables_that_name_no_setting_are_ignored_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    env = {
+        "KVSTORE_TOKEN": "abc",  # the client commands' own
+        "KVSTORE_DEMO_DIR": "/tmp/x",  # scripts/demo.sh's own
+        "KVSTORE_DRAM_CAPACITY": "1GiB",  # a typo: the field is capacity_bytes
+        "KVSTORE_NOSUCH": "1",
+        "KVSTORE_DRAM_CAPACITY_BYTES": "2GiB",
+    }
+    with caplog.at_level("WARNING"):
+        s = load_settings(env=env)
+    assert s.dram.capacity_bytes == 2 * GiB
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "KVSTORE_DRAM_CAPACITY," in warnings[0] and "KVSTORE_NOSUCH" in warnings[0]
+    assert "KVSTORE_TOKEN" not in warnings[0] and "KVSTORE_DEMO_DIR" not in warnings[0]
+
+
+def test_a_bad_environment_value_names_the_setting() -> None:
+    with pytest.raises(InvalidArgument, match=r"dram\.capacity_bytes"):
+        load_settings(env={"KVSTORE_DRAM_CAPACITY_BYTES": "lots"})

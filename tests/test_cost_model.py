@@ -18,14 +18,15 @@ FAST = {"dram": TierCost(5_000 * MB, 0.0002), "nvme": TierCost(1_000 * MB, 0.001
 BLOCK_BYTES, TPB = 2 * MB, 16
 
 
-def brute_force(tiers: list[str], prompt: int, costs: dict[str, TierCost]) -> float:
-    best = PREFILL.seconds(0, prompt)
-    usable = min(len(tiers), (prompt - 1) // TPB)
+def brute_force(tiers: list[str], prompt: int, costs: dict[str, TierCost], local: int = 0) -> float:
+    best = PREFILL.seconds(local, prompt - local)
+    usable = min(len(tiers), max(0, (prompt - 1) // TPB - local // TPB))
     for k in range(1, usable + 1):
         load = sum(costs[t].latency_s for t in set(tiers[:k])) + sum(
             BLOCK_BYTES * costs[t].seconds_per_byte() for t in tiers[:k]
         )
-        best = min(best, load + PREFILL.seconds(k * TPB, prompt - k * TPB))
+        held = local + k * TPB
+        best = min(best, load + PREFILL.seconds(held, prompt - held))
     return best
 
 
@@ -64,6 +65,33 @@ def test_no_hits_and_bad_input() -> None:
         TierCost(0)
 
 
+def test_the_engines_own_prefix_is_neither_restored_nor_counted() -> None:
+    # The engine holds 20 blocks (320 tokens); the 30 blocks after them hit in dram.
+    plan = plan_restore(["dram"] * 30, BLOCK_BYTES, TPB, 1000, FAST, PREFILL, local_tokens=320)
+    assert plan.restore_blocks == 30 and plan.restore_tokens == 480 and plan.decision == "restore"
+    assert plan.local_tokens == 320
+    assert plan.all_recompute_s == PREFILL.seconds(320, 680)  # recompute starts after the engine's part
+    assert plan.predicted_prefill_s == pytest.approx(PREFILL.seconds(800, 200))
+    load = FAST["dram"].latency_s + 30 * BLOCK_BYTES * FAST["dram"].seconds_per_byte()
+    assert plan.predicted_load_s == pytest.approx(load)
+
+
+def test_nothing_to_decide_when_the_engine_holds_every_usable_block() -> None:
+    # 62 blocks held of a 1000-token prompt: only the last 8 tokens are computed; a hit on the
+    # 63rd block (the prompt's last token is in it) cannot be used.
+    plan = plan_restore(["dram"], BLOCK_BYTES, TPB, 1000, FAST, PREFILL, local_tokens=992)
+    assert plan.restore_blocks == 0 and plan.usable_blocks == 0 and plan.decision == "recompute"
+    assert plan.predicted_ttft_s == plan.all_recompute_s == PREFILL.seconds(992, 8)
+    assert plan_restore([], BLOCK_BYTES, TPB, 1000, FAST, PREFILL, local_tokens=992) == plan
+
+
+def test_a_local_prefix_is_whole_blocks() -> None:
+    with pytest.raises(ValueError):
+        plan_restore(["dram"], BLOCK_BYTES, TPB, 1000, FAST, PREFILL, local_tokens=17)
+    with pytest.raises(ValueError):
+        plan_restore(["dram"], BLOCK_BYTES, TPB, 1000, FAST, PREFILL, local_tokens=-16)
+
+
 def test_a_codec_slows_the_tier_down() -> None:
     plain = TierCost(1_000 * MB)
     zstd = TierCost(1_000 * MB, decode_bytes_per_s=500 * MB)
@@ -75,13 +103,18 @@ def test_a_codec_slows_the_tier_down() -> None:
     prompt=st.integers(1, 1000),
     bw=st.floats(0.5, 20_000),
     lat=st.floats(0, 0.05),
+    local_blocks=st.integers(0, 70),
 )
-def test_the_plan_is_the_best_prefix(tiers: list[str], prompt: int, bw: float, lat: float) -> None:
+def test_the_plan_is_the_best_prefix(
+    tiers: list[str], prompt: int, bw: float, lat: float, local_blocks: int
+) -> None:
     costs = {**FAST, "remote": TierCost(bw * MB, lat)}
     tiers = sorted(tiers, key=["dram", "nvme", "remote"].index)  # a chain is fast at its head
-    plan = plan_restore(tiers, BLOCK_BYTES, TPB, prompt, costs, PREFILL)
-    assert math.isclose(plan.predicted_ttft_s, brute_force(tiers, prompt, costs), rel_tol=1e-9)
+    local = min(local_blocks, max(0, prompt - 1) // TPB) * TPB  # the engine holds at most n - 1
+    plan = plan_restore(tiers, BLOCK_BYTES, TPB, prompt, costs, PREFILL, local_tokens=local)
+    assert math.isclose(plan.predicted_ttft_s, brute_force(tiers, prompt, costs, local), rel_tol=1e-9)
     assert plan.predicted_ttft_s <= plan.all_recompute_s and plan.predicted_ttft_s <= plan.all_restore_s
+    assert local + plan.restore_tokens <= max(0, prompt - 1)  # one token is always computed
 
 
 def test_fit_recovers_prefill_coefficients() -> None:

@@ -437,3 +437,16 @@ def test_concurrent_readers_while_the_writer_commits_and_buffers_recycle(config:
     for i in range(30):
         assert read(tier, key(i)) in (None, blocks[i])
     tier.close()
+
+
+def test_only_the_owner_can_read_the_files(tmp_path: Path) -> None:
+    folder = tmp_path / "nvme"
+    tier = NvmeTier(NvmeConfig(path=folder, capacity_bytes=1 << 24))
+    try:
+        tier.put(key(1), payload(1, 4096), b"\x01" * 32)
+        tier.flush()
+        assert folder.stat().st_mode & 0o777 == 0o700
+        for path in folder.iterdir():
+            assert path.stat().st_mode & 0o077 == 0, f"{path.name} is readable by others"
+    finally:
+        tier.close()

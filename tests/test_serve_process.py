@@ -10,55 +10,22 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvstore.client import connect
-from kvstore.errors import Unavailable
 from kvstore.keys import block_keys
+from tests import sidecar_process
 from tests.service_fixtures import MODEL
 
 BLOCK = MODEL.block_bytes
 
 
-def _serve(data_dir: str) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvstore.cli",
-        "serve",
-        "--data-dir",
-        data_dir,
-        "--set",
-        "dram.capacity_bytes=4MiB",
-        "--set",
-        "dram.page_bytes=1MiB",
-        "--set",
-        "dram.prefault=false",
-        "--set",
-        "nvme.capacity_bytes=64MiB",
-        "--set",
-        "server.metrics_address=",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    socket = Path(data_dir) / "kvstore.sock"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if socket.exists():
-            try:
-                with connect(f"unix://{socket}", timeout_s=2) as kv:
-                    kv.stats()
-                return proc
-            except Unavailable:
-                pass
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited early: {proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("serve did not come up in 30 s")
+def _serve(data_dir: str) -> subprocess.Popen[bytes]:
+    settings = {"dram.capacity_bytes": "4MiB", "dram.page_bytes": "1MiB", "nvme.capacity_bytes": "64MiB"}
+    return sidecar_process.start_serve(data_dir, settings)
 
 
 @pytest.fixture

@@ -299,8 +299,9 @@ def test_the_service_demo_runs_against_a_live_server() -> None:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
     text = "\n".join(lines)
-    assert "exact: True" in text and "exact: False" not in text
-    assert "93 of 93 blocks present" in text
+    assert "wrote 93 of 93 blocks" in text
+    assert "restored 93 blocks" in text and "byte for byte" in text  # a mismatch would raise
+    assert "93 of 93 blocks present, fetched 93" in text
     assert "refused (Unauthenticated)" in text
     assert "another tenant (the socket's default one): 0 blocks visible" in text
 
@@ -373,3 +374,76 @@ def test_idle_data_connections_live_on_and_do_not_hold_up_a_drain(monkeypatch: p
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_a_tenant_sees_only_its_own_figures(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-b") as b:
+        a.put(fp, chain(6, salt="a"), blocks_for(chain(6, salt="a")))
+        b.put(fp, chain(2, salt="b"), blocks_for(chain(2, salt="b")))
+        a_stats, b_stats = a.stats(), b.stats()
+    with connect(served.unix) as admin:  # the Unix tenant is an admin here
+        everything = admin.stats()
+    assert b_stats["blocks"] == 2 and a_stats["blocks"] == 6
+    dram = next(t for t in b_stats["tiers"] if t["name"] == "dram")
+    assert dram["blocks"] == 2 and dram["used_bytes"] == 2 * BLOCK  # (nvme may hold copies too)
+    assert all(t["blocks"] <= 2 for t in b_stats["tiers"])
+    assert [(f["fingerprint"], f["blocks"]) for f in b_stats["fingerprints"]] == [(fp.hex(), 2)]
+    assert list(b_stats["tenant_bytes"]) == ["t/tenant-b"]
+    assert everything["blocks"] >= 8 and sum(f["blocks"] for f in everything["fingerprints"]) >= 8
+
+
+def test_lease_lifetimes_are_capped_and_checked(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(2, salt="ttl")
+    with connect(served.tcp, token="tok-a") as a:
+        a.put(fp, keys, blocks_for(keys))
+        with pytest.raises(InvalidArgument, match="lease lifetime"):
+            a.lookup_tiers(fp, keys, pin_ttl_s=float("inf"))
+        assert a.lookup_tiers(fp, keys, pin_ttl_s=-1.0).lease_id == 0  # <= 0: look, do not pin
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=1e9).lease_id  # accepted, capped by the server
+    expires = served.server.store.leases._held[lease][0]
+    assert expires - served.server.store.leases._clock() <= served.server.store.config.max_lease_ttl_s
+
+
+def test_a_huge_announced_block_is_refused_before_anything_is_evicted(served: Served) -> None:
+    fp = MODEL.fingerprint()
+    keys = chain(8, salt="victim")
+    with connect(served.tcp, token="tok-b") as b, connect(served.tcp, token="tok-a") as a:
+        stored = blocks_for(keys)
+        b.put(fp, keys, stored)
+        before = served.server.store.stats().counters.get("evictions", 0)
+        for size in (1 << 62, (64 << 20) + 1):
+            with pytest.raises(InvalidArgument, match="max_block_bytes"):
+                _announce(served, size)
+        assert b.get(fp, keys) == stored
+        assert served.server.store.stats().counters.get("evictions", 0) == before
+        assert a.lookup(fp, chain(1, salt="huge")) == 0
+
+
+def _announce(served: Served, size: int) -> None:
+    """A data-port put header announcing ``size`` bytes, and no payload."""
+    import socket
+    import struct
+
+    from kvstore.dataport import MAGIC, OP_PUT, read_status
+    from kvstore.errors import error_for_status
+
+    host = served.tcp.rpartition(":")[0]
+    data_port = served.server.data_port
+    assert data_port is not None
+    with socket.create_connection((host, data_port.port), timeout=10) as sock:
+        token = b"tok-a"
+        sock.sendall(MAGIC + struct.pack("<H", len(token)) + token + struct.pack("<H", 0))
+        assert read_status(sock)[0] == "OK"
+        key = chain(1, salt="huge")[0]
+        sock.sendall(
+            struct.pack("<B", OP_PUT)
+            + MODEL.fingerprint()
+            + struct.pack("<B32s", 0, b"\0" * 32)
+            + struct.pack("<I", 1)
+            + key
+            + struct.pack("<Q", size)
+        )
+        code, message = read_status(sock)
+        raise error_for_status(code, message)

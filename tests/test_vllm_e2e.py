@@ -2,16 +2,20 @@
 
 The second engine restores the shared prefix the first one computed and produces logprobs
 identical to the cold run; other weights or another cache salt find nothing; with the sidecar
-gone the engine recomputes, with correct output and no crash. Each engine is a separate
-process (``benchmarks/vllm_engine.py``) with vLLM's own prefix cache off, so every cached
-token it reports came through the connector.
+gone the engine recomputes, with correct output and no crash; with the sidecar hung (a
+``kvstore serve`` process under SIGSTOP) a request costs at most a deadline more and the next
+ones nothing (the circuit breaker), and restores return once it runs again. Each engine is a
+separate process (``benchmarks/vllm_engine.py``) with vLLM's own prefix cache off, so every
+cached token it reports came through the connector — except in the one test that turns it on
+to show that what vLLM holds itself is neither looked up nor counted as restored.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,9 @@ from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from kvstore.client import connect
 from kvstore.config import load_settings
+from kvstore.datadir import remove_shm_files
 from kvstore.server import RunningServer, start_server
+from tests.sidecar_process import freeze, start_serve, stop_serve, thaw
 
 PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks of 32
 
@@ -50,7 +56,13 @@ def sidecar() -> Iterator[RunningServer]:
     server = start_server(load_settings(env={}, overrides=sidecar_settings(data_dir, "256MiB")))
     yield server
     server.stop()
+    remove_shm_files(data_dir)
     shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def growth(before: dict[str, float], after: dict[str, float]) -> Callable[[str], float]:
+    """How much one series grew between two ``Engine.metrics()`` snapshots."""
+    return lambda name: after.get(name, 0.0) - before.get(name, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +82,20 @@ def test_second_engine_restores_the_prefix_with_identical_logprobs(engines: tupl
     assert warm["cached"] == 31 * 32  # every full block but none of the last partial one
     assert warm["tokens"] == cold["tokens"]
     assert warm["logprobs"] == cold["logprobs"]
+
+
+def test_the_engine_log_names_its_whole_fingerprint_and_stats_names_the_model(
+    engines: tuple[Engine, Engine], sidecar: RunningServer, models: tuple[Path, Path]
+) -> None:
+    first, _ = engines
+    first.generate(PROMPT)  # at least one stored block: the model shows in stats
+    with connect(sidecar.unix_address) as kv:
+        listed = {f["fingerprint"]: f["model_id"] for f in kv.stats()["fingerprints"]}
+    log_text = Path(first.log.name).read_text(errors="replace")
+    mine = [fp for fp in listed if fp in log_text]
+    assert mine, "the engine's log must carry its full 64-digit fingerprint"
+    assert listed[mine[0]] == str(models[0])
+    assert "computed from" in log_text and '"weights_digest"' in log_text
 
 
 def test_decisions_are_counted_with_predicted_and_measured_times(
@@ -203,7 +229,45 @@ def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], 
     finally:
         engine.close()
         server.stop()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        remove_shm_files(data_dir)
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_what_vllm_holds_itself_is_neither_looked_up_nor_restored(
+    models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
+) -> None:
+    from benchmarks.calibrate import block_bytes_of
+
+    local = Engine(models[0], sidecar.unix_address, prefix_caching=True)
+    try:
+        prompt = [(i * 19) % 500 + 3 for i in range(700)]  # 21 full blocks, all of them usable
+        cold = local.generate(prompt)
+        before = local.metrics()
+        again = local.generate(prompt)  # vLLM holds all 21 blocks: nothing to ask kvstore
+        grew = growth(before, local.metrics())
+        assert again["cached"] == 21 * 32 and again["logprobs"] == cold["logprobs"]
+        assert grew("kvstore_connector_local_tokens_total") == 21 * 32
+        assert grew("kvstore_connector_decisions_total{decision=recompute}") == 1  # of nothing
+        assert grew("kvstore_connector_decisions_total{decision=restore}") == 0
+        assert grew("kvstore_connector_decisions_total{decision=partial}") == 0
+        assert grew("kvstore_connector_hit_tokens_total") == 0
+        assert grew("kvstore_connector_restored_tokens_total") == 0
+        # vLLM holds the first 10 blocks, kvstore all 21: only the 11 after vLLM's are restored.
+        head = [(i * 23) % 500 + 3 for i in range(700)]
+        local.generate(head[:330], max_tokens=1)
+        engines[0].generate(head, max_tokens=1)  # another engine stores the rest
+        before = local.metrics()
+        warm = local.generate(head, policy="restore")
+        grew = growth(before, local.metrics())
+        assert warm["cached"] == 21 * 32
+        assert grew("kvstore_connector_local_tokens_total") == 10 * 32
+        assert grew("kvstore_connector_hit_tokens_total") == 11 * 32
+        assert grew("kvstore_connector_restored_tokens_total") == 11 * 32
+        assert grew("kvstore_connector_decisions_total{decision=restore}") == 1
+        assert grew("kvstore_connector_restored_bytes_total{tier=dram}") == 11 * block_bytes_of(models[0], 32)
+        assert grew("kvstore_connector_load_failed_blocks_total") == 0
+    finally:
+        local.close()
 
 
 def test_sidecar_gone_means_recompute_not_failure(
@@ -217,6 +281,63 @@ def test_sidecar_gone_means_recompute_not_failure(
     assert after["cached"] == 0
     assert after["tokens"] == cold["tokens"]
     assert after["logprobs"] == cold["logprobs"]
+
+
+def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> None:
+    """A sidecar that stops answering (SIGSTOP) costs the first request at most its deadlines
+    (lookup, then save), the next ones nothing while the breakers are open; the output is the
+    recomputed one. Once it runs again, restores come back after the breakers' backoff."""
+    data_dir = tempfile.mkdtemp(prefix="kvh-", dir="/tmp")
+    proc = start_serve(data_dir, {"dram.capacity_bytes": "128MiB", "nvme.capacity_bytes": "1GiB"})
+    engine: Engine | None = None
+    try:
+        engine = Engine(models[0], f"unix://{data_dir}/kvstore.sock")
+        warm_up = [(i * 3) % 500 + 3 for i in range(200)]
+        engine.generate(warm_up, max_tokens=1)
+        engine.generate(warm_up, max_tokens=1)  # both sides connected, the prefill curve learned
+        prompt = [(i * 29) % 500 + 3 for i in range(1000)]
+        before = engine.metrics()
+        live = engine.generate(prompt)  # a miss against a live sidecar: lookup, prefill, save
+        assert live["cached"] == 0
+        assert growth(before, engine.metrics())("kvstore_connector_saved_blocks_total") == 31
+        assert engine.generate(prompt)["cached"] == 31 * 32  # stored: a live sidecar restores it
+
+        before = engine.metrics()
+        freeze(proc)
+        try:
+            stuck = [engine.generate(prompt) for _ in range(3)]
+        finally:
+            thaw(proc)
+        thawed = time.monotonic()
+        during = growth(before, engine.metrics())
+        while True:  # the first calls may still find a breaker open, then one probes: back
+            before = engine.metrics()
+            again = engine.generate(prompt)
+            if growth(before, engine.metrics())("kvstore_connector_restore_seconds_count{tier=dram}"):
+                break
+            assert time.monotonic() - thawed < 40, "restores did not come back after the sidecar did"
+            time.sleep(0.5)
+        print(
+            f"\nhung sidecar: live request {live['seconds']:.2f} s; stopped: "
+            + ", ".join(f"{r['seconds']:.2f} s" for r in stuck)
+            + f"; restores back {time.monotonic() - thawed:.1f} s after SIGCONT"
+        )
+        for r in stuck:
+            assert r["cached"] == 0 and r["tokens"] == live["tokens"] and r["logprobs"] == live["logprobs"]
+        assert stuck[0]["seconds"] < live["seconds"] + 3.0  # one lookup and one save deadline
+        assert all(r["seconds"] < live["seconds"] + 1.0 for r in stuck[1:])  # breakers open
+        # Every lookup and every save of the three failed or was refused, and was counted.
+        assert during("kvstore_connector_sidecar_unreachable_total{call=lookup}") >= 3
+        assert during("kvstore_connector_sidecar_unreachable_total{call=save}") == 3
+        assert during("kvstore_connector_failed_save_blocks_total") == 3 * 31
+        assert during("kvstore_connector_saved_blocks_total") == 0
+        assert again["cached"] == 31 * 32 and again["logprobs"] == live["logprobs"]
+    finally:
+        if engine is not None:
+            engine.close()
+        stop_serve(proc)
+        remove_shm_files(data_dir)
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def test_calibrate_writes_a_file_the_connector_loads(models: tuple[Path, Path], tmp_path: Path) -> None:

@@ -7,24 +7,32 @@ every later copy lands in warm memory. Another process on the same host maps it 
 arena is registered as pinned memory so host-to-device copies from it run at DMA speed.
 
 Lifetime: the tier that created the arena unlinks it on close(); an attached process keeps its
-mapping until it closes its ``Arena``. Buffers returned by ``Arena.view`` are valid until that
+mapping until it closes its ``Arena``. A process killed before close() leaves the file behind:
+whoever names arenas (the service names them per data folder) reclaims it. Before creating
+the file, ``create`` checks that ``/dev/shm`` has room (``ArenaNoRoom`` otherwise) and reserves
+the pages with ``posix_fallocate``, so a full ``/dev/shm`` is an error at start, never a SIGBUS
+while faulting in or later mid-copy. Buffers returned by ``Arena.view`` are valid until that
 ``Arena`` is closed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
 import secrets
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from tiers import cuda
-from tiers.base import BytesLike
-from tiers.errors import TierUnavailable
+from tiers.base import BytesLike, TierKey
+from tiers.errors import ArenaNoRoom, TierUnavailable
+from tiers.journal import Journal, JournalRecord, records_in, replay
 from tiers.slab import SlabTier, Slot
 
 log = logging.getLogger(__name__)
@@ -40,6 +48,7 @@ class DramConfig:
     arena_name: str | None = None  # default: a fresh unique name per process
     prefault: bool = True
     pin_with_cuda: bool = True
+    journal: bool = False  # keep <arena>.journal so a dead server's blocks can be salvaged
 
 
 class Arena:
@@ -62,13 +71,24 @@ class Arena:
     @classmethod
     def create(cls, name: str, size_bytes: int, prefault: bool = True) -> Arena:
         path = cls.path_of(name)
+        try:
+            free_bytes = shutil.disk_usage(SHM_DIR).free
+        except OSError as exc:
+            raise TierUnavailable(f"{SHM_DIR} is not usable for the arena: {exc}") from exc
+        if free_bytes < size_bytes:
+            raise ArenaNoRoom(SHM_DIR, size_bytes, free_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size_bytes)
+            if prefault:
+                # tmpfs backs the pages now: no room is ENOSPC here instead of a SIGBUS later.
+                os.posix_fallocate(fd, 0, size_bytes)
             mapping = mmap.mmap(fd, size_bytes)
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
+            if exc.errno == errno.ENOSPC:
+                raise ArenaNoRoom(SHM_DIR, size_bytes, shutil.disk_usage(SHM_DIR).free) from exc
             raise TierUnavailable(f"cannot create a {size_bytes} B arena at {path}: {exc}") from exc
         os.close(fd)
         arena = cls(name, size_bytes, mapping, owner=True)
@@ -116,6 +136,7 @@ class DramTier(SlabTier):
             address = cuda.buffer_address(self.arena._mmap)
             if cuda.pin_host_memory(address, self.arena.size_bytes):
                 self._pinned_address = address
+        self._journal = Journal(Arena.path_of(arena_name) + JOURNAL_SUFFIX) if config.journal else None
         log.info(
             "dram arena %s: %d B, %s",
             arena_name,
@@ -137,7 +158,58 @@ class DramTier(SlabTier):
     def _read(self, slot: Slot, out: memoryview) -> None:
         out[: slot.size_bytes] = self.arena.view[slot.offset : slot.offset + slot.size_bytes]
 
+    def _committed(self, key: TierKey, slot: Slot, fingerprint: bytes, meta: bytes) -> None:
+        if self._journal is None:
+            return
+        self._journal.commit(JournalRecord(slot.offset, slot.size_bytes, bytes(key), fingerprint, meta))
+        if self._journal.needs_compaction:
+            live = [JournalRecord(slot.offset, slot.size_bytes, bytes(key), fingerprint, meta)]
+            live += [
+                JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
+                for k, e in self._entries.items()
+            ]
+            self._journal.rewrite(live)
+
+    def _freeing(self, slot: Slot) -> None:
+        if self._journal is not None:
+            self._journal.free(slot.offset)
+
     def _release_region(self) -> None:
         if self._pinned_address is not None:
             cuda.unpin_host_memory(self._pinned_address)
+        if self._journal is not None:
+            self._journal.close(remove=True)
         self.arena.close()
+
+
+JOURNAL_SUFFIX = ".journal"
+
+
+@contextlib.contextmanager
+def salvage(name: str) -> Iterator[list[tuple[JournalRecord, memoryview]]]:
+    """The committed blocks of a dead server's arena ``name``: each journal record with a view
+    of its bytes, valid inside the ``with``. Nothing when the arena or its journal is gone."""
+    path = Arena.path_of(name)
+    live = replay(path + JOURNAL_SUFFIX)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield []
+        return
+    try:
+        size_bytes = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size_bytes, prot=mmap.PROT_READ) if size_bytes else None
+    finally:
+        os.close(fd)
+    if mapping is None:
+        yield []
+        return
+    view = memoryview(mapping)
+    items = [(r, view[r.offset : r.offset + r.size_bytes]) for r in records_in(live, size_bytes)]
+    try:
+        yield items
+    finally:
+        for _, item in items:
+            item.release()
+        view.release()
+        mapping.close()

@@ -6,6 +6,7 @@
     ├── BlockTooLarge     the block can never fit this tier (larger than a slot page or the tier)
     ├── TierClosed        the tier was used after close()
     ├── TierUnavailable   the medium cannot be used here (no CUDA for `hbm`)
+    │   └── ArenaNoRoom   the shared-memory folder has less room than the arena needs
     └── TierCorrupt       the medium itself is unreadable (not one bad block: that is a miss)
 
 A checksum mismatch on one block is not an error: the tier deletes the block, counts it and
@@ -37,5 +38,21 @@ class TierUnavailable(TierError):
     """The tier's medium is not present on this machine."""
 
 
+class ArenaNoRoom(TierUnavailable):
+    """The shared-memory folder cannot hold an arena of ``needed_bytes``."""
+
+    def __init__(self, folder: str, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(
+            f"the dram arena needs {_mib(needed_bytes)} in {folder}, which has {_mib(free_bytes)} free"
+        )
+        self.folder = folder
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
 class TierCorrupt(TierError):
     """The tier's medium could not be opened or read as a whole."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"

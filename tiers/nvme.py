@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -224,7 +225,9 @@ class NvmeTier(Tier):
     def __init__(self, config: NvmeConfig) -> None:
         self._config = config
         self._folder = Path(config.path)
-        self._folder.mkdir(parents=True, exist_ok=True)
+        # Block bytes are other people's prompts: only this user may read them (0700 / 0600).
+        self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self._folder, 0o700)
         self._owner = nvme_folder.lock_folder(self._folder)
         opened = False
         try:
@@ -309,6 +312,7 @@ class NvmeTier(Tier):
             metasync=durable,
             max_readers=512,
             max_spare_txns=16,
+            mode=0o600,
         )
         try:
             headers = env.open_db(b"headers")

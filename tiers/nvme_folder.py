@@ -38,7 +38,8 @@ BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 def lock_folder(folder: Path) -> IO[bytes]:
     """Hold an exclusive flock on the folder's lock file for the tier's lifetime."""
-    handle = open(folder / LOCK_FILE, "a+b")  # noqa: SIM115 - held open until close()
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    handle = os.fdopen(fd, "a+b")  # held open until close()
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
@@ -73,7 +74,7 @@ def read_marker(folder: Path) -> dict[str, object] | None:
 def write_marker(folder: Path, *, dirty: bool) -> None:
     """Replace the marker durably: write, fsync, rename, fsync the folder."""
     tmp = folder / (MARKER_FILE + ".tmp")
-    with open(tmp, "w") as handle:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
         json.dump({"boot_id": boot_id(), "dirty": dirty, "pid": os.getpid()}, handle)
         handle.flush()
         os.fsync(handle.fileno())

@@ -176,6 +176,15 @@ class SlabTier(Tier):
     def _release_region(self) -> None:
         """Free the region itself; called once by close()."""
 
+    # Subclasses may record what the region holds (the dram arena's journal). Called with the
+    # lock held: ``_committed`` before the block is visible, ``_freeing`` before its slot can be
+    # handed out again.
+    def _committed(self, key: TierKey, slot: Slot, fingerprint: bytes, meta: bytes) -> None:
+        return
+
+    def _freeing(self, slot: Slot) -> None:
+        return
+
     def _check_open(self) -> None:
         if self._closed:
             raise TierClosed(f"{self.name} tier is closed")
@@ -218,6 +227,7 @@ class SlabTier(Tier):
             old = self._entries.pop(key, None)
             if old is not None:
                 self._forget(old)
+            self._committed(key, entry.slot, entry.fingerprint, entry.meta)
             self._entries[key] = entry
             self._used_bytes += entry.slot.size_bytes
 
@@ -268,6 +278,7 @@ class SlabTier(Tier):
 
     def _forget(self, entry: _Entry) -> None:
         self._used_bytes -= entry.slot.size_bytes
+        self._freeing(entry.slot)
         self._alloc.free(entry.slot)
 
     def scan(self) -> Iterator[StoredBlock]:

@@ -1,0 +1,7 @@
+"""``python -m kvstore``: the same dispatcher as the ``kvstore`` console script."""
+
+import sys
+
+from kvstore.cli import main
+
+sys.exit(main())

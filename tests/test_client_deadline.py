@@ -1,0 +1,90 @@
+"""Per-call deadlines in the client, against a hung server (a ``kvstore serve`` process stopped
+with SIGSTOP): every call, over gRPC or the data port, ends at its deadline with
+DeadlineExceeded, and the client works again once the server does."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import Client, connect
+from kvstore.datadir import remove_shm_files
+from kvstore.dataport import DataPortClient
+from kvstore.errors import DeadlineExceeded
+from kvstore.keys import block_keys
+from tests.service_fixtures import MODEL
+from tests.sidecar_process import freeze, start_serve, stop_serve, thaw
+
+SLACK_S = 0.5  # a loaded 2-core host wakes a timed-out thread this late at worst
+
+
+@pytest.fixture
+def serving() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    data_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    proc = start_serve(
+        data_dir, {"dram.capacity_bytes": "8MiB", "dram.page_bytes": "1MiB", "nvme.capacity_bytes": "64MiB"}
+    )
+    try:
+        yield f"unix://{data_dir}/kvstore.sock", proc
+    finally:
+        stop_serve(proc)
+        remove_shm_files(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _times_out(kv: Client, timeout_s: float, call: Callable[[], object]) -> float:
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded), kv.deadline(timeout_s):
+        call()
+    return time.monotonic() - start
+
+
+def test_every_call_ends_at_its_deadline_on_a_hung_server(
+    serving: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    address, proc = serving
+    keys = block_keys(MODEL.fingerprint(), list(range(16 * 4)), 16)
+    with connect(address) as kv, connect(address) as fresh:
+        fp = kv.register(MODEL)
+        kv.write(fp, keys, [os.urandom(MODEL.block_bytes) for _ in keys])
+        assert kv.lookup(fp, keys) == 4  # its data connection is open now
+        freeze(proc)
+        try:
+            # The data port (lookups go over it), gRPC, and a first data call's implicit
+            # ServerInfo and Attach: each ends at the deadline, not at the client's 30 s.
+            calls: dict[str, tuple[Client, Callable[[], object]]] = {
+                "lookup": (kv, lambda: kv.lookup(fp, keys)),
+                "stats": (kv, kv.stats),
+                "first lookup": (fresh, lambda: fresh.lookup(fp, keys)),
+                "first resolve": (fresh, lambda: fresh.resolve(fp, keys)),
+            }
+            for name, (client, call) in calls.items():
+                assert 0.3 <= _times_out(client, 0.3, call) < 0.3 + SLACK_S, name
+            with kv.deadline(10.0):  # nested: the inner, earlier end wins
+                assert _times_out(kv, 0.2, lambda: kv.lookup(fp, keys)) < 0.2 + SLACK_S
+        finally:
+            thaw(proc)
+        # The timed-out data connection was dropped (its stream is mid-message); a new one works.
+        with kv.deadline(5.0):
+            assert kv.lookup(fp, keys) == 4
+        assert fresh.lookup(fp, keys) == 4 and len(fresh.resolve(fp, keys).views) == 4
+
+
+def test_the_data_port_connect_has_its_own_timeout(tmp_path: Path) -> None:
+    # A listener that never answers the hello, like a stopped server's socket.
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(4)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            DataPortClient("", 0, None, unix_path=path, connect_timeout_s=0.2)
+        assert 0.2 <= time.monotonic() - start < 0.2 + SLACK_S

@@ -1,0 +1,150 @@
+"""The arena journal: which slots of a shared-memory arena hold committed blocks.
+
+An arena lives in ``/dev/shm``, so it outlives a server killed with SIGKILL. The journal, a file
+beside it (``<arena>.journal``, mode 0600), makes its contents usable afterwards: the tier
+appends a ``commit`` record (slot, key, fingerprint, meta) after a block's bytes are in its slot
+and before the block is visible, and a ``free`` record before a slot can be handed out again.
+Replaying the journal of a dead server's arena (``salvage``) therefore names exactly the slots
+that held acknowledged blocks at the moment of the crash, each with the bytes it was committed
+with: a slot reserved but never committed has no record, a freed one has its ``free``. A record
+torn by the crash fails its CRC and ends the replay there (it was never acknowledged).
+
+Record: u32 length of the rest, u8 kind (1 commit, 2 free), u64 offset, u64 size, u16 key length
++ key, fingerprint[32], u16 meta length + meta, u32 CRC32 of everything before it.
+
+The file grows by one record per commit and per free; when it passes ``compact_bytes`` the tier
+rewrites it from its live index (``rewrite``: a new file renamed over the old, atomic).
+
+Thread rules: not thread-safe; the tier calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+COMMIT, FREE = 1, 2
+_HEAD = struct.Struct("<IBQQ")  # length, kind, offset, size
+_CRC = struct.Struct("<I")
+DEFAULT_COMPACT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    offset: int
+    size_bytes: int
+    key: bytes
+    fingerprint: bytes
+    meta: bytes
+
+
+def _encode(kind: int, offset: int, size: int, key: bytes, fingerprint: bytes, meta: bytes) -> bytes:
+    body = (
+        struct.pack("<BQQ", kind, offset, size)
+        + struct.pack("<H", len(key))
+        + key
+        + fingerprint.ljust(32, b"\0")[:32]
+        + struct.pack("<H", len(meta))
+        + meta
+    )
+    record = struct.pack("<I", len(body) + _CRC.size) + body
+    return record + _CRC.pack(zlib.crc32(record))
+
+
+class Journal:
+    def __init__(self, path: str, compact_bytes: int = DEFAULT_COMPACT_BYTES) -> None:
+        self.path = path
+        self.compact_bytes = compact_bytes
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        self._size = 0
+
+    @property
+    def needs_compaction(self) -> bool:
+        return self._size > self.compact_bytes
+
+    def commit(self, record: JournalRecord) -> None:
+        self._append(
+            _encode(COMMIT, record.offset, record.size_bytes, record.key, record.fingerprint, record.meta)
+        )
+
+    def free(self, offset: int) -> None:
+        self._append(_encode(FREE, offset, 0, b"", b"", b""))
+
+    def _append(self, data: bytes) -> None:
+        os.write(self._fd, data)  # tmpfs: a memory copy; O_APPEND keeps records whole and ordered
+        self._size += len(data)
+
+    def rewrite(self, live: Iterable[JournalRecord]) -> None:
+        """Replace the file by one commit record per live block (atomic rename)."""
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        size = 0
+        try:
+            chunk = bytearray()
+            for r in live:
+                chunk += _encode(COMMIT, r.offset, r.size_bytes, r.key, r.fingerprint, r.meta)
+                if len(chunk) > 1 << 20:
+                    os.write(fd, chunk)
+                    size += len(chunk)
+                    chunk.clear()
+            os.write(fd, chunk)
+            size += len(chunk)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._size = size
+
+    def close(self, remove: bool) -> None:
+        os.close(self._fd)
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def replay(path: str) -> dict[int, JournalRecord]:
+    """The live commit records of a journal, by slot offset; a torn tail is ignored."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return {}
+    live: dict[int, JournalRecord] = {}
+    pos = 0
+    while pos + 4 <= len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        end = pos + 4 + length
+        if length < _HEAD.size - 4 + _CRC.size or end > len(data):
+            break
+        record = data[pos : end - _CRC.size]
+        if zlib.crc32(record) != _CRC.unpack_from(data, end - _CRC.size)[0]:
+            break
+        _, kind, offset, size = _HEAD.unpack_from(record, 0)
+        if kind == FREE:
+            live.pop(offset, None)
+        elif kind == COMMIT:
+            at = _HEAD.size
+            (key_len,) = struct.unpack_from("<H", record, at)
+            key = record[at + 2 : at + 2 + key_len]
+            at += 2 + key_len
+            fingerprint = record[at : at + 32]
+            (meta_len,) = struct.unpack_from("<H", record, at + 32)
+            meta = record[at + 34 : at + 34 + meta_len]
+            live[offset] = JournalRecord(offset, size, bytes(key), bytes(fingerprint), bytes(meta))
+        else:
+            break
+        pos = end
+    return live
+
+
+def records_in(live: dict[int, JournalRecord], region_bytes: int) -> Iterator[JournalRecord]:
+    """The live records whose slot lies inside a region of ``region_bytes``, by offset."""
+    for offset in sorted(live):
+        record = live[offset]
+        if offset + record.size_bytes <= region_bytes:
+            yield record
