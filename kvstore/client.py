@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.dataport import DataPortClient
+from kvstore.dataport import IDLE_S, DataPortClient
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -270,6 +270,12 @@ class Client:
             return None
         conns: dict[str, DataPortClient] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(scope)
+        if conn is not None and time.monotonic() - conn.last_used > IDLE_S - 30.0:
+            # The server closes connections idle for IDLE_S: open a fresh one rather than
+            # find out mid-request.
+            conns.pop(scope, None)
+            conn.close()
+            conn = None
         if conn is None:
             deadline = self._data_deadline()
             connect_s = None if deadline is None else deadline - time.monotonic()
@@ -298,6 +304,7 @@ class Client:
         conn = self._data_connection(scope)
         assert conn is not None
         conn.deadline = self._data_deadline()
+        conn.last_used = time.monotonic()
         try:
             return call(conn)
         except (OSError, ConnectionError) as exc:

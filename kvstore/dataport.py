@@ -41,7 +41,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.auth import Authenticator, Caller
-from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, Unavailable
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvStoreError,
+    LeaseExpired,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store import Scope, TieredStore
 
@@ -54,7 +61,13 @@ TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1
 GET_BATCH_BLOCKS = 32
 LEASE_S = 60.0
-IO_TIMEOUT_S = 30.0  # below the lease: a stalled reader is cut off before its pins expire
+IO_TIMEOUT_S = 30.0  # the client's per-operation default
+REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside LEASE_S
+LEASE_MARGIN_S = 5.0  # no slot is touched this close to its lease's end
+HELLO_S = 5.0  # magic, token and scope must arrive within this
+IDLE_S = 600.0  # a connection idle between requests longer than this is closed
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_TENANT = 256
 MAX_BLOCKS_PER_REQUEST = 65536
 _STATUS_CODES = {
     "OK": 0,
@@ -68,6 +81,7 @@ _STATUS_CODES = {
     "UNKNOWN": 2,
 }
 STATUS_NAMES = {v: k for k, v in _STATUS_CODES.items()}
+STATUS_CODES_BY_NAME = _STATUS_CODES
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -122,6 +136,23 @@ def time_left_s(deadline: float) -> float:
 class _Session:
     caller: Caller
     namespace: str
+    deadline: float = 0.0  # time.monotonic() by which the current request must be done
+
+    def begin(self) -> None:
+        """A request starts: it gets REQUEST_S, all of it, however its bytes trickle in."""
+        self.deadline = time.monotonic() + REQUEST_S
+
+
+def _send(conn: socket.socket, deadline: float, data: bytes) -> None:
+    conn.settimeout(time_left_s(deadline))
+    conn.sendall(data)
+
+
+def _live(expires_at_s: float, what: str) -> None:
+    """Refuse to touch a slot whose lease or reservation may be ending: it could be someone
+    else's the moment after (REQUEST_S < LEASE_S makes this a second line of defence)."""
+    if time.monotonic() >= expires_at_s - LEASE_MARGIN_S:
+        raise LeaseExpired(f"the {what} ran out mid-transfer; nothing more is read or written")
 
 
 class DataPort:
@@ -159,6 +190,8 @@ class DataPort:
             self.port = self._listener.getsockname()[1]
         self._threads: set[threading.Thread] = set()
         self._idle: set[socket.socket] = set()  # connections waiting for their next request
+        self._conns: set[socket.socket] = set()  # every open connection (cut at the drain's end)
+        self._per_tenant: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-dataport", daemon=True)
@@ -169,13 +202,33 @@ class DataPort:
             try:
                 conn, peer = self._listener.accept()
             except OSError:
-                return  # listener closed
+                if self._closing.is_set():
+                    return  # listener closed
+                time.sleep(0.05)  # out of descriptors, say: keep the port, try again
+                continue
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                _refuse(conn, f"the data port has {MAX_CONNECTIONS} connections already; retry later")
+                continue
             thread = threading.Thread(target=self._serve_connection, args=(conn, peer), daemon=True)
             with self._lock:
                 self._threads.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: refuse this one, keep accepting
+                log.warning("data port cannot start a connection thread: %s", exc)
+                with self._lock:
+                    self._threads.discard(thread)
+                    self._conns.discard(conn)
+                _refuse(conn, "the server is out of threads; retry later")
 
     def close(self, grace_s: float = 10.0) -> None:
+        """Stop accepting; in-flight requests get ``grace_s`` in all (one deadline shared by
+        every connection, not each in turn); then every connection is cut."""
+        deadline = time.monotonic() + grace_s
         self._closing.set()
         self._listener.close()
         if self.unix_path is not None:
@@ -187,28 +240,37 @@ class DataPort:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         for thread in threads:
-            thread.join(grace_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            late = list(self._conns)
+        for conn in late:  # past the grace: cut, so the drain can spill and exit
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(1.0)
 
     # ----------------------------------------------------------------- one connection
 
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
-        conn.settimeout(IO_TIMEOUT_S)
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session: _Session | None = None
         try:
-            session = self._hello(conn, peer)
+            session = self._hello(conn, peer, time.monotonic() + HELLO_S)
+            self._admit(session)
             while not self._closing.is_set():
                 op = self._next_op(conn)
                 if not op:
                     return
+                session.begin()
                 if op[0] == OP_LOOKUP:
                     self._lookup(conn, session)
                 elif op[0] == OP_RESOLVE:
                     self._resolve(conn, session)
                 elif op[0] == OP_RELEASE:
-                    (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8))
+                    (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
                     self.store.release(lease_id, owner=session.caller.tenant)
-                    send_status(conn, "OK")
+                    self._status(conn, session, "OK")
                 elif op[0] == OP_GET:
                     self._get(conn, session)
                 elif op[0] == OP_PUT:
@@ -217,59 +279,81 @@ class DataPort:
                     raise InvalidArgument(f"unknown data port operation {op[0]}")
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
+                conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
                 send_status(conn, exc.status_code_name, str(exc))
         except (OSError, ConnectionError, struct.error) as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         except Exception:  # a bug must not kill the port silently: log it, tell the client
             log.exception("data port request from %s failed", peer)
             with contextlib.suppress(OSError):
+                conn.settimeout(1.0)
                 send_status(conn, "UNKNOWN", "internal error in the data port; see the server log")
         finally:
             conn.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
+                self._conns.discard(conn)
+                if session is not None and session.caller.tenant in self._per_tenant:
+                    self._per_tenant[session.caller.tenant] -= 1
+
+    def _admit(self, session: _Session) -> None:
+        """At most MAX_CONNECTIONS_PER_TENANT connections per tenant: one tenant cannot take
+        every place (RESOURCE_EXHAUSTED otherwise; the connection then closes)."""
+        tenant = session.caller.tenant
+        with self._lock:
+            if self._per_tenant.get(tenant, 0) >= MAX_CONNECTIONS_PER_TENANT:
+                raise ResourceExhausted(
+                    f"tenant {tenant} has {MAX_CONNECTIONS_PER_TENANT} data connections already"
+                )
+            self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+
+    def _status(self, conn: socket.socket, session: _Session, code: str, message: str = "") -> None:
+        body = message.encode()
+        _send(conn, session.deadline, struct.pack("<BI", STATUS_CODES_BY_NAME.get(code, 2), len(body)) + body)
 
     def _next_op(self, conn: socket.socket) -> bytes:
-        """Wait, without a deadline, for the next request; a client may idle between requests
-        for as long as it likes. Within a request every read and write has IO_TIMEOUT_S."""
+        """Wait up to IDLE_S for the next request (a connection idle longer is closed; the client
+        reconnects). Within a request, the request's deadline bounds every read and write."""
         with self._lock:
             if self._closing.is_set():
                 return b""
             self._idle.add(conn)
-        conn.settimeout(None)
+        conn.settimeout(IDLE_S)
         try:
             return conn.recv(1)
+        except TimeoutError:
+            return b""
         finally:
             with self._lock:
                 self._idle.discard(conn)
-            conn.settimeout(IO_TIMEOUT_S)
 
-    def _hello(self, conn: socket.socket, peer: Any) -> _Session:
-        if recv_exact(conn, 4) != MAGIC:
+    def _hello(self, conn: socket.socket, peer: Any, deadline: float) -> _Session:
+        """Magic, token and scope, all within HELLO_S: a slowloris is cut there."""
+        if recv_exact(conn, 4, deadline) != MAGIC:
             raise InvalidArgument("not a kvstore data port client (bad magic)")
-        (token_len,) = struct.unpack("<H", recv_exact(conn, 2))
-        token = recv_exact(conn, token_len).decode(errors="replace")
-        (scope_len,) = struct.unpack("<H", recv_exact(conn, 2))
-        scope = recv_exact(conn, scope_len).decode(errors="replace")
+        (token_len,) = struct.unpack("<H", recv_exact(conn, 2, deadline))
+        token = recv_exact(conn, token_len, deadline).decode(errors="replace")
+        (scope_len,) = struct.unpack("<H", recv_exact(conn, 2, deadline))
+        scope = recv_exact(conn, scope_len, deadline).decode(errors="replace")
         metadata = [("authorization", f"Bearer {token}")] if token else []
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
-        session = _Session(caller, self.auth.namespace(caller, scope))
-        send_status(conn, "OK")
+        session = _Session(caller, self.auth.namespace(caller, scope), deadline)
+        self._status(conn, session, "OK")
         return session
 
-    def _keys(self, conn: socket.socket) -> tuple[Fingerprint, list[BlockKey]]:
-        fingerprint = Fingerprint(recv_exact(conn, 32))
-        (n,) = struct.unpack("<I", recv_exact(conn, 4))
+    def _keys(self, conn: socket.socket, session: _Session) -> tuple[Fingerprint, list[BlockKey]]:
+        fingerprint = Fingerprint(recv_exact(conn, 32, session.deadline))
+        (n,) = struct.unpack("<I", recv_exact(conn, 4, session.deadline))
         if n > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        raw = recv_exact(conn, 32 * n)
+        raw = recv_exact(conn, 32 * n, session.deadline)
         return fingerprint, [BlockKey(raw[i * 32 : (i + 1) * 32]) for i in range(n)]
 
     def _resolve(self, conn: socket.socket, session: _Session) -> None:
         """Same-host restore: arena slots of the present prefix, pinned under a lease."""
-        fingerprint, keys = self._keys(conn)
-        (ttl_s,) = struct.unpack("<d", recv_exact(conn, 8))
+        fingerprint, keys = self._keys(conn, session)
+        (ttl_s,) = struct.unpack("<d", recv_exact(conn, 8, session.deadline))
         if conn.family != socket.AF_UNIX:
             raise FailedPrecondition(
                 "resolve hands out arena slots: same-host clients on the Unix socket only"
@@ -286,12 +370,12 @@ class DataPort:
             for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
         )
         body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
-        send_status(conn, "OK")
-        conn.sendall(b"".join(body))
+        self._status(conn, session, "OK")
+        _send(conn, session.deadline, b"".join(body))
 
     def _lookup(self, conn: socket.socket, session: _Session) -> None:
-        fingerprint, keys = self._keys(conn)
-        (pin_ttl_s,) = struct.unpack("<d", recv_exact(conn, 8))
+        fingerprint, keys = self._keys(conn, session)
+        (pin_ttl_s,) = struct.unpack("<d", recv_exact(conn, 8, session.deadline))
         scope = Scope(session.namespace, fingerprint)
         ttl = pin_ttl_s if pin_ttl_s > 0 else None
         result = self.store.lookup(scope, keys, pin_ttl_s=ttl, owner=session.caller.tenant)
@@ -299,39 +383,45 @@ class DataPort:
             self.on_lookup(session.caller, fingerprint, len(keys), result.tiers)
         tiers = bytes(TIER_CODES[t] for t in result.tiers)
         lease_id = result.lease.lease_id if result.lease else 0
-        send_status(conn, "OK")
-        conn.sendall(struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id))
+        self._status(conn, session, "OK")
+        _send(
+            conn, session.deadline, struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id)
+        )
 
     def _get(self, conn: socket.socket, session: _Session) -> None:
-        fingerprint, keys = self._keys(conn)
+        fingerprint, keys = self._keys(conn, session)
         scope = Scope(session.namespace, fingerprint)
         arena = self.store.arena
         if arena is None:
             raise Unavailable("this server has no dram arena to serve from")
         owner = session.caller.tenant
-        send_status(conn, "OK")  # from here on a failure can only close the connection
+        self._status(conn, session, "OK")  # from here on a failure can only close the connection
         for first in range(0, len(keys), GET_BATCH_BLOCKS):
             batch = keys[first : first + GET_BATCH_BLOCKS]
             resolved = self.store.resolve(scope, batch, LEASE_S, owner=owner)
             try:
                 for slot in resolved.slots:
+                    if resolved.lease is not None:
+                        _live(resolved.lease.expires_at_s, "lease")
                     payload = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
+                    conn.settimeout(time_left_s(session.deadline))
                     send_parts(conn, struct.pack("<Q", slot.size_bytes), payload)
             finally:
                 if resolved.lease is not None:
                     self.store.release(resolved.lease.lease_id, owner=owner)
             if len(resolved.slots) < len(batch):
                 break
-        conn.sendall(struct.pack("<Q", END))
-        send_status(conn, "OK")
+        _send(conn, session.deadline, struct.pack("<Q", END))
+        self._status(conn, session, "OK")
 
     def _put(self, conn: socket.socket, session: _Session) -> None:
-        fingerprint = Fingerprint(recv_exact(conn, 32))
-        has_parent, parent_raw = struct.unpack("<B32s", recv_exact(conn, 33))
-        (n,) = struct.unpack("<I", recv_exact(conn, 4))
+        deadline = session.deadline
+        fingerprint = Fingerprint(recv_exact(conn, 32, deadline))
+        has_parent, parent_raw = struct.unpack("<B32s", recv_exact(conn, 33, deadline))
+        (n,) = struct.unpack("<I", recv_exact(conn, 4, deadline))
         if n > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        headers = recv_exact(conn, 40 * n)
+        headers = recv_exact(conn, 40 * n, deadline)
         keys = [BlockKey(headers[i * 40 : i * 40 + 32]) for i in range(n)]
         sizes = [struct.unpack_from("<Q", headers, i * 40 + 32)[0] for i in range(n)]
         scope = Scope(session.namespace, fingerprint)
@@ -356,21 +446,31 @@ class DataPort:
             try:
                 for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
                     if slot is not None:
-                        recv_into_exact(conn, arena.arena.view[slot.offset : slot.offset + size])
+                        _live(reservation.expires_at_s, "reservation")
+                        recv_into_exact(conn, arena.arena.view[slot.offset : slot.offset + size], deadline)
                     else:
                         data = bytearray(size)
-                        recv_into_exact(conn, memoryview(data))
+                        recv_into_exact(conn, memoryview(data), deadline)
                         aside.append((keys[first + i], keys[first + i - 1] if first + i else parent, data))
+                _live(reservation.expires_at_s, "reservation")  # all bytes in before it ended
             except BaseException:
-                self.store.abort(reservation.reservation_id, owner=owner)
+                with contextlib.suppress(KvStoreError):  # expired meanwhile: nothing to give back
+                    self.store.abort(reservation.reservation_id, owner=owner)
                 raise
             stored += self.store.commit(reservation.reservation_id, owner=owner)
             for key, key_parent, data in aside:
                 stored += self.store.put(scope, [key], [data], parent=key_parent)
             parent = keys[last - 1]
             first = last
-        send_status(conn, "OK")
-        conn.sendall(struct.pack("<I", stored))
+        self._status(conn, session, "OK")
+        _send(conn, session.deadline, struct.pack("<I", stored))
+
+
+def _refuse(conn: socket.socket, message: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.settimeout(1.0)
+        send_status(conn, "RESOURCE_EXHAUSTED", message)
+    conn.close()
 
 
 class DataPortClient:
@@ -393,6 +493,7 @@ class DataPortClient:
     ) -> None:
         timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         self.deadline: float | None = time.monotonic() + timeout_s  # the hello's, until it is done
+        self.last_used = time.monotonic()  # the owner's note, against the server's IDLE_S
         self._default_timeout = False  # the socket's timeout is IO_TIMEOUT_S
         if unix_path:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
