@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -33,6 +34,7 @@ from kvstore.client import Client, connect
 from kvstore.datadir import remove_shm_files
 from kvstore.errors import Unavailable
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
+from kvstore.tls import ClientTls
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -170,26 +172,83 @@ def _blocks(count: int, seed: int) -> tuple[list[BlockKey], list[bytes]]:
     return keys, [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in keys]
 
 
+def _remote_rounds(
+    kv: Client, count: int, outs: list[memoryview]
+) -> tuple[Callable[[], float], Callable[[], float], list[bytes]]:
+    """Timers of one remote put round and one get round of ``count`` blocks through ``kv``."""
+    fp = MODEL.fingerprint()
+    kv.register(MODEL)
+    put_keys, put_blocks = _blocks(count, 7)
+
+    def put_round() -> float:
+        kv.invalidate(fp)
+        start = time.perf_counter()
+        if kv.put(fp, put_keys, put_blocks) != count:
+            raise RuntimeError("remote put stored fewer blocks than sent")
+        return time.perf_counter() - start
+
+    def get_round() -> float:
+        start = time.perf_counter()
+        if kv.get_into(fp, put_keys, outs) != count:
+            raise RuntimeError("remote get returned fewer blocks than stored")
+        return time.perf_counter() - start
+
+    return put_round, get_round, put_blocks
+
+
+def bench_tls(server: ServerProcess, count: int, rounds: int) -> list[Result]:
+    """Remote get and put over TLS (a second server with certificates) against the same over
+    plaintext, interleaved in the same run."""
+    from benchmarks.tls_certs import make_certs
+
+    certs = make_certs(Path(server.folder) / "certs")
+    settings = [f"server.tls_cert_file={certs.server_cert}", f"server.tls_key_file={certs.server_key}"]
+    secure_server = ServerProcess(server.arena_bytes, settings)
+    plain_outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
+    tls_outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
+    try:
+        with (
+            connect(server.tcp, token=TOKEN) as plain,
+            connect(secure_server.tcp, token=TOKEN, tls=ClientTls(ca_file=str(certs.ca))) as secure,
+        ):
+            plain_put, plain_get, _ = _remote_rounds(plain, count, plain_outs)
+            tls_put, tls_get, blocks = _remote_rounds(secure, count, tls_outs)
+            tls_put(), plain_put()  # warm up both
+            put_s, ref_put = interleaved(tls_put, plain_put, rounds)
+            get_s, ref_get = interleaved(tls_get, plain_get, rounds)
+            if bytes(tls_outs[-1]) != blocks[-1]:
+                raise RuntimeError("remote get over TLS returned wrong bytes")
+    finally:
+        secure_server.stop()
+    total = count * BLOCK
+    note = "raw data port over TLS 1.3 (Python ssl), token auth, loopback; same blocks over plaintext"
+    return [
+        Result(
+            "remote get 2 MiB over TLS",
+            total / get_s / 1e9,
+            "GB/s",
+            "plaintext",
+            total / ref_get / 1e9,
+            ">= 0.7",
+            note,
+        ),
+        Result(
+            "remote put 2 MiB over TLS",
+            total / put_s / 1e9,
+            "GB/s",
+            "plaintext",
+            total / ref_put / 1e9,
+            ">= 0.7",
+            note,
+        ),
+    ]
+
+
 def bench_remote(server: ServerProcess, count: int, rounds: int, data_plane: str) -> list[Result]:
     """Remote put and get through the client's data plane: "auto" (the raw data port) or "grpc"."""
-    fp = MODEL.fingerprint()
     outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
     with connect(server.tcp, token=TOKEN, data_plane=data_plane) as kv:
-        kv.register(MODEL)
-        put_keys, put_blocks = _blocks(count, 7)
-
-        def put_round() -> float:
-            kv.invalidate(fp)
-            start = time.perf_counter()
-            if kv.put(fp, put_keys, put_blocks) != count:
-                raise RuntimeError("remote put stored fewer blocks than sent")
-            return time.perf_counter() - start
-
-        def get_round() -> float:
-            start = time.perf_counter()
-            if kv.get_into(fp, put_keys, outs) != count:
-                raise RuntimeError("remote get returned fewer blocks than stored")
-            return time.perf_counter() - start
+        put_round, get_round, put_blocks = _remote_rounds(kv, count, outs)
 
         tcp_round, tcp_close = raw_tcp_round_timer(count, 2 * rounds + 1)
         try:
@@ -391,6 +450,8 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
         console.print("[dim]remote get/put against raw TCP …[/]")
         results += bench_remote(server, count, rounds, "auto")
         results += bench_remote(server, count, rounds, "grpc")
+        console.print("[dim]remote get/put over TLS against plaintext …[/]")
+        results += bench_tls(server, count, rounds)
         console.print("[dim]same-host restore against memcpy …[/]")
         results += bench_same_host(server, count, rounds)
         console.print("[dim]lookup latency, 4 clients …[/]")

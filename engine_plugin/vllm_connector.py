@@ -82,6 +82,7 @@ from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics, 
 from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
 from kvstore.keys import BlockKey, block_keys
+from kvstore.tls import ClientTls
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -198,6 +199,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._address:
             raise ValueError("kv_connector_extra_config needs 'address' (unix:///path or host:port)")
         self._token = extra.get("token")
+        # A TLS sidecar or shared store: "tls_ca_file" (its CA), and for mutual TLS
+        # "tls_cert_file" / "tls_key_file".
+        tls_ca, tls_cert = str(extra.get("tls_ca_file") or ""), str(extra.get("tls_cert_file") or "")
+        self._tls = (
+            ClientTls(tls_ca, tls_cert, str(extra.get("tls_key_file") or ""))
+            if (tls_ca or tls_cert) and not self._address.startswith("unix:")
+            else None
+        )
         self._block_size = vllm_config.cache_config.block_size
         world = vllm_config.parallel_config.tensor_parallel_size
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -216,7 +225,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._link = SidecarLink(
             self._address,
-            lambda: connect(self._address, token=self._token),
+            lambda: connect(self._address, token=self._token, tls=self._tls),
             self._identities if role == KVConnectorRole.SCHEDULER else [self.identity],
             lambda call: self._stats.add_unreachable(call),  # the stats object is replaced per report
         )

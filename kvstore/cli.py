@@ -63,9 +63,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import connect
+    from kvstore.tls import ClientTls
 
     args.tried_address = _address(args)
-    return connect(args.tried_address, token=args.token or os.environ.get("KVSTORE_TOKEN"), timeout_s=10.0)
+    ca = args.tls_ca or os.environ.get("KVSTORE_TLS_CA", "")
+    cert = args.tls_cert or os.environ.get("KVSTORE_TLS_CERT", "")
+    key = args.tls_key or os.environ.get("KVSTORE_TLS_KEY", "")
+    tls = ClientTls(ca, cert, key) if (ca or cert) and not args.tried_address.startswith("unix:") else None
+    token = args.token or os.environ.get("KVSTORE_TOKEN")
+    return connect(args.tried_address, token=token, timeout_s=10.0, tls=tls)
 
 
 def _address(args: argparse.Namespace) -> str:
@@ -277,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
         "socket under the data folder)",
     )
     remote.add_argument("--token", help="bearer token (default: $KVSTORE_TOKEN)")
+    remote.add_argument("--tls-ca", metavar="PEM", help="CA of a TLS server's certificate ($KVSTORE_TLS_CA)")
+    remote.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate for mutual TLS ($KVSTORE_TLS_CERT)"
+    )
+    remote.add_argument("--tls-key", metavar="PEM", help="its key ($KVSTORE_TLS_KEY)")
 
     serve = sub.add_parser("serve", parents=[common], help="run the service")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (server.tcp_address)")

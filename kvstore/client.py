@@ -39,11 +39,13 @@ from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     KvStoreError,
+    StoreFull,
     Unavailable,
     error_for_status,
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
+from kvstore.tls import ClientTls
 from proto import kvstore_pb2 as pb
 from tiers.dram import Arena
 
@@ -77,11 +79,20 @@ class PendingWrite:
 
 class Client:
     def __init__(
-        self, address: str, token: str | None = None, timeout_s: float = 30.0, data_plane: str = "auto"
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        data_plane: str = "auto",
+        tls: ClientTls | None = None,
     ) -> None:
         if data_plane not in ("auto", "grpc"):
             raise KvStoreError(f"data_plane is 'auto' or 'grpc', got {data_plane!r}")
+        if tls is not None and address.startswith("unix:"):
+            raise KvStoreError("TLS is for TCP addresses; the Unix socket is local and plain")
         self.address = address
+        self._tls = tls
+        self._ssl_context = tls.ssl_context() if tls is not None else None
         self.timeout_s = timeout_s
         self._token = token
         self._data_plane = data_plane
@@ -89,13 +100,16 @@ class Client:
         self._data_socket = ""
         self._local = threading.local()  # per thread: its data connections, its deadline
         self._data_conns: list[DataPortClient] = []
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        if tls is not None:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, tls.grpc_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
         self._arena_lock = threading.Lock()
@@ -287,7 +301,13 @@ class Client:
                 else:
                     host = self.address.rpartition(":")[0].strip("[]")
                     conn = DataPortClient(
-                        host, self._data_port, self._token, scope, connect_timeout_s=connect_s
+                        host,
+                        self._data_port,
+                        self._token,
+                        scope,
+                        connect_timeout_s=connect_s,
+                        ssl_context=self._ssl_context,
+                        server_name=self._tls.server_name if self._tls is not None else "",
                     )
             except TimeoutError as exc:
                 raise DeadlineExceeded(f"connecting to the data port: {exc}") from None
@@ -477,7 +497,8 @@ class Client:
         parent: bytes | None = None,
         scope: str = "",
     ) -> int:
-        """Store a chain by writing the arena in place; how many blocks were new."""
+        """Store a chain by writing the arena in place; how many blocks were new. Raises
+        ``StoreFull`` (with ``.stored``) when some blocks found no room and are not stored."""
         pending = self.reserve(fingerprint, keys, [len(b) for b in blocks], parent=parent, scope=scope)
         try:
             for view, block in zip(pending.views, blocks, strict=True):
@@ -486,7 +507,18 @@ class Client:
         except BaseException:
             self.abort(pending.reservation_id)
             raise
-        return self.commit(pending.reservation_id)
+        stored = self.commit(pending.reservation_id)
+        skipped = [k for k, v in zip(keys, pending.views, strict=True) if v is None]
+        if skipped:  # present already, or no room: only the second is a failure
+            missing = sum(not present for present in self.exists(fingerprint, skipped, scope=scope))
+            if missing:
+                error = StoreFull(
+                    f"stored {stored} of {len(keys)} blocks; {missing} found no room in the arena "
+                    "(full of pinned or reserved blocks) and were not stored"
+                )
+                error.stored = stored
+                raise error
+        return stored
 
     # ----------------------------------------------------------------- lifetime
 
@@ -508,12 +540,17 @@ class Client:
 
 
 def connect(
-    address: str, token: str | None = None, timeout_s: float = 30.0, data_plane: str = "auto"
+    address: str,
+    token: str | None = None,
+    timeout_s: float = 30.0,
+    data_plane: str = "auto",
+    tls: ClientTls | None = None,
 ) -> Client:
-    """A client for ``unix:///path/to/socket`` (same host) or ``host:port`` (remote)."""
+    """A client for ``unix:///path/to/socket`` (same host) or ``host:port`` (remote; with
+    ``tls`` for a server whose TCP listeners use TLS: gRPC and the data port alike)."""
     if not address:
         raise KvStoreError("empty address")
-    return Client(address, token, timeout_s, data_plane)
+    return Client(address, token, timeout_s, data_plane, tls)
 
 
 def _copy(dst: memoryview | bytearray, src: bytes | bytearray | memoryview) -> None:

@@ -39,7 +39,16 @@ GiB = 1 << 30
 MiB = 1 << 20
 log = logging.getLogger(__name__)
 # Read by the client commands (stats, invalidate, demote) and scripts/demo.sh: not settings.
-CLIENT_VARIABLES = frozenset({"KVSTORE_TOKEN", "KVSTORE_ADDRESS", "KVSTORE_DEMO_DIR"})
+CLIENT_VARIABLES = frozenset(
+    {
+        "KVSTORE_TOKEN",
+        "KVSTORE_ADDRESS",
+        "KVSTORE_DEMO_DIR",
+        "KVSTORE_TLS_CA",
+        "KVSTORE_TLS_CERT",
+        "KVSTORE_TLS_KEY",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class ServerSettings:
     data_socket_path: str = "auto"  # its Unix twin: "auto" = <data_dir>/kvstore-data.sock; "" = off
     tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
     tokens_file: str = ""  # lines "TOKEN=TENANT"; must not be readable by group or others
+    tls_cert_file: str = ""  # PEM; with tls_key_file: TLS on every TCP listener
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
     unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
     admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks
     shared_scopes: Mapping[str, str] = field(default_factory=dict)  # scope -> "tenant-a,tenant-b"

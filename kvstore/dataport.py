@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -90,13 +91,23 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     return bytes(buf)
 
 
+REARM_S = 0.25
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view``; ``deadline`` (``time.monotonic()``) bounds the whole read, not each recv,
     so a peer trickling bytes cannot stretch it. Without one the socket's own timeout applies."""
     got = 0
+    armed_at = -REARM_S
     while got < len(view):
         if deadline is not None:
-            sock.settimeout(time_left_s(deadline))
+            # A timeout armed at ``armed_at`` can end a recv at most (now - armed_at) past the
+            # deadline: re-arm once that passes REARM_S, not per recv (a TLS socket returns
+            # one 16 KiB record per recv, and a settimeout per record costs).
+            now = time.monotonic()
+            if now - armed_at > REARM_S:
+                sock.settimeout(time_left_s(deadline))
+                armed_at = now
         n = sock.recv_into(view[got:], len(view) - got)
         if not n:
             raise ConnectionError("peer closed the data connection mid-message")
@@ -105,6 +116,10 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
 
 def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:
     """Header and payload in one gathered send (fewer syscalls than two sendall calls)."""
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS: two records
+        sock.sendall(head)
+        sock.sendall(body)
+        return
     sent = sock.sendmsg([head, body])
     if sent < len(head):
         sock.sendall(head[sent:])
@@ -164,9 +179,12 @@ class DataPort:
         auth: Authenticator,
         address: str,
         check_sizes: Callable[[bytes, Sequence[int]], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600)."""
+        """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600);
+        ``ssl_context``: TLS on every connection (TCP only), the handshake within HELLO_S."""
         self.store = store
+        self._ssl_context = ssl_context
         self.auth = auth
         self._check_sizes = check_sizes
         # Called after each lookup (for metrics): (caller, fingerprint, keys asked, tiers of hits).
@@ -256,7 +274,16 @@ class DataPort:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session: _Session | None = None
         try:
-            session = self._hello(conn, peer, time.monotonic() + HELLO_S)
+            hello_deadline = time.monotonic() + HELLO_S
+            if self._ssl_context is not None and conn.family != socket.AF_UNIX:
+                conn.settimeout(HELLO_S)
+                tls = self._ssl_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._conns.add(tls)
+                conn = tls
+                conn.do_handshake()
+            session = self._hello(conn, peer, hello_deadline)
             self._admit(session)
             while not self._closing.is_set():
                 op = self._next_op(conn)
@@ -490,6 +517,8 @@ class DataPortClient:
         scope: str = "",
         unix_path: str = "",
         connect_timeout_s: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str = "",
     ) -> None:
         timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         self.deadline: float | None = time.monotonic() + timeout_s  # the hello's, until it is done
@@ -506,6 +535,12 @@ class DataPortClient:
         else:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ssl_context is not None:
+                try:
+                    self.sock = ssl_context.wrap_socket(self.sock, server_hostname=server_name or host)
+                except OSError:
+                    self.sock.close()
+                    raise
         token_b, scope_b = (token or "").encode(), scope.encode()
         try:
             self._arm()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.client import connect
 from kvstore.demo import MODEL, synthetic_kv
-from kvstore.errors import KvStoreError
+from kvstore.errors import KvStoreError, StoreFull
 from kvstore.keys import block_keys
 
 CHUNK_BLOCKS = 8
@@ -39,7 +39,14 @@ def run_service_demo(
         # store demotes committed chunks to nvme to make room for the next.
         for i in range(0, len(keys), CHUNK_BLOCKS):
             parent = keys[i - 1] if i else None
-            stored += local.write(fp, keys[i : i + CHUNK_BLOCKS], blocks[i : i + CHUNK_BLOCKS], parent=parent)
+            try:
+                stored += local.write(
+                    fp, keys[i : i + CHUNK_BLOCKS], blocks[i : i + CHUNK_BLOCKS], parent=parent
+                )
+            except StoreFull as exc:  # a small arena: say so, and show what fitted
+                stored += exc.stored
+                say(f"same host: the arena is full ({exc})")
+                break
         say(
             f"same host: wrote {stored} of {len(keys)} blocks ({stored * size / 2**20:.0f} MiB) into the "
             f"arena in place in {(time.perf_counter() - start) * 1e3:.0f} ms"

@@ -58,7 +58,7 @@ class QuotaExceeded(ResourceExhausted):
 
 
 class StoreFull(ResourceExhausted):
-    pass
+    stored = 0  # blocks of the call stored before room ran out (a partial write says how many)
 
 
 class FailedPrecondition(KvStoreError):

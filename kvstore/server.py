@@ -36,6 +36,7 @@ from kvstore.models import FILE_NAME as MODELS_FILE
 from kvstore.models import ModelRegistry
 from kvstore.service import SERVICE_NAME, KvStoreService
 from kvstore.store import TieredStore
+from kvstore.tls import ServerTls
 from proto import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -142,17 +143,24 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         _listen(server, unix_address, "server.socket_path")
     finally:
         os.umask(old_umask)
+    tls = _server_tls(settings)
     tcp_address = None
     if settings.server.tcp_address:
         host, _, _ = settings.server.tcp_address.rpartition(":")
-        port = _listen(server, settings.server.tcp_address, "server.tcp_address (--tcp)")
+        port = _listen(server, settings.server.tcp_address, "server.tcp_address (--tcp)", tls)
         tcp_address = f"{host}:{port}"
+        if tls is None and host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "TCP listener %s without TLS: tokens and KV bytes cross the network in clear text; "
+                "set server.tls_cert_file and server.tls_key_file",
+                tcp_address,
+            )
     data_port = None
     data_address = settings.server.data_address
     if data_address == "auto":
         data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
     if data_address:
-        data_port = _data_port(store, auth, service, data_address, "server.data_address")
+        data_port = _data_port(store, auth, service, data_address, "server.data_address", tls)
         undo.callback(data_port.close, 0.0)
         service.data_port = data_port.port
     data_socket = None
@@ -210,11 +218,25 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     )
 
 
-def _listen(server: grpc.Server, address: str, setting: str) -> int:
-    """Bind one gRPC listener; a refusal names the setting to change."""
+def _server_tls(settings: Settings) -> ServerTls | None:
+    s = settings.server
+    if not (s.tls_cert_file or s.tls_key_file):
+        if s.tls_client_ca_file:
+            raise InvalidArgument("server.tls_client_ca_file needs server.tls_cert_file and tls_key_file")
+        return None
+    if not (s.tls_cert_file and s.tls_key_file):
+        raise InvalidArgument("TLS needs both server.tls_cert_file and server.tls_key_file")
+    return ServerTls(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+
+
+def _listen(server: grpc.Server, address: str, setting: str, tls: ServerTls | None = None) -> int:
+    """Bind one gRPC listener (TLS on TCP when configured); a refusal names the setting."""
     _check_free(address, setting)
     try:
-        port = server.add_insecure_port(address)
+        if tls is not None and not address.startswith("unix:"):
+            port = server.add_secure_port(address, tls.grpc_credentials())
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio raises this where older versions returned 0
         raise FailedPrecondition(f"cannot listen on {address} ({exc}): change {setting}") from None
     if port == 0:
@@ -243,10 +265,16 @@ def _check_free(address: str, setting: str) -> None:
 
 
 def _data_port(
-    store: TieredStore, auth: Authenticator, service: KvStoreService, address: str, setting: str
+    store: TieredStore,
+    auth: Authenticator,
+    service: KvStoreService,
+    address: str,
+    setting: str,
+    tls: ServerTls | None = None,
 ) -> DataPort:
+    context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
     try:
-        port = DataPort(store, auth, address, service.check_sizes)
+        port = DataPort(store, auth, address, service.check_sizes, context)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"

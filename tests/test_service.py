@@ -447,3 +447,22 @@ def _announce(served: Served, size: int) -> None:
         )
         code, message = read_status(sock)
         raise error_for_status(code, message)
+
+
+def test_a_same_host_write_that_finds_no_room_says_so(served: Served) -> None:
+    from kvstore.errors import StoreFull
+
+    fp = MODEL.fingerprint()
+    pinned = chain(64, salt="pinned")  # the whole arena (64 blocks), pinned by a lease
+    with connect(served.unix) as kv:
+        kv.write(fp, pinned, blocks_for(pinned))
+        lease = kv.lookup_tiers(fp, pinned, pin_ttl_s=30).lease_id
+        assert served.server.store.stats().tiers[0].blocks == 64
+        more = chain(8, salt="no-room")
+        with pytest.raises(StoreFull) as full:
+            kv.write(fp, more, blocks_for(more))
+        assert "found no room" in str(full.value)
+        assert full.value.stored == 8 - sum(not p for p in kv.exists(fp, more))
+        again = chain(2, salt="pinned")  # present already: not a failure
+        assert kv.write(fp, again, blocks_for(again)) == 0
+        kv.release(lease)
