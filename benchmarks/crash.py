@@ -39,6 +39,8 @@ MODEL = ModelIdentity(
 CHAIN_BLOCKS = 8
 ARENA_BYTES = 256 * MiB  # the throughput runs
 OVERFLOW_ARENA_BYTES = 64 * MiB
+CYCLE_BLOCKS = 600  # 150 MiB a cycle: 20 cycles fit the server's 4 GiB nvme tier
+PACE_BYTES_PER_S = 100e6  # the writer's rate in the kill cycles: 600 blocks take ~1.6 s
 
 
 def block_bytes(key: BlockKey) -> bytes:
@@ -131,6 +133,7 @@ def kill_cycles(
     progress: Progress | None = None,
     max_blocks: int = 1 << 30,
     settings: Sequence[str] = (),
+    pace_bytes_per_s: float = 0.0,
 ) -> Cycles:
     """``cycles`` rounds of load (at most ``max_blocks`` per round), SIGKILL, restart and
     read-back on one data folder."""
@@ -144,7 +147,7 @@ def kill_cycles(
     )
     try:
         for cycle in range(cycles):
-            load = Load(server.unix, salt=f"cycle-{cycle}-{rng.random()}")
+            load = Load(server.unix, salt=f"cycle-{cycle}-{rng.random()}", pace_bytes_per_s=pace_bytes_per_s)
             writer = threading.Thread(target=load.run, args=(max_blocks,))
             writer.start()
             time.sleep(rng.uniform(0.3, max_load_s))
@@ -176,8 +179,20 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
     rng = random.Random(seed)
     default_arena = DramSettings().capacity_bytes
     with Progress(console=console, transient=True) as progress:
-        fits = kill_cycles(cycles, default_arena, 1.0 if quick else 2.0, rng, progress)
-        overflow = kill_cycles(max(3, cycles // 4), OVERFLOW_ARENA_BYTES, 2.0, rng, progress)
+        # Paced so that the kill lands while blocks are still being written, and capped so that
+        # every cycle's blocks fit the 4 GiB nvme tier the salvage copies them into.
+        fits = kill_cycles(
+            cycles,
+            default_arena,
+            1.8,
+            rng,
+            progress,
+            max_blocks=CYCLE_BLOCKS,
+            pace_bytes_per_s=PACE_BYTES_PER_S,
+        )
+        overflow = kill_cycles(
+            max(3, cycles // 4), OVERFLOW_ARENA_BYTES, 2.0, rng, progress, max_blocks=4 * CYCLE_BLOCKS
+        )
     blocks = 400 if quick else 2000
     rounds = 3 if quick else 5
     variants = {
@@ -190,7 +205,7 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
         for name, settings in variants.items():
             speeds[name].append(put_throughput(settings, blocks))
     default_speed = statistics.median(speeds["default"])
-    note = "256 KiB blocks, same-host reserve/commit as fast as the writer goes"
+    note = "256 KiB blocks, same-host reserve/commit at 100 MB/s, killed while writing"
     results = [
         Result(
             "acknowledged blocks served after kill -9 + restart (default settings)",
@@ -216,8 +231,8 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
             "blocks",
             "acknowledged",
             overflow.acked,
-            note=f"{len(overflow.per_cycle)} cycles, {OVERFLOW_ARENA_BYTES >> 20} MiB arena: blocks being "
-            "demoted to nvme when the kill comes (nvme's write queue) are lost",
+            note=f"{len(overflow.per_cycle)} cycles, {OVERFLOW_ARENA_BYTES >> 20} MiB arena, writer unpaced: "
+            "blocks being demoted to nvme when the kill comes (nvme's write queue) are lost",
         ),
         Result("corrupt blocks served", fits.corrupt + overflow.corrupt, "blocks", note="target 0"),
         Result(
