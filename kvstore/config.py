@@ -90,6 +90,9 @@ class ServerSettings:
     data_socket_path: str = "auto"  # its Unix twin: "auto" = <data_dir>/kvstore-data.sock; "" = off
     tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
     tokens_file: str = ""  # lines "TOKEN=TENANT"; must not be readable by group or others
+    audit_log: str = (
+        "auto"  # JSON lines of invalidations, deletions, demotions; "auto": <data_dir>/audit.log; "": off
+    )
     tls_cert_file: str = ""  # PEM; with tls_key_file: TLS on every TCP listener
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
@@ -294,7 +297,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise InvalidArgument(f"{where} must be an integer")
         return parse_size(value, where) if "_bytes" in where else _int(value, where)
     if hint is float:
-        if where.endswith("_s"):
+        if where.endswith("_s") or "_s." in where:  # a duration, or a table of them
             return parse_duration(value, where)
         try:
             return float(value)

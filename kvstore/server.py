@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.audit import AuditLog
 from kvstore.auth import Authenticator, tenant_namespace
 from kvstore.builder import open_store
 from kvstore.config import Settings
@@ -72,6 +73,8 @@ class RunningServer:
                 port.close(self.drain_grace_s)
         self.grpc_server.stop(self.drain_grace_s).wait()
         self.store.close()
+        if self.service.audit is not None:
+            self.service.audit.close()
         if self.metrics is not None:
             self.metrics.close()
         with contextlib.suppress(FileNotFoundError):
@@ -88,7 +91,10 @@ def start_server(settings: Settings) -> RunningServer:
     arena, lock, listeners — and raises a ``KvStoreError`` that says what to change."""
     # Quotas are configured per tenant; the store keeps them per namespace.
     quotas = {tenant_namespace(tenant): nbytes for tenant, nbytes in settings.store.quota_bytes.items()}
-    settings = dataclasses.replace(settings, store=dataclasses.replace(settings.store, quota_bytes=quotas))
+    retention = {tenant_namespace(tenant): s for tenant, s in settings.store.retention_s.items()}
+    settings = dataclasses.replace(
+        settings, store=dataclasses.replace(settings.store, quota_bytes=quotas, retention_s=retention)
+    )
     with contextlib.ExitStack() as undo:
         store = open_store(settings)
         undo.callback(store.close)
@@ -111,6 +117,7 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         ModelRegistry(Path(settings.data_dir) / MODELS_FILE),
         max_requests_per_tenant=settings.server.max_requests_per_tenant,
         stream_timeout_s=settings.server.stream_timeout_s,
+        audit=_audit_log(settings, undo),
     )
     options = [
         ("grpc.max_receive_message_length", settings.server.max_message_bytes),
@@ -216,6 +223,20 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         data_port,
         data_socket,
     )
+
+
+def _audit_log(settings: Settings, undo: contextlib.ExitStack) -> AuditLog | None:
+    path = settings.server.audit_log
+    if path == "auto":
+        path = str(Path(settings.data_dir) / "audit.log")
+    if not path:
+        return None
+    try:
+        audit = AuditLog(path)
+    except OSError as exc:
+        raise FailedPrecondition(f"server.audit_log {path}: {exc.strerror or exc}") from None
+    undo.callback(audit.close)
+    return audit
 
 
 def _server_tls(settings: Settings) -> ServerTls | None:

@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore import __version__
+from kvstore.audit import AuditLog
 from kvstore.auth import Authenticator, Caller
 from kvstore.errors import (
     FailedPrecondition,
@@ -67,8 +68,10 @@ class KvStoreService:
         models: ModelRegistry | None = None,
         max_requests_per_tenant: int = 8,
         stream_timeout_s: float = 60.0,
+        audit: AuditLog | None = None,
     ) -> None:
         self.store = store
+        self.audit = audit  # invalidations, deletions, demotions: who, what, how many
         self.auth = auth
         self.metrics = metrics
         self.draining = threading.Event()
@@ -118,6 +121,25 @@ class KvStoreService:
         finally:
             with self._tokens_lock:
                 self._in_flight[tenant] -= 1
+
+    def _audit(
+        self,
+        caller: Caller,
+        action: str,
+        namespace: str | None,
+        fingerprint: bytes | None,
+        keys: Sequence[bytes],
+        outcome: int,
+    ) -> None:
+        if self.audit is not None:
+            self.audit.record(
+                caller.tenant,
+                action,
+                namespace=namespace,
+                fingerprint=fingerprint,
+                keys=keys,
+                outcome=outcome,
+            )
 
     def _watchdog(self, context: grpc.ServicerContext) -> threading.Timer:
         """Cuts a stream still open after ``stream_timeout_s``: a stalled peer frees its worker."""
@@ -211,7 +233,10 @@ class KvStoreService:
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         def body(caller: Caller) -> pb.DeleteResponse:
             scope = self._scope(caller, request.fingerprint, request.scope)
-            return pb.DeleteResponse(deleted=self.store.delete(scope, [BlockKey(k) for k in request.keys]))
+            keys = [BlockKey(k) for k in request.keys]
+            deleted = self.store.delete(scope, keys)
+            self._audit(caller, "delete", scope.namespace, scope.fingerprint, keys, deleted)
+            return pb.DeleteResponse(deleted=deleted)
 
         return self._serve("Delete", context, body)
 
@@ -228,6 +253,7 @@ class KvStoreService:
             log.warning(
                 "tenant %s invalidated %d blocks (target %s)", caller.tenant, removed, request.tenant or "own"
             )
+            self._audit(caller, "invalidate", namespace, fingerprint, (), removed)
             return pb.InvalidateResponse(removed=removed)
 
         return self._serve("Invalidate", context, body)
@@ -238,6 +264,7 @@ class KvStoreService:
             fingerprint = _optional_fingerprint(request.fingerprint) if request.fingerprint else None
             moved = self.store.demote(request.tier, namespace=namespace, fingerprint=fingerprint)
             log.info("tenant %s demoted %d blocks out of %s", caller.tenant, moved, request.tier)
+            self._audit(caller, f"demote {request.tier}", namespace, fingerprint, (), moved)
             return pb.DemoteResponse(moved=moved)
 
         return self._serve("Demote", context, body)

@@ -48,6 +48,7 @@ into ``kvstore.errors`` here and nowhere else.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import math
@@ -69,6 +70,7 @@ from tiers.slab import Slot as ArenaSlotView
 log = logging.getLogger(__name__)
 
 MAX_NAMESPACE_BYTES = 255
+RETENTION_SWEEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class StoreConfig:
     max_lease_ttl_s: float = 120.0  # a client's pin or reservation lasts at most this long
     max_block_bytes: int = 64 << 20  # larger blocks are refused before anything is evicted
     quota_bytes: Mapping[str, int] = field(default_factory=dict)  # namespace -> bytes
+    retention_s: Mapping[str, float] = field(default_factory=dict)  # namespace -> seconds a block lives
+    default_retention_s: float | None = None  # for namespaces not listed; None = until evicted
     default_quota_bytes: int | None = None  # for namespaces not listed; None = unlimited
     attention_cost_per_block: float = 0.02  # recompute cost of block i = 1 + this * i
     persist_on_close: bool = True  # a clean close copies volatile-only blocks to the persistent tier
@@ -205,6 +209,8 @@ class _Block:
     version: int = 0
     doomed: bool = False  # deleted while pinned: invisible, freed on the last release
     parked: bool = False  # popped from a heap while pinned: push it again on the last release
+    stored_at_s: float = 0.0  # wall clock (time.time) when first stored; kept in its meta
+    expires_at_s: float = math.inf  # retention: invisible from then on, removed by the sweep
 
     @property
     def fastest(self) -> int:
@@ -212,8 +218,9 @@ class _Block:
 
     @property
     def meta(self) -> bytes:
-        """Chain links kept with the bytes, so a restart restores prefix-aware eviction."""
-        return _META.pack(self.depth) + (self.parent or b"")
+        """Chain links and birth time kept with the bytes, so a restart restores prefix-aware
+        eviction and retention."""
+        return _META.pack(self.depth, self.stored_at_s) + (self.parent or b"")
 
 
 class TieredStore:
@@ -227,6 +234,7 @@ class TieredStore:
         persistent: Sequence[bool] | None = None,
         absent_tiers: Sequence[str] = (),
         on_close: Callable[[], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -234,6 +242,9 @@ class TieredStore:
         self.config = config or StoreConfig()
         self.absent_tiers = tuple(absent_tiers)  # "hbm: no CUDA", for logs and stats
         self._on_close = on_close  # after the tiers closed (the builder's data-folder lock)
+        self._wall = wall_clock  # retention spans restarts: wall time, not the lease clock
+        self._by_age: dict[str, collections.deque[BlockId]] = {}  # retained namespaces, oldest first
+        self._next_sweep_s = 0.0
         self._persistent = list(persistent) if persistent is not None else [t.name == "nvme" for t in tiers]
         self._lock = threading.RLock()
         self._blocks: dict[BlockId, _Block] = {}
@@ -268,6 +279,7 @@ class TieredStore:
         """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
         _check_keys(keys)
         with self._lock:
+            self._sweep_retention()
             scope = self._intern(scope)
             tiers: list[str] = []
             hits: list[_Block] = []
@@ -570,6 +582,7 @@ class TieredStore:
         return lease
 
     def _expire_leases(self) -> None:
+        self._sweep_retention()
         for (pending,) in self._reservations.expire():
             self.counters["reservations_expired"] += 1
             self._abort_pending(pending)
@@ -906,7 +919,11 @@ class TieredStore:
 
     def _visible(self, ident: BlockId) -> _Block | None:
         block = self._blocks.get(ident)
-        return None if block is None or block.doomed else block
+        if block is None or block.doomed:
+            return None
+        if block.expires_at_s != math.inf and block.expires_at_s <= self._wall():
+            return None  # past its retention: gone for readers now, for the tiers at the sweep
+        return block
 
     def _count(self, scope: Scope, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -920,6 +937,12 @@ class TieredStore:
 
     def _admit(self, block: _Block) -> None:
         ident = (block.scope, block.key)
+        if not block.stored_at_s:
+            block.stored_at_s = self._wall()
+        retention = self._retention_of(block.scope.namespace)
+        if retention is not None:
+            block.expires_at_s = block.stored_at_s + retention
+            self._by_age.setdefault(block.scope.namespace, collections.deque()).append(ident)
         self._blocks[ident] = block
         self._by_namespace.setdefault(block.scope.namespace, {})[ident] = block
         self._ns_bytes[block.scope.namespace] += block.size_bytes
@@ -1106,6 +1129,26 @@ class TieredStore:
                 if not siblings:
                     del self._children[(block.scope, block.parent)]
 
+    def _retention_of(self, namespace: str) -> float | None:
+        return self.config.retention_s.get(namespace, self.config.default_retention_s)
+
+    def _sweep_retention(self) -> None:
+        """Remove blocks past their namespace's retention from every tier; at most every
+        RETENTION_SWEEP_S (called from every operation that collects expired leases)."""
+        now = self._wall()
+        if not self._by_age or now < self._next_sweep_s:
+            return
+        self._next_sweep_s = now + RETENTION_SWEEP_S
+        for queue in self._by_age.values():
+            while queue:
+                block = self._blocks.get(queue[0])
+                if block is not None and not block.doomed and block.expires_at_s > now:
+                    break  # stored later than everything behind it: nothing more is due
+                queue.popleft()
+                if block is not None and not block.doomed and block.expires_at_s <= now:
+                    self._doom(block)
+                    self.counters["retention_expired_blocks"] += 1
+
     def _quota_of(self, namespace: str) -> int | None:
         return self.config.quota_bytes.get(namespace, self.config.default_quota_bytes)
 
@@ -1148,7 +1191,7 @@ class TieredStore:
                     continue
                 block = self._blocks.get(ident)
                 if block is None:
-                    depth, parent = _parse_meta(stored.meta)
+                    depth, parent, stored_at_s = _parse_meta(stored.meta)
                     block = _Block(
                         ident[0],
                         ident[1],
@@ -1157,6 +1200,7 @@ class TieredStore:
                         parent,
                         depth,
                         1.0 + self.config.attention_cost_per_block * depth,
+                        stored_at_s=stored_at_s,
                     )
                     block.tiers.add(t)
                     self._admit(block)
@@ -1166,6 +1210,10 @@ class TieredStore:
                     self._push_all(block)
             if unnamed:
                 log.warning("tier %s held %d blocks the store cannot name; deleted them", tier.name, unnamed)
+        for queue in self._by_age.values():  # disk order is no age order
+            ordered = sorted(queue, key=lambda ident: self._blocks[ident].expires_at_s)
+            queue.clear()
+            queue.extend(ordered)
         if found:
             log.info("rebuilt the index: %d blocks found on persistent tiers", found)
 
@@ -1204,15 +1252,19 @@ class TieredStore:
         return iter(snapshot)
 
 
-_META = struct.Struct("<I")
+_META = struct.Struct("<Id")  # depth, stored_at_s; then the parent key if any
+_OLD_META = struct.Struct("<I")  # before retention: depth only
 
 
-def _parse_meta(meta: bytes) -> tuple[int, BlockKey | None]:
-    """(depth, parent) from a block's stored metadata; (0, None) when absent or unreadable."""
-    if len(meta) not in (_META.size, _META.size + 32):
-        return 0, None
-    (depth,) = _META.unpack_from(meta)
-    return depth, BlockKey(meta[_META.size :]) if len(meta) > _META.size else None
+def _parse_meta(meta: bytes) -> tuple[int, BlockKey | None, float]:
+    """(depth, parent, stored_at_s) from a block's stored metadata; (0, None, 0.0) when absent
+    or unreadable (stored_at_s 0.0: unknown, counted from now)."""
+    for layout, has_time in ((_META, True), (_OLD_META, False)):
+        if len(meta) in (layout.size, layout.size + 32):
+            fields = layout.unpack_from(meta)
+            parent = BlockKey(meta[layout.size :]) if len(meta) > layout.size else None
+            return int(fields[0]), parent, float(fields[1]) if has_time else 0.0
+    return 0, None, 0.0
 
 
 def _check_keys(keys: Sequence[BlockKey]) -> None:

@@ -118,3 +118,12 @@ def test_variables_that_name_no_setting_are_ignored_with_one_warning(
 def test_a_bad_environment_value_names_the_setting() -> None:
     with pytest.raises(InvalidArgument, match=r"dram\.capacity_bytes"):
         load_settings(env={"KVSTORE_DRAM_CAPACITY_BYTES": "lots"})
+
+
+def test_retention_is_a_table_of_durations() -> None:
+    s = load_settings(
+        env={},
+        overrides={"store.retention_s": "tenant-a=24h,tenant-b=90m", "store.default_retention_s": "7200"},
+    )
+    assert s.store.retention_s == {"tenant-a": 86400.0, "tenant-b": 5400.0}
+    assert s.store.default_retention_s == 7200.0

@@ -466,3 +466,24 @@ def test_a_same_host_write_that_finds_no_room_says_so(served: Served) -> None:
         again = chain(2, salt="pinned")  # present already: not a failure
         assert kv.write(fp, again, blocks_for(again)) == 0
         kv.release(lease)
+
+
+def test_removals_and_admin_actions_are_audited_without_secrets(served: Served) -> None:
+    import json
+    from pathlib import Path
+
+    fp = MODEL.fingerprint()
+    keys = chain(3, salt="audited")
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-ops") as ops:
+        a.put(fp, keys, blocks_for(keys))
+        assert a.delete(fp, keys[2:]) == 1
+        assert ops.invalidate(fp, tenant="tenant-a") == 2  # an admin acting on another tenant
+    text = (Path(served.data_dir) / "audit.log").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    delete = next(r for r in records if r["action"] == "delete" and r["tenant"] == "tenant-a")
+    assert delete["key_hashes"] == [keys[2].hex()] and delete["outcome"] == 1
+    assert delete["fingerprint"] == fp.hex() and delete["namespace"] == "t/tenant-a"
+    admin = next(r for r in records if r["action"] == "invalidate" and r["tenant"] == "ops")
+    assert admin["namespace"] == "t/tenant-a" and admin["outcome"] == 2
+    assert "tok-" not in text  # never a token (nor prompt text or block bytes: only hashes)
+    assert (Path(served.data_dir) / "audit.log").stat().st_mode & 0o777 == 0o600

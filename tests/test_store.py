@@ -317,3 +317,36 @@ def test_bad_arguments_are_invalid(store: TieredStore) -> None:
     store.put(A, keys, [data(keys[0])])
     with pytest.raises(InvalidArgument):
         store.get_into(A, keys[0], memoryview(bytearray(10)))
+
+
+class FakeWall:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_retention_removes_blocks_from_every_tier_after_their_time() -> None:
+    wall = FakeWall()
+    fast = HbmTier(HbmConfig(capacity_bytes=4 * PAGE, page_bytes=PAGE, device="cpu"))
+    slow = DramTier(DramConfig(capacity_bytes=8 * PAGE, page_bytes=PAGE, prefault=False))
+    config = StoreConfig(retention_s={"tenant-a": 60.0})  # tenant-b keeps its blocks
+    store = TieredStore([fast, slow], config, clock=FakeClock(), wall_clock=wall)
+    try:
+        keys_a, keys_b = chain(6, "a"), chain(2, "b")
+        store.put(A, keys_a, [data(k) for k in keys_a])  # 6 blocks: 4 fast, 2 demoted to slow
+        store.put(B, keys_b, [data(k) for k in keys_b])
+        wall.now += 59
+        assert store.lookup(A, keys_a).hit_blocks == 6
+        wall.now += 2  # past 60 s: invisible at once ...
+        assert store.lookup(A, keys_a).hit_blocks == 0
+        store.lookup(B, keys_b)  # ... and gone from the tiers at the next sweep
+        assert store.stats().counters["retention_expired_blocks"] == 6
+        assert fast.usage().blocks + slow.usage().blocks == 2
+        assert store.lookup(B, keys_b).hit_blocks == 2
+        store.put(A, keys_a[:1], [data(keys_a[0])])  # stored again: a new life
+        wall.now += 30
+        assert store.lookup(A, keys_a[:1]).hit_blocks == 1
+    finally:
+        store.close()

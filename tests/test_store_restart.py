@@ -104,3 +104,28 @@ def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     store = open_store(settings)  # the folder is reusable after the demo
     assert store.stats().blocks > 0
     store.close()
+
+
+def test_retention_counts_from_the_first_store_across_restarts(tmp_path: Path) -> None:
+    now = [1_800_000_000.0]
+    config = StoreConfig(retention_s={"tenant-a": 100.0})
+
+    def open_at() -> TieredStore:
+        dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+        nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK))
+        return TieredStore([dram, nvme], config, wall_clock=lambda: now[0])
+
+    keys = chain(3, "kept")
+    store = open_at()
+    store.put(A, keys, [data(k) for k in keys])
+    store.close()  # spilled to nvme with their birth time in the metadata
+    now[0] += 60
+    store = open_at()
+    assert store.lookup(A, keys).hit_blocks == 3
+    store.close()
+    now[0] += 41  # 101 s after the first store, not 41 s after the restart
+    store = open_at()
+    try:
+        assert store.lookup(A, keys).hit_blocks == 0
+    finally:
+        store.close()
