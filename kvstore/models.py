@@ -5,8 +5,9 @@ fingerprint is (``kvstore stats``, ``kvstore invalidate --model``). The registry
 ``<data_dir>/models.json`` (mode 0600, rewritten atomically when a new fingerprint arrives), so
 after a restart the blocks found on `nvme` still have names before any engine re-registers.
 
-Thread-safe. At most ``MAX_MODELS`` fingerprints: registering one more is refused
-(RESOURCE_EXHAUSTED), so a client cannot grow the map without bound.
+Thread-safe. At most ``MAX_MODELS`` fingerprints in all and ``MAX_MODELS_PER_TENANT`` new ones
+per tenant (since the server started): registering one more is refused (RESOURCE_EXHAUSTED), so
+no client can grow the map without bound, nor fill it for the others.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvstore.keys import ModelIdentity
 log = logging.getLogger(__name__)
 
 MAX_MODELS = 4096
+MAX_MODELS_PER_TENANT = 256
 FILE_NAME = "models.json"
 
 
@@ -33,10 +35,11 @@ class ModelRegistry:
         self._path = path
         self._lock = threading.Lock()
         self._models: dict[bytes, ModelIdentity] = {}
+        self._per_tenant: dict[str, int] = {}
         if path is not None:
             self._models = _load(path)
 
-    def register(self, identity: ModelIdentity) -> bytes:
+    def register(self, identity: ModelIdentity, tenant: str = "") -> bytes:
         """The identity's fingerprint, recorded (and written down if it is new)."""
         fingerprint = identity.fingerprint()
         with self._lock:
@@ -46,6 +49,11 @@ class ModelRegistry:
                 raise ResourceExhausted(
                     f"{MAX_MODELS} model fingerprints are registered already; invalidate old models"
                 )
+            if self._per_tenant.get(tenant, 0) >= MAX_MODELS_PER_TENANT:
+                raise ResourceExhausted(
+                    f"tenant {tenant} registered {MAX_MODELS_PER_TENANT} new model fingerprints already"
+                )
+            self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
             self._models[fingerprint] = identity
             if self._path is not None:
                 _save(self._path, self._models)

@@ -202,7 +202,7 @@ class KvStoreService:
                 )
             except ValueError as exc:
                 raise InvalidArgument(f"bad model identity: {exc}") from exc
-            fingerprint = self._models.register(identity)
+            fingerprint = self._models.register(identity, caller.tenant)
             return pb.RegisterResponse(fingerprint=fingerprint, block_bytes=identity.block_bytes)
 
         return self._serve("Register", context, body)

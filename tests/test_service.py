@@ -487,3 +487,19 @@ def test_removals_and_admin_actions_are_audited_without_secrets(served: Served) 
     assert admin["namespace"] == "t/tenant-a" and admin["outcome"] == 2
     assert "tok-" not in text  # never a token (nor prompt text or block bytes: only hashes)
     assert (Path(served.data_dir) / "audit.log").stat().st_mode & 0o777 == 0o600
+
+
+def test_one_tenant_cannot_fill_the_model_registry(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import kvstore.models as models
+    from kvstore.errors import ResourceExhausted
+
+    monkeypatch.setattr(models, "MAX_MODELS_PER_TENANT", 3)
+    with connect(served.tcp, token="tok-b") as b, connect(served.tcp, token="tok-a") as a:
+        for i in range(3):
+            b.register(dataclasses.replace(MODEL, model_id=f"flood/{i}"))
+        with pytest.raises(ResourceExhausted, match="registered 3 new model"):
+            b.register(dataclasses.replace(MODEL, model_id="flood/3"))
+        b.register(dataclasses.replace(MODEL, model_id="flood/0"))  # known already: fine
+        a.register(dataclasses.replace(MODEL, model_id="a/own"))  # others still can
