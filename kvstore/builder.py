@@ -13,8 +13,9 @@ import logging
 from kvstore.config import CODECS, Settings
 from kvstore.datadir import DataDir
 from kvstore.errors import FailedPrecondition
-from kvstore.store import TieredStore
+from kvstore.store import TieredStore, namespace_of_tier_key
 from tiers import Tier, TierError, TierKey, TierUnavailable
+from tiers.cipher import BlockCipher
 from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom
 
@@ -92,6 +93,15 @@ def _build_tiers(
     return tiers, absent
 
 
+def _cipher(keys_dir: str) -> BlockCipher | None:
+    if not keys_dir:
+        return None
+    try:
+        return BlockCipher(keys_dir, namespace_of_tier_key)
+    except OSError as exc:
+        raise FailedPrecondition(f"nvme.encryption_keys_dir {keys_dir}: {exc.strerror or exc}") from None
+
+
 def _nvme(settings: Settings) -> Tier:
     from tiers.nvme import NvmeConfig, NvmeTier
 
@@ -105,6 +115,7 @@ def _nvme(settings: Settings) -> Tier:
                 sync_interval_s=n.sync_interval_s,
                 codec=CODECS[n.codec],
                 zstd_level=n.zstd_level,
+                cipher=_cipher(n.encryption_keys_dir),
             )
         )
     except (TierError, OSError) as exc:

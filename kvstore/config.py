@@ -70,6 +70,7 @@ class NvmeSettings:
     sync_interval_s: float = 1.0
     codec: Literal["none", "zstd", "zstd-byteplane"] = "none"
     zstd_level: int = 1
+    encryption_keys_dir: str = ""  # AES-256-GCM at rest, a key file per tenant here; "" = off
     throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 

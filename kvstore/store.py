@@ -104,6 +104,11 @@ def tier_key(scope: Scope, key: BlockKey) -> TierKey:
     return TierKey(bytes([len(ns)]) + ns + scope.fingerprint + key)
 
 
+def namespace_of_tier_key(raw: bytes) -> str:
+    """The namespace a tier key belongs to (what its encryption key is chosen by)."""
+    return bytes(raw[1 : 1 + raw[0]]).decode(errors="replace") if raw else ""
+
+
 def parse_tier_key(raw: bytes) -> BlockId | None:
     """The block id encoded in a tier key, or None for a key the store did not write."""
     if not raw:

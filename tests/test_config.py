@@ -127,3 +127,11 @@ def test_retention_is_a_table_of_durations() -> None:
     )
     assert s.store.retention_s == {"tenant-a": 86400.0, "tenant-b": 5400.0}
     assert s.store.default_retention_s == 7200.0
+
+
+def test_the_readme_example_toml_loads(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("**An example `kvstore.toml`**", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "kvstore.toml").write_text(block)
+    s = load_settings(tmp_path / "kvstore.toml", env={})
+    assert s.dram.capacity_bytes == 64 * GiB and s.server.drain_grace_s == 10.0

@@ -43,12 +43,29 @@ def make_nvme_zstd(folder: Path, capacity_bytes: int) -> Tier:
     )
 
 
+def make_nvme_encrypted(folder: Path, capacity_bytes: int) -> Tier:
+    from tiers.base import Codec
+    from tiers.cipher import BlockCipher
+    from tiers.nvme import NvmeConfig, NvmeTier
+
+    cipher = BlockCipher(folder / "keys", lambda key: bytes(key[:1]).hex())
+    return NvmeTier(
+        NvmeConfig(
+            path=str(folder / "nvme"),
+            capacity_bytes=capacity_bytes,
+            codec=Codec.ZSTD_BYTEPLANE,
+            cipher=cipher,
+        )
+    )
+
+
 ALL_TIERS = [
     pytest.param(make_dram, id="dram"),
     pytest.param(make_hbm_cpu, id="hbm-cpu"),
     pytest.param(make_hbm_cuda, id="hbm-cuda", marks=pytest.mark.gpu),
     pytest.param(make_nvme, id="nvme"),
     pytest.param(make_nvme_zstd, id="nvme-zstd"),
+    pytest.param(make_nvme_encrypted, id="nvme-zstd-aesgcm"),
 ]
 
 __all__ = ["ALL_TIERS", "PAGE", "TierFactory", "make_dram", "make_hbm_cpu", "make_nvme", "torch"]

@@ -100,6 +100,7 @@ from tiers.base import (
     check_key,
     check_meta,
 )
+from tiers.cipher import OVERHEAD_BYTES, BlockCipher
 from tiers.codec import DEFAULT_ZSTD_LEVEL, CodecError, byte_view, decode_into, encode
 from tiers.errors import BlockTooLarge, TierClosed, TierCorrupt, TierFull
 
@@ -124,6 +125,7 @@ class NvmeConfig:
     codec: Codec = Codec.NONE
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     map_size_bytes: int | None = None  # None: 2 * capacity + 64 MiB
+    cipher: BlockCipher | None = None  # encryption at rest (after the codec); None: plain
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -360,7 +362,14 @@ class NvmeTier(Tier):
             stored = encode(codec, view, self._config.zstd_level)
             if len(stored) >= payload_len:
                 codec = Codec.NONE  # compression did not pay
-        if codec is Codec.NONE:
+        cipher = self._config.cipher
+        if cipher is not None:
+            plain = byte_view(stored) if codec is not Codec.NONE else view
+            with self._cond:
+                sealed = self._pool.take(len(plain) + OVERHEAD_BYTES)
+            cipher.seal_into(key, plain, memoryview(sealed))
+            stored = sealed
+        elif codec is Codec.NONE:
             stored = payload if isinstance(payload, bytes) else self._copy(view)
         header = BlockHeader(
             fingerprint, payload_len, len(stored), codec, xxhash.xxh3_64_intdigest(stored), meta=bytes(meta)
@@ -411,6 +420,8 @@ class NvmeTier(Tier):
         if op is not None:
             # Queued bytes are private to this tier and were made by put(): nothing to verify.
             try:
+                if self._config.cipher is not None:
+                    return self._open(key, memoryview(op.stored), dst, op.header.codec, op.header.payload_len)
                 return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
             finally:
                 with self._cond:
@@ -508,6 +519,11 @@ class NvmeTier(Tier):
                 return None  # deleted since the index lookup
             if len(stored) != entry.stored_len:
                 return _Corrupt()
+            if self._config.cipher is not None:
+                if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
+                    return _Corrupt()
+                opened = self._open(key, stored, dst, entry.codec, n)
+                return _Corrupt() if opened is None else opened
             if entry.codec is Codec.NONE:
                 dst[:n] = stored  # the one copy; verifying ``dst`` afterwards measured as fast as before
                 return n if xxhash.xxh3_64_intdigest(dst[:n]) == entry.checksum else _Corrupt()
@@ -517,6 +533,21 @@ class NvmeTier(Tier):
                 return decode_into(entry.codec, stored, dst, n)
             except CodecError:
                 return _Corrupt()
+
+    def _open(self, key: TierKey, sealed: memoryview, dst: memoryview, codec: Codec, n: int) -> int | None:
+        """Decrypt (straight into ``dst`` without a codec) and decode; None when it does not
+        open: a shredded or wrong key, or tampered bytes."""
+        cipher = self._config.cipher
+        assert cipher is not None
+        if codec is Codec.NONE:
+            return n if cipher.open_into(key, sealed, dst) == n else None
+        plain = bytearray(len(sealed) - OVERHEAD_BYTES)
+        if cipher.open_into(key, sealed, memoryview(plain)) is None:
+            return None
+        try:
+            return decode_into(codec, plain, dst, n)
+        except CodecError:
+            return None
 
     def _drop_corrupt(self, key: TierKey, seen: _Entry) -> None:
         with self._cond:
