@@ -48,7 +48,6 @@ from kvstore.errors import (
     KvStoreError,
     LeaseExpired,
     ResourceExhausted,
-    Unavailable,
 )
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store import Scope, TieredStore
@@ -57,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVD1"
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
+OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Resolve", OP_RELEASE: "Release"}
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1
@@ -189,6 +189,9 @@ class DataPort:
         self._check_sizes = check_sizes
         # Called after each lookup (for metrics): (caller, fingerprint, keys asked, tiers of hits).
         self.on_lookup: Callable[[Caller, bytes, int, Sequence[str]], None] | None = None
+        # Called after each request with the gRPC method it stands for and its seconds, so the
+        # request metrics are the same whichever transport carried it.
+        self.on_request: Callable[[str, float], None] | None = None
         self.unix_path: str | None = None
         self.port = 0
         if address.startswith("unix:"):
@@ -290,20 +293,12 @@ class DataPort:
                 if not op:
                     return
                 session.begin()
-                if op[0] == OP_LOOKUP:
-                    self._lookup(conn, session)
-                elif op[0] == OP_RESOLVE:
-                    self._resolve(conn, session)
-                elif op[0] == OP_RELEASE:
-                    (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
-                    self.store.release(lease_id, owner=session.caller.tenant)
-                    self._status(conn, session, "OK")
-                elif op[0] == OP_GET:
-                    self._get(conn, session)
-                elif op[0] == OP_PUT:
-                    self._put(conn, session)
-                else:
-                    raise InvalidArgument(f"unknown data port operation {op[0]}")
+                started = time.perf_counter()
+                try:
+                    self._dispatch(op[0], conn, session)
+                finally:
+                    if self.on_request is not None and op[0] in OP_NAMES:
+                        self.on_request(OP_NAMES[op[0]], time.perf_counter() - started)
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
@@ -322,6 +317,22 @@ class DataPort:
                 self._conns.discard(conn)
                 if session is not None and session.caller.tenant in self._per_tenant:
                     self._per_tenant[session.caller.tenant] -= 1
+
+    def _dispatch(self, op: int, conn: socket.socket, session: _Session) -> None:
+        if op == OP_LOOKUP:
+            self._lookup(conn, session)
+        elif op == OP_RESOLVE:
+            self._resolve(conn, session)
+        elif op == OP_RELEASE:
+            (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
+            self.store.release(lease_id, owner=session.caller.tenant)
+            self._status(conn, session, "OK")
+        elif op == OP_GET:
+            self._get(conn, session)
+        elif op == OP_PUT:
+            self._put(conn, session)
+        else:
+            raise InvalidArgument(f"unknown data port operation {op}")
 
     def _admit(self, session: _Session) -> None:
         """At most MAX_CONNECTIONS_PER_TENANT connections per tenant: one tenant cannot take
@@ -420,7 +431,7 @@ class DataPort:
         scope = Scope(session.namespace, fingerprint)
         arena = self.store.arena
         if arena is None:
-            raise Unavailable("this server has no dram arena to serve from")
+            raise FailedPrecondition("this server has no dram arena to serve from")
         owner = session.caller.tenant
         self._status(conn, session, "OK")  # from here on a failure can only close the connection
         for first in range(0, len(keys), GET_BATCH_BLOCKS):
@@ -456,7 +467,7 @@ class DataPort:
             self._check_sizes(fingerprint, sizes)
         arena = self.store.arena
         if arena is None:
-            raise Unavailable("this server has no dram arena to receive into")
+            raise FailedPrecondition("this server has no dram arena to receive into")
         parent = BlockKey(parent_raw) if has_parent else None
         owner = session.caller.tenant
         stored = 0

@@ -106,7 +106,7 @@ class Metrics:
         )
         self.request_seconds = Histogram(
             "kvstore_request_seconds",
-            "Latency of each RPC",
+            "Latency of each request by its RPC method, whether gRPC or the data port carried it",
             ["method"],
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
@@ -128,6 +128,9 @@ class Metrics:
         self.registry.register(_StoreCollector(store))
         self._http: Any = None
         self._thread: threading.Thread | None = None
+
+    def observe_request(self, method: str, seconds: float) -> None:
+        self.request_seconds.labels(method).observe(seconds)
 
     def record_lookup(
         self, tenant: str, hit_blocks: int, miss_blocks: int, tiers: Sequence[str], tokens_per_block: int

@@ -301,6 +301,8 @@ def _data_port(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"
         ) from None
     port.on_lookup = service.record_hits
+    if service.metrics is not None:
+        port.on_request = service.metrics.observe_request
     return port
 
 

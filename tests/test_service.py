@@ -503,3 +503,26 @@ def test_one_tenant_cannot_fill_the_model_registry(served: Served, monkeypatch: 
             b.register(dataclasses.replace(MODEL, model_id="flood/3"))
         b.register(dataclasses.replace(MODEL, model_id="flood/0"))  # known already: fine
         a.register(dataclasses.replace(MODEL, model_id="a/own"))  # others still can
+
+
+@pytest.mark.parametrize("data_plane", ["auto", "grpc"])
+def test_request_metrics_are_the_same_whichever_transport(served: Served, data_plane: str) -> None:
+    import re
+
+    def count(method: str) -> float:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{served.server.metrics_port}/metrics").read().decode()
+        )
+        found = re.search(rf'kvstore_request_seconds_count{{method="{method}"}} ([0-9.e+]+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    fp = MODEL.fingerprint()
+    keys = chain(2, salt=f"metrics-{data_plane}")
+    before = {m: count(m) for m in ("Lookup", "Put", "Get")}
+    with connect(served.tcp, token="tok-a", data_plane=data_plane) as a:
+        a.put(fp, keys, blocks_for(keys))
+        a.lookup(fp, keys)
+        a.get(fp, keys)
+    assert (
+        count("Put") > before["Put"] and count("Lookup") > before["Lookup"] and count("Get") > before["Get"]
+    )
