@@ -256,6 +256,10 @@ def test_stats_shows_version_uptime_addresses_hit_ratio_and_models(folder: Path)
         assert "[hbm] enabled = false" in out  # rich must not eat it as markup
         assert fp.hex() in out and MODEL.model_id in out
 
+        log_text = (folder / "serve.log").read_text()
+        assert "hbm" in log_text and not [
+            line for line in log_text.splitlines() if "WARNING" in line and "hbm" in line
+        ], "an hbm tier off by default is not worth a warning at every start"
         prefix = run("invalidate", "--address", address, "--fingerprint", fp.hex()[:10])
         assert prefix.returncode == 0, prefix.stderr
         assert f"removed 4 blocks of {fp.hex()} ({MODEL.model_id})" in prefix.stdout
