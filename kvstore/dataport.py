@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.auth import Authenticator, Caller
+from kvstore.dataplane import DataPlane
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvStoreError,
-    LeaseExpired,
     ResourceExhausted,
 )
 from kvstore.keys import BlockKey, Fingerprint
@@ -60,11 +60,8 @@ OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Reso
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1
-GET_BATCH_BLOCKS = 32
-LEASE_S = 60.0
 IO_TIMEOUT_S = 30.0  # the client's per-operation default
-REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside LEASE_S
-LEASE_MARGIN_S = 5.0  # no slot is touched this close to its lease's end
+REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 IDLE_S = 600.0  # a connection idle between requests longer than this is closed
 MAX_CONNECTIONS = 1024
@@ -163,13 +160,6 @@ def _send(conn: socket.socket, deadline: float, data: bytes) -> None:
     conn.sendall(data)
 
 
-def _live(expires_at_s: float, what: str) -> None:
-    """Refuse to touch a slot whose lease or reservation may be ending: it could be someone
-    else's the moment after (REQUEST_S < LEASE_S makes this a second line of defence)."""
-    if time.monotonic() >= expires_at_s - LEASE_MARGIN_S:
-        raise LeaseExpired(f"the {what} ran out mid-transfer; nothing more is read or written")
-
-
 class DataPort:
     """A thread per connection; ``close()`` stops accepting and waits for them."""
 
@@ -178,7 +168,7 @@ class DataPort:
         store: TieredStore,
         auth: Authenticator,
         address: str,
-        check_sizes: Callable[[bytes, Sequence[int]], None] | None = None,
+        plane: DataPlane,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600);
@@ -186,9 +176,7 @@ class DataPort:
         self.store = store
         self._ssl_context = ssl_context
         self.auth = auth
-        self._check_sizes = check_sizes
-        # Called after each lookup (for metrics): (caller, fingerprint, keys asked, tiers of hits).
-        self.on_lookup: Callable[[Caller, bytes, int, Sequence[str]], None] | None = None
+        self.plane = plane
         # Called after each request with the gRPC method it stands for and its seconds, so the
         # request metrics are the same whichever transport carried it.
         self.on_request: Callable[[str, float], None] | None = None
@@ -325,7 +313,7 @@ class DataPort:
             self._resolve(conn, session)
         elif op == OP_RELEASE:
             (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
-            self.store.release(lease_id, owner=session.caller.tenant)
+            self.plane.release(session.caller, lease_id)
             self._status(conn, session, "OK")
         elif op == OP_GET:
             self._get(conn, session)
@@ -397,11 +385,8 @@ class DataPort:
                 "resolve hands out arena slots: same-host clients on the Unix socket only"
             )
         scope = Scope(session.namespace, fingerprint)
-        resolved = self.store.resolve(scope, keys, ttl_s if ttl_s > 0 else None, owner=session.caller.tenant)
-        if self.on_lookup is not None:
-            self.on_lookup(session.caller, fingerprint, len(keys), resolved.tiers)
-        arena = self.store.arena
-        name = arena.arena.name.encode() if arena is not None else b""
+        resolved = self.plane.resolve(session.caller, scope, keys, ttl_s if ttl_s > 0 else None)
+        name = self.plane.arena().arena.name.encode()
         body = [struct.pack("<H", len(name)), name, struct.pack("<I", len(resolved.slots))]
         body.extend(
             struct.pack("<QQB", slot.offset, slot.size_bytes, TIER_CODES[tier])
@@ -415,10 +400,7 @@ class DataPort:
         fingerprint, keys = self._keys(conn, session)
         (pin_ttl_s,) = struct.unpack("<d", recv_exact(conn, 8, session.deadline))
         scope = Scope(session.namespace, fingerprint)
-        ttl = pin_ttl_s if pin_ttl_s > 0 else None
-        result = self.store.lookup(scope, keys, pin_ttl_s=ttl, owner=session.caller.tenant)
-        if self.on_lookup is not None:
-            self.on_lookup(session.caller, fingerprint, len(keys), result.tiers)
+        result = self.plane.lookup(session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None)
         tiers = bytes(TIER_CODES[t] for t in result.tiers)
         lease_id = result.lease.lease_id if result.lease else 0
         self._status(conn, session, "OK")
@@ -429,26 +411,15 @@ class DataPort:
     def _get(self, conn: socket.socket, session: _Session) -> None:
         fingerprint, keys = self._keys(conn, session)
         scope = Scope(session.namespace, fingerprint)
-        arena = self.store.arena
-        if arena is None:
-            raise FailedPrecondition("this server has no dram arena to serve from")
-        owner = session.caller.tenant
+        self.plane.arena()
         self._status(conn, session, "OK")  # from here on a failure can only close the connection
-        for first in range(0, len(keys), GET_BATCH_BLOCKS):
-            batch = keys[first : first + GET_BATCH_BLOCKS]
-            resolved = self.store.resolve(scope, batch, LEASE_S, owner=owner)
-            try:
-                for slot in resolved.slots:
-                    if resolved.lease is not None:
-                        _live(resolved.lease.expires_at_s, "lease")
-                    payload = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
-                    conn.settimeout(time_left_s(session.deadline))
-                    send_parts(conn, struct.pack("<Q", slot.size_bytes), payload)
-            finally:
-                if resolved.lease is not None:
-                    self.store.release(resolved.lease.lease_id, owner=owner)
-            if len(resolved.slots) < len(batch):
-                break
+
+        def send(key: BlockKey, payload: memoryview) -> None:  # straight out of the pinned slot
+            conn.settimeout(time_left_s(session.deadline))
+            send_parts(conn, struct.pack("<Q", len(payload)), payload)
+
+        for _ in self.plane.read(session.caller, scope, keys, send):
+            pass
         _send(conn, session.deadline, struct.pack("<Q", END))
         self._status(conn, session, "OK")
 
@@ -462,44 +433,11 @@ class DataPort:
         headers = recv_exact(conn, 40 * n, deadline)
         keys = [BlockKey(headers[i * 40 : i * 40 + 32]) for i in range(n)]
         sizes = [struct.unpack_from("<Q", headers, i * 40 + 32)[0] for i in range(n)]
-        scope = Scope(session.namespace, fingerprint)
-        if self._check_sizes is not None:
-            self._check_sizes(fingerprint, sizes)
-        arena = self.store.arena
-        if arena is None:
-            raise FailedPrecondition("this server has no dram arena to receive into")
         parent = BlockKey(parent_raw) if has_parent else None
-        owner = session.caller.tenant
-        stored = 0
-        # Reserve and receive in bounded steps so one request never needs the whole arena.
-        first = 0
-        while first < n:
-            last = min(n, first + GET_BATCH_BLOCKS)
-            reservation = self.store.reserve(
-                scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
-            )
-            # Blocks the arena could not take (full of pinned blocks or of this chain's own
-            # head) are received aside and stored through put(), which places them lower.
-            aside: list[tuple[BlockKey, BlockKey | None, bytearray]] = []
-            try:
-                for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
-                    if slot is not None:
-                        _live(reservation.expires_at_s, "reservation")
-                        recv_into_exact(conn, arena.arena.view[slot.offset : slot.offset + size], deadline)
-                    else:
-                        data = bytearray(size)
-                        recv_into_exact(conn, memoryview(data), deadline)
-                        aside.append((keys[first + i], keys[first + i - 1] if first + i else parent, data))
-                _live(reservation.expires_at_s, "reservation")  # all bytes in before it ended
-            except BaseException:
-                with contextlib.suppress(KvStoreError):  # expired meanwhile: nothing to give back
-                    self.store.abort(reservation.reservation_id, owner=owner)
-                raise
-            stored += self.store.commit(reservation.reservation_id, owner=owner)
-            for key, key_parent, data in aside:
-                stored += self.store.put(scope, [key], [data], parent=key_parent)
-            parent = keys[last - 1]
-            first = last
+        scope = Scope(session.namespace, fingerprint)
+        stored = self.plane.write(
+            session.caller, scope, parent, keys, sizes, lambda i, view: recv_into_exact(conn, view, deadline)
+        )
         self._status(conn, session, "OK")
         _send(conn, session.deadline, struct.pack("<I", stored))
 

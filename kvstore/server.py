@@ -295,12 +295,11 @@ def _data_port(
 ) -> DataPort:
     context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
     try:
-        port = DataPort(store, auth, address, service.check_sizes, context)
+        port = DataPort(store, auth, address, service.plane, context)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"
         ) from None
-    port.on_lookup = service.record_hits
     if service.metrics is not None:
         port.on_request = service.metrics.observe_request
     return port

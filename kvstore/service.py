@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from kvstore import __version__
 from kvstore.audit import AuditLog
 from kvstore.auth import Authenticator, Caller
+from kvstore.dataplane import BATCH_BLOCKS, DataPlane
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -47,9 +48,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvstore.v1.KvStore"
 TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME}
-GET_BATCH_BLOCKS = 32  # pinned and copied out per step of a Get stream
-PUT_BATCH_BYTES = 32 << 20  # handed to the store per step of a Put stream
-STREAM_LEASE_S = 60.0
+PUT_BUFFER_BYTES = 32 << 20  # a Put stream's frames buffered before they go to the data plane
 
 R = TypeVar("R")
 
@@ -86,6 +85,7 @@ class KvStoreService:
         self._max_in_flight = max_requests_per_tenant
         self._stream_timeout_s = stream_timeout_s
         self._in_flight: Counter[str] = Counter()  # per tenant
+        self.plane = DataPlane(store, self.check_sizes, self.record_hits)  # both transports' bytes
 
     # ----------------------------------------------------------------- plumbing
 
@@ -102,7 +102,7 @@ class KvStoreService:
         except KvStoreError as exc:
             _abort(context, exc)
         finally:
-            if self.metrics is not None:
+            if self.metrics is not None and method:
                 self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
 
     @contextlib.contextmanager
@@ -349,10 +349,7 @@ class KvStoreService:
     # ----------------------------------------------------------------- same host
 
     def _arena(self) -> Any:
-        arena = self.store.arena
-        if arena is None:
-            raise FailedPrecondition("this server has no dram arena; use Get and Put")
-        return arena
+        return self.plane.arena()
 
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
         def body(caller: Caller) -> pb.AttachResponse:
@@ -434,7 +431,7 @@ class KvStoreService:
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Frames of the present prefix of ``keys``, in order. Each step pins a batch, copies it
         into frames and releases it before yielding, so a slow reader never holds a pin."""
-        caller = self._serve("Get", context, lambda c: c, slot=False)  # authenticated, for its slot
+        caller = self._serve("", context, lambda c: c, slot=False)  # authenticated, for its slot
         slot = self._slot(caller.tenant)
         try:
             slot.__enter__()  # the whole stream holds one: a slow reader keeps its worker
@@ -442,46 +439,26 @@ class KvStoreService:
             _abort(context, exc)
         watchdog = self._watchdog(context)
         try:
-            yield from self._get(request, context)
+            yield from self._get(caller, request, context)
         finally:
             watchdog.cancel()
             slot.__exit__(None, None, None)
 
-    def _get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _get(self, caller: Caller, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         start_s = time.perf_counter()
-        keys = [BlockKey(k) for k in request.keys]
-        served: list[str] = []
-        tenant = ""
-        first = 0
-        while first < len(keys):
-            batch_keys = keys[first : first + GET_BATCH_BLOCKS]
-
-            def step(caller: Caller, batch_keys: list[BlockKey] = batch_keys) -> list[bytes]:
-                nonlocal tenant
-                tenant = caller.tenant
-                arena = self._arena()
-                scope = self._scope(caller, request.fingerprint, request.scope)
-                resolved = self.store.resolve(scope, batch_keys, STREAM_LEASE_S, owner=caller.tenant)
-                try:
-                    frames = [
-                        encode_frame(key, arena.arena.view[s.offset : s.offset + s.size_bytes])
-                        for key, s in zip(batch_keys, resolved.slots, strict=False)
-                    ]
-                finally:
-                    if resolved.lease is not None:
-                        self.store.release(resolved.lease.lease_id, owner=caller.tenant)
-                served.extend(resolved.tiers)
-                return frames
-
-            frames = self._serve("Get", context, step, slot=False)  # the stream holds one
-            yield from frames
-            if len(frames) < len(batch_keys):
-                break
-            first += GET_BATCH_BLOCKS
-        if self.metrics is not None and tenant:
-            tpb = self._tokens_per_block(request.fingerprint)
-            self.metrics.record_lookup(tenant, len(served), len(keys) - len(served), served, tpb)
-            self.metrics.restore_seconds.labels("get").observe(time.perf_counter() - start_s)
+        try:
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            # Each batch is copied into frames under its pin and released before the frames
+            # go out: a slow reader never holds a pin.
+            for frames in self.plane.read(caller, scope, [BlockKey(k) for k in request.keys], encode_frame):
+                yield from frames
+        except KvStoreError as exc:
+            _abort(context, exc)
+        finally:
+            if self.metrics is not None:
+                seconds = time.perf_counter() - start_s
+                self.metrics.observe_request("Get", seconds)
+                self.metrics.restore_seconds.labels("get").observe(seconds)
 
     def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
         watchdog = self._watchdog(context)
@@ -496,8 +473,19 @@ class KvStoreService:
             scope: Scope | None = None
             parent: BlockKey | None = None
             keys: list[BlockKey] = []
-            blocks: list[memoryview] = []
+            payloads: list[memoryview] = []
             pending_bytes = received = stored = 0
+
+            def flush() -> None:
+                # Through the same data plane as the data port: the blocks land in the arena.
+                nonlocal parent, keys, payloads, pending_bytes, stored
+                assert scope is not None
+                sizes = [len(p) for p in payloads]
+                stored += self.plane.write(
+                    caller, scope, parent, keys, sizes, lambda i, view: _fill(view, payloads[i])
+                )
+                parent, keys, payloads, pending_bytes = keys[-1], [], [], 0
+
             for raw in request_iterator:
                 frame = decode_frame(raw)
                 if scope is None:
@@ -507,14 +495,13 @@ class KvStoreService:
                     parent = BlockKey(frame.parent) if frame.parent else None
                 self.check_sizes(scope.fingerprint, [len(frame.payload)])
                 keys.append(BlockKey(frame.key))
-                blocks.append(frame.payload)
+                payloads.append(frame.payload)
                 received += 1
                 pending_bytes += len(frame.payload)
-                if pending_bytes >= PUT_BATCH_BYTES:
-                    stored += self.store.put(scope, keys, blocks, parent=parent)
-                    parent, keys, blocks, pending_bytes = keys[-1], [], [], 0
+                if len(keys) >= BATCH_BLOCKS or pending_bytes >= PUT_BUFFER_BYTES:
+                    flush()
             if scope is not None and keys:
-                stored += self.store.put(scope, keys, blocks, parent=parent)
+                flush()
             if self.metrics is not None:
                 self.metrics.store_seconds.labels("put").observe(time.perf_counter() - start)
             return pb.PutResponse(stored=stored, received=received)
@@ -608,6 +595,12 @@ def _tier_stats(usage: TierUsage, used_bytes: int, blocks: int, stored_bytes: in
         checksum_failures=usage.checksum_failures,
         stored_bytes=stored_bytes,
     )
+
+
+def _fill(view: memoryview, payload: memoryview) -> None:
+    if len(payload) != len(view):
+        raise InvalidArgument(f"a frame of {len(payload)} B for a {len(view)} B slot")
+    view[:] = payload
 
 
 def _optional_fingerprint(raw: bytes) -> Fingerprint:

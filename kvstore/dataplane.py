@@ -1,0 +1,154 @@
+"""The data plane both transports share: the gRPC Get/Put streams and the raw data port are thin
+adapters over this, so a request has the same outcome, status and metrics whichever carries it.
+
+    lookup(caller, scope, keys, pin_ttl_s)     -> LookupResult; counts hits
+    resolve(caller, scope, keys, ttl_s)        -> Resolved (same host: slots to read in place)
+    release(caller, lease_id)
+    read(caller, scope, keys, each)            -> yields, per batch of BATCH_BLOCKS, the results
+                                                  of ``each(key, slot view)`` for the present
+                                                  prefix; the batch is pinned while ``each`` runs
+                                                  and released before the list is yielded, so a
+                                                  slow consumer never holds a pin
+    write(caller, scope, parent, keys, sizes, fill) -> blocks stored; ``fill(i, view)`` writes
+                                                  block i's bytes into its reserved arena slot
+
+Every block lands in the arena (`dram`), reserved in batches so that one request never needs the
+whole arena; a block the arena cannot take (full of pinned blocks) is filled into a buffer and
+stored through ``put``, which places it lower. No slot is touched within LEASE_MARGIN_S of its
+lease's or reservation's end (the transports' request deadlines end well before): a transfer that
+loses its lease fails with LEASE_EXPIRED and touches nothing more. Sizes are checked against the
+registered layout and ``store.max_block_bytes`` before anything is reserved.
+
+Thread-safe: the store locks; the plane keeps no state of its own per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+from kvstore.auth import Caller
+from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
+from kvstore.keys import BlockKey
+from kvstore.store import LookupResult, Resolved, Scope, TieredStore
+from tiers.dram import DramTier
+
+BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer
+LEASE_S = 60.0  # a transfer's pins and reservations; the transports' deadlines end well inside
+LEASE_MARGIN_S = 5.0  # no slot is touched this close to its lease's end
+
+T = TypeVar("T")
+
+
+def check_live(expires_at_s: float, what: str) -> None:
+    if time.monotonic() >= expires_at_s - LEASE_MARGIN_S:
+        raise LeaseExpired(f"the {what} ran out mid-transfer; nothing more is read or written")
+
+
+class DataPlane:
+    def __init__(
+        self,
+        store: TieredStore,
+        check_sizes: Callable[[bytes, Sequence[int]], None],
+        record_hits: Callable[[Caller, bytes, int, Sequence[str]], None],
+    ) -> None:
+        self.store = store
+        self._check_sizes = check_sizes
+        self._record_hits = record_hits
+
+    def arena(self) -> DramTier:
+        arena = self.store.arena
+        if arena is None:
+            raise FailedPrecondition("this server has no dram arena to move blocks through")
+        return arena
+
+    def lookup(
+        self, caller: Caller, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None
+    ) -> LookupResult:
+        result = self.store.lookup(scope, keys, pin_ttl_s=pin_ttl_s, owner=caller.tenant)
+        self._record_hits(caller, scope.fingerprint, len(keys), result.tiers)
+        return result
+
+    def resolve(
+        self, caller: Caller, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None
+    ) -> Resolved:
+        self.arena()
+        resolved = self.store.resolve(scope, keys, ttl_s, owner=caller.tenant)
+        self._record_hits(caller, scope.fingerprint, len(keys), resolved.tiers)
+        return resolved
+
+    def release(self, caller: Caller, lease_id: int) -> None:
+        self.store.release(lease_id, owner=caller.tenant)
+
+    def read(
+        self,
+        caller: Caller,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        each: Callable[[BlockKey, memoryview], T],
+    ) -> Iterator[list[T]]:
+        arena = self.arena()
+        served: list[str] = []
+        try:
+            for first in range(0, len(keys), BATCH_BLOCKS):
+                batch = keys[first : first + BATCH_BLOCKS]
+                resolved = self.store.resolve(scope, batch, LEASE_S, owner=caller.tenant)
+                try:
+                    results = []
+                    for key, slot in zip(batch, resolved.slots, strict=False):
+                        if resolved.lease is not None:
+                            check_live(resolved.lease.expires_at_s, "lease")
+                        results.append(
+                            each(key, arena.arena.view[slot.offset : slot.offset + slot.size_bytes])
+                        )
+                finally:
+                    if resolved.lease is not None:
+                        with contextlib.suppress(LeaseExpired):  # expired: nothing is held
+                            self.store.release(resolved.lease.lease_id, owner=caller.tenant)
+                served.extend(resolved.tiers)
+                yield results
+                if len(resolved.slots) < len(batch):
+                    return
+        finally:
+            self._record_hits(caller, scope.fingerprint, len(keys), served)
+
+    def write(
+        self,
+        caller: Caller,
+        scope: Scope,
+        parent: BlockKey | None,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        fill: Callable[[int, memoryview], None],
+    ) -> int:
+        self._check_sizes(scope.fingerprint, sizes)
+        arena = self.arena()
+        owner = caller.tenant
+        stored = 0
+        for first in range(0, len(keys), BATCH_BLOCKS):
+            last = min(len(keys), first + BATCH_BLOCKS)
+            reservation = self.store.reserve(
+                scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
+            )
+            aside: list[tuple[BlockKey, BlockKey | None, bytearray]] = []
+            try:
+                for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
+                    if slot is not None:
+                        check_live(reservation.expires_at_s, "reservation")
+                        fill(first + i, arena.arena.view[slot.offset : slot.offset + size])
+                    else:
+                        data = bytearray(size)
+                        fill(first + i, memoryview(data))
+                        aside.append((keys[first + i], keys[first + i - 1] if first + i else parent, data))
+                check_live(reservation.expires_at_s, "reservation")  # every byte in before it ended
+            except BaseException:
+                with contextlib.suppress(KvStoreError):  # expired meanwhile: nothing to give back
+                    self.store.abort(reservation.reservation_id, owner=owner)
+                raise
+            stored += self.store.commit(reservation.reservation_id, owner=owner)
+            for key, key_parent, data in aside:
+                stored += self.store.put(scope, [key], [data], parent=key_parent)
+            parent = keys[last - 1]
+        return stored
