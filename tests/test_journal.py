@@ -70,3 +70,18 @@ def test_salvage_sees_committed_slots_only(tmp_path: Path) -> None:
             assert [(r.key, bytes(v)) for r, v in blocks] == [(bytes(key(2)), b"b" * 4096)]
     finally:
         tier.close()
+
+
+def test_a_large_live_set_is_not_rewritten_at_every_commit(tmp_path: Path) -> None:
+    journal = Journal(str(tmp_path / "j"), compact_bytes=4096)
+    live = [JournalRecord(i * 4096, 100, b"k%d" % i, FP, b"") for i in range(200)]  # ~17 KiB of records
+    journal.rewrite(live)
+    assert not journal.needs_compaction  # the live set alone is over compact_bytes
+    rewrites = 0
+    for i in range(2000):
+        journal.commit(JournalRecord(i * 4096, 100, b"n%d" % i, FP, b""))
+        if journal.needs_compaction:
+            journal.rewrite(live)
+            rewrites += 1
+    assert rewrites < 200, f"rewritten {rewrites} times for 2000 commits"
+    journal.close(remove=True)
