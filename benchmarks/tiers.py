@@ -195,53 +195,63 @@ def _raw_lmdb(path: Path, w: _Working) -> tuple[Callable[[], float], Callable[[]
     return write, read
 
 
+class _NvmeRounds:
+    """Timed rounds on one nvme tier config: ``write`` a fresh tier (incl. the final sync),
+    ``read`` it back warm, ``read_cold`` after reopening with the page cache dropped."""
+
+    def __init__(self, config: NvmeConfig, w: _Working) -> None:
+        self.config, self.w = config, w
+        self.tier: NvmeTier | None = None
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+
+    def write(self) -> float:
+        self.close()
+        shutil.rmtree(self.config.path, ignore_errors=True)
+        tier = self.tier = NvmeTier(self.config)
+        start = time.perf_counter()
+        for i, k in enumerate(self.w.keys):
+            tier.put(k, self.w.block(i), FP)
+        tier.flush()
+        return time.perf_counter() - start
+
+    def read(self) -> float:
+        assert self.tier is not None
+        start = time.perf_counter()
+        for k in self.w.keys:
+            if self.tier.get_into(k, self.w.dst_view) is None:
+                raise RuntimeError("nvme bench: a block written a moment ago is missing")
+        return time.perf_counter() - start
+
+    def read_cold(self) -> float:
+        self.close()
+        drop_page_cache(Path(self.config.path))
+        self.tier = NvmeTier(self.config)
+        return self.read()
+
+
 def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE) -> list[Result]:
     raw_write, raw_read = _raw_lmdb(folder / "raw", w)
     config = NvmeConfig(
         path=folder / "tier", capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS, codec=codec
     )
-    holder: list[NvmeTier] = []
-
-    def tier_write() -> float:
-        while holder:
-            holder.pop().close()
-        shutil.rmtree(config.path, ignore_errors=True)
-        tier = NvmeTier(config)
-        holder.append(tier)
-        start = time.perf_counter()
-        for i, k in enumerate(w.keys):
-            tier.put(k, w.block(i), FP)
-        tier.flush()
-        return time.perf_counter() - start
-
-    def tier_read() -> float:
-        tier = holder[-1]
-        start = time.perf_counter()
-        for k in w.keys:
-            if tier.get_into(k, w.dst_view) is None:
-                raise RuntimeError("nvme bench: a block written a moment ago is missing")
-        return time.perf_counter() - start
-
-    def tier_read_cold() -> float:
-        while holder:
-            holder.pop().close()
-        drop_page_cache(Path(config.path))
-        holder.append(NvmeTier(config))
-        return tier_read()
+    tier = _NvmeRounds(config, w)
 
     def raw_read_cold() -> float:
         drop_page_cache(folder / "raw")
         return raw_read()
 
     try:
-        write_s, ref_write = interleaved(tier_write, raw_write, rounds)
-        cold_s, ref_cold = interleaved(tier_read_cold, raw_read_cold, rounds)
+        write_s, ref_write = interleaved(tier.write, raw_write, rounds)
+        cold_s, ref_cold = interleaved(tier.read_cold, raw_read_cold, rounds)
         raw_read()  # warm both maps equally before the warm rounds
-        tier_read()
-        read_s, ref_read = interleaved(tier_read, raw_read, rounds)
+        tier.read()
+        read_s, ref_read = interleaved(tier.read, raw_read, rounds)
     finally:
-        while holder:
-            holder.pop().close()
+        tier.close()
     label = _label(w.size)
     name = "nvme" if codec is Codec.NONE else f"nvme[{codec.name.lower()}]"
     reads = "one read txn per block; the tier verifies xxh3-64 on every read, raw LMDB does not"
@@ -290,39 +300,14 @@ def bench_nvme_encryption(w: _Working, rounds: int, folder: Path) -> list[Result
         batch_max_blocks=BATCH_BLOCKS,
         cipher=BlockCipher(folder / "keys", lambda key: "bench"),
     )
-    tiers: dict[str, NvmeTier] = {}
-
-    def writer(name: str, config: NvmeConfig) -> Callable[[], float]:
-        def write() -> float:
-            if name in tiers:
-                tiers.pop(name).close()
-            shutil.rmtree(config.path, ignore_errors=True)
-            tier = tiers[name] = NvmeTier(config)
-            start = time.perf_counter()
-            for i, k in enumerate(w.keys):
-                tier.put(k, w.block(i), FP)
-            tier.flush()
-            return time.perf_counter() - start
-
-        return write
-
-    def reader(name: str) -> Callable[[], float]:
-        def read() -> float:
-            start = time.perf_counter()
-            for k in w.keys:
-                if tiers[name].get_into(k, w.dst_view) is None:
-                    raise RuntimeError("nvme encryption bench: a block written a moment ago is missing")
-            return time.perf_counter() - start
-
-        return read
-
+    encrypted, clear = _NvmeRounds(sealed, w), _NvmeRounds(plain, w)
     try:
-        write_s, ref_write = interleaved(writer("sealed", sealed), writer("plain", plain), rounds)
-        reader("sealed")(), reader("plain")()  # warm both maps
-        read_s, ref_read = interleaved(reader("sealed"), reader("plain"), rounds)
+        write_s, ref_write = interleaved(encrypted.write, clear.write, rounds)
+        encrypted.read(), clear.read()  # warm both maps
+        read_s, ref_read = interleaved(encrypted.read, clear.read, rounds)
     finally:
-        for tier in tiers.values():
-            tier.close()
+        encrypted.close()
+        clear.close()
     label = _label(w.size)
     note = "AES-256-GCM (cryptography/OpenSSL), one key per tenant; xxh3 and the GCM tag both checked"
     return [

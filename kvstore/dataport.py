@@ -79,7 +79,6 @@ _STATUS_CODES = {
     "UNKNOWN": 2,
 }
 STATUS_NAMES = {v: k for k, v in _STATUS_CODES.items()}
-STATUS_CODES_BY_NAME = _STATUS_CODES
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -334,8 +333,8 @@ class DataPort:
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
     def _status(self, conn: socket.socket, session: _Session, code: str, message: str = "") -> None:
-        body = message.encode()
-        _send(conn, session.deadline, struct.pack("<BI", STATUS_CODES_BY_NAME.get(code, 2), len(body)) + body)
+        conn.settimeout(time_left_s(session.deadline))
+        send_status(conn, code, message)
 
     def _next_op(self, conn: socket.socket) -> bytes:
         """Wait up to IDLE_S for the next request (a connection idle longer is closed; the client

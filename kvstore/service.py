@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -284,7 +284,9 @@ class KvStoreService:
                 tenant_bytes = {caller.namespace: stats.namespace_bytes.get(caller.namespace, 0)}
                 own = self.store.tier_usage_of(caller.namespace)
                 tiers = [_tier_stats(u, own[u.name][1], own[u.name][0], own[u.name][1]) for u in stats.tiers]
-                blocks = sum(n for n, _ in self.store.fingerprint_usage(caller.namespace).values())
+            usage = self.store.fingerprint_usage(None if caller.admin else caller.namespace)
+            if not caller.admin:
+                blocks = sum(n for n, _ in usage.values())
             return pb.StatsResponse(
                 tiers=tiers,
                 counters={k: v for k, v in counters.items() if v >= 0},
@@ -297,7 +299,7 @@ class KvStoreService:
                 uptime_s=time.monotonic() - self._started,
                 addresses=self.addresses,
                 **self._token_figures(caller),
-                fingerprints=self._fingerprint_stats(None if caller.admin else caller.namespace),
+                fingerprints=self._fingerprint_stats(usage),
             )
 
         return self._serve("Stats", context, body)
@@ -311,9 +313,9 @@ class KvStoreService:
                 "hit_tokens": self._hit_tokens[caller.tenant],
             }
 
-    def _fingerprint_stats(self, namespace: str | None) -> list[pb.FingerprintStats]:
+    def _fingerprint_stats(self, usage: Mapping[Fingerprint, tuple[int, int]]) -> list[pb.FingerprintStats]:
         out = []
-        for fingerprint, (blocks, nbytes) in sorted(self.store.fingerprint_usage(namespace).items()):
+        for fingerprint, (blocks, nbytes) in sorted(usage.items()):
             identity = self._models.get(fingerprint)
             out.append(
                 pb.FingerprintStats(

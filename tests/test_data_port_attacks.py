@@ -13,10 +13,10 @@ import pytest
 
 import kvstore.dataport as dataport
 from kvstore.client import connect
-from kvstore.dataport import MAGIC, OP_GET, OP_PUT, read_status
+from kvstore.dataport import MAGIC, OP_GET, read_status
 from tests.service_fixtures import BLOCK, MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
-from tests.test_service import blocks_for, chain
+from tests.test_service import blocks_for, chain, put_header
 
 
 def hello(served: Served, token: str, rcvbuf: int = 0) -> socket.socket:
@@ -37,15 +37,7 @@ def test_a_trickled_put_is_cut_and_touches_nothing(served: Served, monkeypatch: 
     fp = MODEL.fingerprint()
     mine = chain(1, salt="beta")
     sock = hello(served, "tok-b")
-    sock.sendall(
-        struct.pack("<B", OP_PUT)
-        + fp
-        + struct.pack("<B32s", 0, b"\0" * 32)
-        + struct.pack("<I", 1)
-        + mine[0]
-        + struct.pack("<Q", BLOCK)
-    )
-    sock.sendall(b"b" * (BLOCK // 2))
+    sock.sendall(put_header(mine[0], BLOCK) + b"b" * (BLOCK // 2))
     started = time.monotonic()
     cut = False
     while time.monotonic() - started < 5:  # a byte every 0.1 s: each recv is quick, the whole is not
@@ -140,18 +132,9 @@ def test_the_acceptor_survives_a_thread_that_cannot_start(
 
 def test_a_drain_takes_one_grace_whatever_the_clients_do(served: Served) -> None:
     socks = []
-    fp = MODEL.fingerprint()
     for i in range(8):  # eight puts that announce a block and send half of it
         sock = hello(served, "tok-a")
-        sock.sendall(
-            struct.pack("<B", OP_PUT)
-            + fp
-            + struct.pack("<B32s", 0, b"\0" * 32)
-            + struct.pack("<I", 1)
-            + chain(1, salt=f"drain-{i}")[0]
-            + struct.pack("<Q", BLOCK)
-        )
-        sock.sendall(b"d" * (BLOCK // 2))
+        sock.sendall(put_header(chain(1, salt=f"drain-{i}")[0], BLOCK) + b"d" * (BLOCK // 2))
         socks.append(sock)
     time.sleep(0.3)
     started = time.monotonic()

@@ -426,7 +426,7 @@ def _announce(served: Served, size: int) -> None:
     import socket
     import struct
 
-    from kvstore.dataport import MAGIC, OP_PUT, read_status
+    from kvstore.dataport import MAGIC, read_status
     from kvstore.errors import error_for_status
 
     host = served.tcp.rpartition(":")[0]
@@ -437,16 +437,19 @@ def _announce(served: Served, size: int) -> None:
         sock.sendall(MAGIC + struct.pack("<H", len(token)) + token + struct.pack("<H", 0))
         assert read_status(sock)[0] == "OK"
         key = chain(1, salt="huge")[0]
-        sock.sendall(
-            struct.pack("<B", OP_PUT)
-            + MODEL.fingerprint()
-            + struct.pack("<B32s", 0, b"\0" * 32)
-            + struct.pack("<I", 1)
-            + key
-            + struct.pack("<Q", size)
-        )
+        sock.sendall(put_header(key, size))
         code, message = read_status(sock)
         raise error_for_status(code, message)
+
+
+def put_header(key: bytes, size: int) -> bytes:
+    """A one-block data-port put, up to where its payload begins."""
+    import struct
+
+    from kvstore.dataport import OP_PUT
+
+    head = struct.pack("<B", OP_PUT) + MODEL.fingerprint() + struct.pack("<B32s", 0, b"\0" * 32)
+    return head + struct.pack("<I", 1) + key + struct.pack("<Q", size)
 
 
 def test_a_same_host_write_that_finds_no_room_says_so(served: Served) -> None:

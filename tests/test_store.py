@@ -319,16 +319,8 @@ def test_bad_arguments_are_invalid(store: TieredStore) -> None:
         store.get_into(A, keys[0], memoryview(bytearray(10)))
 
 
-class FakeWall:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_retention_removes_blocks_from_every_tier_after_their_time() -> None:
-    wall = FakeWall()
+    wall = FakeClock()  # the wall clock, stepped like the lease clock
     fast = HbmTier(HbmConfig(capacity_bytes=4 * PAGE, page_bytes=PAGE, device="cpu"))
     slow = DramTier(DramConfig(capacity_bytes=8 * PAGE, page_bytes=PAGE, prefault=False))
     config = StoreConfig(retention_s={"tenant-a": 60.0})  # tenant-b keeps its blocks
