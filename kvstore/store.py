@@ -1140,8 +1140,10 @@ class TieredStore:
     def _sweep_retention(self) -> None:
         """Remove blocks past their namespace's retention from every tier; at most every
         RETENTION_SWEEP_S (called from every operation that collects expired leases)."""
+        if not self._by_age:
+            return  # no namespace has a retention: nothing to sweep, no clock to read
         now = self._wall()
-        if not self._by_age or now < self._next_sweep_s:
+        if now < self._next_sweep_s:
             return
         self._next_sweep_s = now + RETENTION_SWEEP_S
         for queue in self._by_age.values():
