@@ -84,3 +84,20 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(certs: Certs) -> None
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_the_native_tls_probe_measures_tls_and_plain_tcp(certs: Certs) -> None:
+    """bench service's ceiling row: the C probe builds where a compiler and OpenSSL headers
+    exist and reports both figures; elsewhere it says why instead of failing the bench."""
+    from benchmarks import tls_ceiling
+
+    outcome = tls_ceiling.measure(certs.server_cert, certs.server_key, nbytes=64 << 20, rounds=1)
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        assert outcome == "no C compiler"
+        return
+    if isinstance(outcome, str):
+        assert outcome.startswith("could not build"), outcome
+        assert not Path("/usr/include/openssl/ssl.h").exists()
+        return
+    tls, tcp = outcome
+    assert tls > 0 and tcp > 0
