@@ -18,6 +18,7 @@ from tiers import Tier, TierError, TierKey, TierUnavailable
 from tiers.cipher import BlockCipher
 from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom
+from tiers.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,7 @@ def _build_tiers(
     tiers = [t for t in (hbm, dram, nvme) if t is not None]
     throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": d.throttle_bytes_per_s}
     throttles["nvme"] = settings.nvme.throttle_bytes_per_s
-    for tier in tiers:
-        tier.throttle_bytes_per_s = float(throttles.get(tier.name, 0))
-    return tiers, absent
+    return [Throttled(t, throttles[t.name]) if throttles.get(t.name) else t for t in tiers], absent
 
 
 def _cipher(keys_dir: str) -> BlockCipher | None:

@@ -33,7 +33,7 @@ from kvstore.auth import Caller
 from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
 from kvstore.store import LookupResult, Resolved, Scope, TieredStore
-from tiers.dram import DramTier
+from tiers import InPlaceTier
 
 BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer
 LEASE_S = 60.0  # a transfer's pins and reservations; the transports' deadlines end well inside
@@ -58,7 +58,7 @@ class DataPlane:
         self._check_sizes = check_sizes
         self._record_hits = record_hits
 
-    def arena(self) -> DramTier:
+    def arena(self) -> InPlaceTier:
         arena = self.store.arena
         if arena is None:
             raise FailedPrecondition("this server has no dram arena to move blocks through")

@@ -14,6 +14,7 @@ from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Scope, StoreConfig, TieredStore
 from tiers.dram import Arena, DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.throttle import Throttled
 
 BLOCK = 1 << 16
 FP = Fingerprint(b"\x0a" * 32)
@@ -139,24 +140,29 @@ def test_resolve_of_a_miss_pins_nothing(store: TieredStore) -> None:
     assert store.stats().leases == 0
 
 
-def test_a_throttled_tier_slows_its_readers_only(store: TieredStore) -> None:
+def test_a_throttled_tier_slows_its_readers_only(tmp_path: Path, store: TieredStore) -> None:
     import time
 
     keys = chain(2)
     store.put(A, keys, [data(k) for k in keys])
-    arena = store.arena
-    assert arena is not None
     start = time.perf_counter()
     store.release(store.resolve(A, keys).lease.lease_id)  # type: ignore[union-attr]
     fast = time.perf_counter() - start
-    arena.throttle_bytes_per_s = 2 * BLOCK / 0.2  # two blocks: 0.2 s
-    start = time.perf_counter()
-    resolved = store.resolve(A, keys)
-    slow = time.perf_counter() - start
-    assert resolved.lease is not None
-    store.release(resolved.lease.lease_id)
-    assert slow >= 0.2 > fast
-    buf = memoryview(bytearray(BLOCK))
-    start = time.perf_counter()
-    store.get_into(A, keys[0], buf)
-    assert time.perf_counter() - start >= 0.1
+    store.close()
+    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme-throttled", capacity_bytes=32 * BLOCK))
+    throttled = TieredStore([Throttled(dram, 2 * BLOCK / 0.2), nvme], StoreConfig())  # two blocks: 0.2 s
+    try:
+        throttled.put(A, keys, [data(k) for k in keys])
+        start = time.perf_counter()
+        resolved = throttled.resolve(A, keys)
+        slow = time.perf_counter() - start
+        assert resolved.lease is not None
+        throttled.release(resolved.lease.lease_id)
+        assert slow >= 0.2 > fast
+        buf = memoryview(bytearray(BLOCK))
+        start = time.perf_counter()
+        throttled.get_into(A, keys[0], buf)
+        assert time.perf_counter() - start >= 0.1
+    finally:
+        throttled.close()

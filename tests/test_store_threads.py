@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Scope, StoreConfig, TieredStore
 from tiers.dram import DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.throttle import Throttled
 
 BLOCK = 1 << 15
 FP = Fingerprint(b"\x09" * 32)
@@ -57,6 +59,17 @@ def test_threads_never_see_wrong_bytes(tmp_path: Path, deletes: bool) -> None:
                             served[0] += 1
                     if hit.lease is not None:
                         store.release(hit.lease.lease_id)
+                elif op < 0.8:
+                    resolved = store.resolve(scope, keys)  # promotes from nvme outside the lock
+                    arena = store.arena
+                    assert arena is not None
+                    for key, slot in zip(keys, resolved.slots, strict=False):
+                        if arena.arena.view[slot.offset : slot.offset + slot.size_bytes] != data(scope, key):
+                            errors.append("wrong bytes resolved")
+                        else:
+                            served[0] += 1
+                    if resolved.lease is not None:
+                        store.release(resolved.lease.lease_id)
                 elif op < 0.85 and deletes:
                     store.delete(scope, keys[rng.randrange(len(keys)) :])
                 elif op < 0.95:
@@ -77,3 +90,68 @@ def test_threads_never_see_wrong_bytes(tmp_path: Path, deletes: bool) -> None:
     assert served[0] > 100
     for usage in stats.tiers:
         assert usage.used_bytes <= usage.capacity_bytes
+
+
+def _slow_nvme_store(tmp_path: Path, seconds_per_block: float) -> tuple[TieredStore, list[BlockKey]]:
+    """A store whose nvme serves a block in ``seconds_per_block``, holding a chain only there."""
+    dram = DramTier(DramConfig(capacity_bytes=8 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme", capacity_bytes=16 * BLOCK))
+    store = TieredStore([dram, Throttled(nvme, BLOCK / seconds_per_block)], StoreConfig())
+    keys = block_keys(FP, list(range(32)), 4)  # 8 blocks
+    store.put(A, keys, [data(A, k) for k in keys])
+    assert store.demote("dram") == len(keys)
+    return store, keys
+
+
+A = Scope("tenant-a", FP)
+
+
+def test_a_slow_promotion_does_not_block_lookups(tmp_path: Path) -> None:
+    """resolve copies an nvme block into the arena outside the store lock: while one reader
+    waits on a slow medium, another's lookup is answered at once."""
+    store, keys = _slow_nvme_store(tmp_path, seconds_per_block=0.5)
+    try:
+        took: list[float] = []
+
+        def slow_reader() -> None:
+            start = time.perf_counter()
+            resolved = store.resolve(A, keys[:1])
+            took.append(time.perf_counter() - start)
+            assert resolved.lease is not None and len(resolved.slots) == 1
+            store.release(resolved.lease.lease_id)
+
+        reader = threading.Thread(target=slow_reader)
+        reader.start()
+        time.sleep(0.1)  # the reader is inside its copy now
+        start = time.perf_counter()
+        assert store.lookup(A, keys).hit_blocks == len(keys)
+        lookup_s = time.perf_counter() - start
+        reader.join(10)
+        assert took and took[0] >= 0.5  # the copy did take its time
+        assert lookup_s < 0.2, f"a lookup waited {lookup_s:.3f} s behind a promotion"
+        assert store.tier_of(A, keys[0]) == "dram"
+    finally:
+        store.close()
+
+
+def test_two_resolves_of_one_slow_block_both_get_it(tmp_path: Path) -> None:
+    """The second resolve waits for the first one's promotion instead of missing."""
+    store, keys = _slow_nvme_store(tmp_path, seconds_per_block=0.2)
+    try:
+        got: list[int] = []
+
+        def reader() -> None:
+            resolved = store.resolve(A, keys[:3])
+            got.append(len(resolved.slots))
+            if resolved.lease is not None:
+                store.release(resolved.lease.lease_id)
+
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(20)
+        assert got == [3, 3]
+        assert store.stats().counters["promotions"] == 3  # each block copied once
+    finally:
+        store.close()

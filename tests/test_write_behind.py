@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from kvstore.store import StoreConfig, TieredStore
+from kvstore.store import StoreConfig, TieredStore, tier_key
 from kvstore.write_behind import WriteBehind
 from tests.test_store_restart import BLOCK, A, chain, data
 from tiers.dram import DramConfig, DramTier
@@ -45,7 +45,7 @@ def test_new_blocks_reach_nvme_without_a_demotion(tmp_path: Path) -> None:
         assert store.stats().counters["write_behind_blocks"] == 6
         for k in keys:
             out = memoryview(bytearray(BLOCK))
-            assert nvme.get_into(store._blocks[(A, k)].tkey, out) == BLOCK and bytes(out) == data(k)
+            assert nvme.get_into(tier_key(A, k), out) == BLOCK and bytes(out) == data(k)
         store.delete(A, keys[:2])
         assert store.stats().blocks == 4
     finally:

@@ -3,7 +3,17 @@
 This package imports nothing else of the project.
 """
 
-from tiers.base import BlockHeader, BytesLike, Codec, StoredBlock, Tier, TierKey, TierUsage
+from tiers.base import (
+    BlockHeader,
+    BytesLike,
+    Codec,
+    InPlaceTier,
+    Slot,
+    StoredBlock,
+    Tier,
+    TierKey,
+    TierUsage,
+)
 from tiers.errors import (
     BlockTooLarge,
     SlotBusy,
@@ -19,6 +29,8 @@ __all__ = [
     "BlockTooLarge",
     "BytesLike",
     "Codec",
+    "InPlaceTier",
+    "Slot",
     "SlotBusy",
     "StoredBlock",
     "Tier",

@@ -21,6 +21,15 @@ Calls:
     flush()              -> blocks put so far are on the medium (a no-op for volatile tiers).
     close()              -> releases the medium; later calls raise TierClosed.
 
+What a tier says about itself:
+    persistent           its blocks outlive the process (the store spills to it on close,
+                         writes through or behind to it, and rebuilds its index from it).
+    as_arena()           -> the tier as an ``InPlaceTier`` when other processes can map its
+                         slots and read and write them in place (the `dram` arena), else None.
+    in_place_read_s(n)   -> seconds a read of n bytes made in place (through a mapped slot)
+                         costs beyond the reader's own copy: 0 for real media; a throttle
+                         wrapper (``tiers.throttle``) answers its delay.
+
 Threads: every method may be called from any thread. The caller must not put and delete the
 same key concurrently; the tiered store guarantees that by holding its own index lock.
 
@@ -36,7 +45,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NewType
+from typing import NewType, Protocol
 
 TierKey = NewType("TierKey", bytes)
 """A tier's storage key: opaque bytes chosen by the store."""
@@ -107,6 +116,14 @@ class BlockHeader:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """A place in a memory tier's region: ``offset`` and the ``size_bytes`` of the block it holds."""
+
+    offset: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
 class StoredBlock:
     """One block as a tier reports it from scan()."""
 
@@ -132,9 +149,7 @@ class Tier(ABC):
     """One storage medium. See the module docstring for the contract."""
 
     name: str
-    # For benchmarks: the store adds bytes / throttle seconds to every read it serves from this
-    # tier, emulating a slower medium or link. 0 = off.
-    throttle_bytes_per_s: float = 0.0
+    persistent: bool = False
 
     @abstractmethod
     def can_store(self, size_bytes: int) -> bool: ...
@@ -162,6 +177,55 @@ class Tier(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def as_arena(self) -> InPlaceTier | None:
+        """This tier as a region other processes map, or None (see the module docstring)."""
+        return None
+
+    def in_place_read_s(self, nbytes: int) -> float:
+        """Seconds an in-place read of ``nbytes`` costs beyond the reader's copy (0: none)."""
+        return 0.0
+
+
+class MappedRegion(Protocol):
+    """The shared memory an arena tier's slots live in, as its clients find and map it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def view(self) -> memoryview: ...
+
+
+class InPlaceTier(Protocol):
+    """A memory tier whose slots other processes map (same-host reads and writes in place).
+
+    Two-phase writes: ``reserve`` a slot readers cannot see, fill ``slot_view(slot)``, then
+    ``commit`` (publishes it) or ``abort`` (gives it back). ``locate`` finds a committed block's
+    slot; its view stays valid while the caller keeps the block from being deleted.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arena(self) -> MappedRegion: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot: ...
+
+    def commit(self, key: TierKey, meta: bytes | None = None) -> None: ...
+
+    def abort(self, key: TierKey) -> bool: ...
+
+    def locate(self, key: TierKey) -> Slot | None: ...
+
+    def slot_view(self, slot: Slot) -> memoryview: ...
 
 
 def check_key(key: bytes) -> None:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiers import cuda
-from tiers.base import BytesLike, TierKey
+from tiers.base import BytesLike, Slot, TierKey
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
-from tiers.slab import SlabTier, Slot
+from tiers.slab import SlabTier
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,9 @@ class DramTier(SlabTier):
     @property
     def pinned(self) -> bool:
         return self._pinned_address is not None
+
+    def as_arena(self) -> DramTier:
+        return self
 
     def slot_view(self, slot: Slot) -> memoryview:
         """The arena bytes of ``slot``; valid until the tier closes or the slot is freed."""

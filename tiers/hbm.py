@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tiers.base import BytesLike
+from tiers.base import BytesLike, Slot
 from tiers.errors import TierUnavailable
-from tiers.slab import SlabTier, Slot
+from tiers.slab import SlabTier
 
 # torch warns once that a read-only host buffer (bytes) could be written through the tensor; the
 # tier only ever reads from it.

@@ -223,6 +223,7 @@ class NvmeTier(Tier):
     """LMDB-backed tier; see the module docstring for durability, threads and buffers."""
 
     name = "nvme"
+    persistent = True
 
     def __init__(self, config: NvmeConfig) -> None:
         self._config = config

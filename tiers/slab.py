@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tiers.base import (
     BytesLike,
+    Slot,
     StoredBlock,
     Tier,
     TierKey,
@@ -41,14 +42,6 @@ SLOT_ALIGN_BYTES = 4096
 def slot_size_for(size_bytes: int) -> int:
     """The slot size class that holds a block of ``size_bytes``."""
     return max(SLOT_ALIGN_BYTES, -(-size_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A place in the region: ``offset`` and the ``size_bytes`` of the block it holds."""
-
-    offset: int
-    size_bytes: int
 
 
 @dataclass

@@ -1,0 +1,280 @@
+"""The same-host data plane: two-phase calls on the `dram` arena, which other processes map.
+
+    resolve(scope, keys, ttl_s)    -> Resolved: arena slots of the present prefix, pinned under
+                                   a lease; blocks found only in other tiers are copied into
+                                   the arena first. The caller reads the slots, then releases.
+    reserve(scope, keys, sizes)    -> Reservation: arena slots for new blocks (None for keys
+                                   already present); the caller writes them, then
+    commit(reservation_id)         publishes them, or abort(reservation_id) gives them back.
+                                   An uncommitted reservation expires like a lease.
+
+Promotion runs outside the store lock: under it, ``resolve`` pins the block and reserves an
+arena slot; the copy from the slower tier then runs without it, so a slow medium delays only
+this reader; under the lock again the slot is committed (or aborted when the read failed its
+checks, which ends the prefix there). A block another resolve is promoting is waited for, after
+this one's own copies are done (two resolves never wait on each other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument, QuotaExceeded
+from kvstore.keys import BlockKey
+from kvstore.leases import LeaseTable
+from kvstore.store.model import (
+    ArenaSlot,
+    Block,
+    BlockId,
+    Reservation,
+    Resolved,
+    Scope,
+    check_keys,
+    check_sizes,
+    new_block,
+    tier_key,
+)
+from kvstore.store.parts import StoreParts
+from tiers import InPlaceTier, TierError
+
+PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
+
+
+@dataclass(eq=False)
+class _Pending:
+    scope: Scope
+    keys: tuple[BlockKey, ...]
+    slots: tuple[ArenaSlot | None, ...]
+    parent: BlockKey | None
+    first_depth: int
+    pinned_parent: Block | None
+
+
+@dataclass(eq=False)
+class _Promotion:
+    block: Block
+    slot: ArenaSlot
+    source: int
+
+
+class ArenaCalls:
+    """See the module docstring. Thread-safe: every call takes the store lock itself."""
+
+    def __init__(
+        self,
+        parts: StoreParts,
+        clock: Callable[[], float],
+        on_new_block: Callable[[Block, memoryview], None],
+    ) -> None:
+        self._p = parts
+        self._on_new_block = on_new_block  # under the lock: write-through and write-behind
+        self._reservations: LeaseTable[_Pending] = LeaseTable(clock)
+        self._promoting: set[BlockId] = set()
+        parts.expire_reservations = self._expire_reservations
+
+    def _expire_reservations(self) -> None:
+        for (pending,) in self._reservations.expire():
+            self._p.counters["reservations_expired"] += 1
+            self._abort_pending(pending)
+
+    # ----------------------------------------------------------------- reads in place
+
+    def resolve(
+        self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
+    ) -> Resolved:
+        """Pin the present prefix and make sure each block has an arena copy to read in place."""
+        p = self._p
+        check_keys(keys)
+        ttl_s = p.pins.ttl(ttl_s)
+        a, arena = p.arena()
+        held: list[Block] = []  # the prefix so far, each under a transient hold
+        sources: list[str] = []  # the tier each block was found in, before any promotion
+        delay_s = 0.0
+        with p.locked():
+            scope = p.index.intern(scope)
+            p.expire()
+        done = False
+        while not done:
+            promotions: list[_Promotion] = []
+            with p.locked():
+                while len(held) < len(keys):
+                    block = p.index.visible((scope, keys[len(held)]))
+                    if block is None:
+                        done = True
+                        break
+                    if a not in block.tiers and block.ident in self._promoting:
+                        if promotions:
+                            break  # copy ours first; then wait for theirs
+                        p.changed.wait(PROMOTION_WAIT_S)
+                        continue
+                    p.pins.hold(block)  # before promotion: making room for the next must not evict it
+                    source = block.fastest
+                    if a not in block.tiers:
+                        promotion = self._start_promotion(block, a, arena)
+                        if promotion is None:
+                            p.pins.unhold(block)
+                            done = True
+                            break
+                        promotions.append(promotion)
+                    else:
+                        delay_s += p.tiers[source].in_place_read_s(block.size_bytes)
+                    held.append(block)
+                    sources.append(p.tiers[source].name)
+                else:
+                    done = True
+            if promotions:
+                failed_at = self._finish_promotions(promotions, arena, a)
+                if failed_at is not None:
+                    cut = held.index(failed_at)
+                    with p.locked():
+                        for block in held[cut:]:
+                            p.pins.unhold(block)
+                    del held[cut:], sources[cut:]
+                    done = True
+        with p.locked():
+            for block in held:
+                p.eviction.touch(block)
+                p.pins.unhold(block)
+            p.count(scope, "lookup_hit_blocks", len(held))
+            p.count(scope, "lookup_miss_blocks", len(keys) - len(held))
+            lease = p.pins.grant(held, ttl_s, owner) if held else None
+            slots = []
+            for block in held:
+                slot = arena.locate(block.tkey)
+                assert slot is not None, "a pinned block lost its arena slot"
+                slots.append(slot)
+            resolved = Resolved(tuple(slots), tuple(sources), lease)
+        p.wait(delay_s)  # a throttled arena delays only its reader
+        return resolved
+
+    def _start_promotion(self, block: Block, a: int, arena: InPlaceTier) -> _Promotion | None:
+        """Under the lock: an arena slot for ``block``, to fill outside it; None without room."""
+        if not self._p.placement.make_room(a, block.size_bytes):
+            return None
+        try:
+            slot = arena.reserve(block.tkey, block.size_bytes, block.scope.fingerprint, block.meta)
+        except TierError:
+            return None
+        self._promoting.add(block.ident)
+        return _Promotion(block, slot, block.fastest)
+
+    def _finish_promotions(self, promotions: list[_Promotion], arena: InPlaceTier, a: int) -> Block | None:
+        """Copy each block into its slot (outside the lock), then publish the slots; the first
+        block whose read failed, or None."""
+        p = self._p
+        sizes = [p.placement.read(x.block, x.source, arena.slot_view(x.slot)) for x in promotions]
+        failed: Block | None = None
+        with p.locked():
+            for x, n in zip(promotions, sizes, strict=True):
+                self._promoting.discard(x.block.ident)
+                if n != x.block.size_bytes:
+                    arena.abort(x.block.tkey)
+                    if n is None:
+                        p.placement.failed_read(x.block, x.source)
+                    failed = failed or x.block
+                    continue
+                arena.commit(x.block.tkey)
+                p.placement.added(x.block, a)
+                p.counters["promotions"] += 1
+            p.changed.notify_all()
+        return failed
+
+    # ----------------------------------------------------------------- writes in place
+
+    def reserve(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        parent: BlockKey | None = None,
+        ttl_s: float | None = None,
+        owner: str = "",
+    ) -> Reservation:
+        """Arena slots for the new blocks of a chain; see the module docstring."""
+        p = self._p
+        check_keys(keys)
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        check_sizes(sizes, p.config.max_block_bytes)
+        ttl_s = p.pins.ttl(ttl_s)
+        a, arena = p.arena()
+        with p.locked():
+            scope = p.index.intern(scope)
+            p.expire()
+            pinned_parent = p.index.visible((scope, parent)) if parent is not None else None
+            if pinned_parent is not None:
+                p.pins.hold(pinned_parent)  # its child is on the way: keep it until commit
+            slots: list[ArenaSlot | None] = []
+            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                slot = None
+                if p.index.visible((scope, key)) is None:
+                    try:
+                        p.governance.check(scope, size, i, len(keys))
+                    except QuotaExceeded:
+                        slots.extend([None] * (len(keys) - i))  # the rest of the chain cannot hang on
+                        break
+                    if p.placement.make_room(a, size):
+                        try:
+                            slot = arena.reserve(tier_key(scope, key), size, scope.fingerprint)
+                            p.governance.reserve(scope.namespace, size)
+                        except TierError:
+                            slot = None  # another client is writing this key, or no room after all
+                slots.append(slot)
+            pending = _Pending(
+                scope, tuple(keys), tuple(slots), parent, p.index.depth_after(scope, parent), pinned_parent
+            )
+            lease = self._reservations.grant([pending], ttl_s, owner)
+            return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
+
+    def commit(self, reservation_id: int, owner: str = "") -> int:
+        """Publish a reservation's written slots as blocks; how many were stored."""
+        p = self._p
+        a, arena = p.arena()
+        with p.locked():
+            p.expire()
+            (pending,) = self._reservations.release(reservation_id, owner)
+            self._unreserve(pending)
+            stored = 0
+            prev = pending.parent
+            for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
+                if slot is not None:
+                    existing = p.index.get((pending.scope, key))
+                    if existing is not None:
+                        arena.abort(tier_key(pending.scope, key))  # stored meanwhile by another path
+                    else:
+                        block = new_block(
+                            p.config, pending.scope, key, slot.size_bytes, prev, pending.first_depth + i
+                        )
+                        arena.commit(block.tkey, meta=block.meta)
+                        block.tiers.add(a)
+                        p.index.admit(block)
+                        p.eviction.touch(block)
+                        self._on_new_block(block, arena.slot_view(slot))
+                        stored += 1
+                        p.count(pending.scope, "put_blocks")
+                prev = key
+            if pending.pinned_parent is not None:
+                p.pins.unhold(pending.pinned_parent)
+            return stored
+
+    def abort(self, reservation_id: int, owner: str = "") -> None:
+        """Give back a reservation's slots without storing anything."""
+        with self._p.locked():
+            self._p.expire()
+            (pending,) = self._reservations.release(reservation_id, owner)
+            self._abort_pending(pending)
+
+    def _abort_pending(self, pending: _Pending) -> None:
+        _, arena = self._p.arena()
+        self._unreserve(pending)
+        for key, slot in zip(pending.keys, pending.slots, strict=True):
+            if slot is not None:
+                arena.abort(tier_key(pending.scope, key))
+        if pending.pinned_parent is not None:
+            self._p.pins.unhold(pending.pinned_parent)
+
+    def _unreserve(self, pending: _Pending) -> None:
+        self._p.governance.unreserve(
+            pending.scope.namespace, sum(slot.size_bytes for slot in pending.slots if slot is not None)
+        )

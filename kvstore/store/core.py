@@ -1,0 +1,497 @@
+"""The tiered store's facade: the calls every transport uses, each taking the store lock.
+
+Blocks are stored under (scope, key): a ``Scope`` is a namespace (a tenant, or a shared scope a
+tenant was granted) plus the model fingerprint. Tiers are ordered fastest first (``hbm``,
+``dram``, ``nvme``); the index knows which tiers hold a copy of each block.
+
+Calls and their order:
+    lookup(scope, keys)            length of the present prefix and the tier of each hit block
+    put(scope, keys, blocks)       store a chain (keys[i-1] is the parent of keys[i])
+    get_into_many(scope, keys, outs)  copy blocks into the caller's buffers; None for a miss
+    pin(scope, keys, ttl_s)        -> Lease; pinned blocks are never evicted or freed
+    release(lease_id)              ends a lease (LeaseNotFound twice, LeaseExpired if late)
+    delete(scope, keys) / invalidate(namespace, fingerprint) / demote(tier, ...)
+    resolve / reserve / commit / abort   the same-host arena calls (kvstore.store.arena)
+    stats()                        counters and per-tier occupancy
+    close()                        spill volatile-only blocks to the persistent tier, then close
+
+Placement: new blocks land in the first tier with room (a child never in a faster tier than its
+parent); with ``write_through`` the persistent tier gets a copy at once (the put waits for it);
+with ``write_behind`` a thread copies each new block there soon after (bounded: a full queue
+drops and counts), so a crash loses only what is still queued; otherwise only on demotion and on
+a clean close. A hit in a slower tier is promoted to the first tier.
+
+The rooms behind it: ``index`` (what is where), ``eviction`` (GDSF victims), ``pins`` (the one
+owner of pin counts), ``placement`` (room, demotion, spill), ``governance`` (quotas,
+retention), ``arena`` (two-phase same-host calls). ``parts`` says what runs under the lock.
+Tier errors that escape a call become ``Unavailable`` there, nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from kvstore.errors import InvalidArgument, StoreFull
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.leases import Lease, LeaseTable
+from kvstore.store.arena import ArenaCalls
+from kvstore.store.model import (
+    Block,
+    BlockId,
+    LookupResult,
+    Reservation,
+    Resolved,
+    Scope,
+    StoreConfig,
+    StoreStats,
+    check_keys,
+    check_sizes,
+    new_block,
+)
+from kvstore.store.parts import StoreParts, translated
+from kvstore.store.rebuild import rebuild
+from kvstore.write_behind import WriteBehind
+from tiers import BytesLike, InPlaceTier, Tier, TierError
+
+log = logging.getLogger("kvstore.store")
+
+
+class TieredStore:
+    """See the module docstring. Thread-safe."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        persistent: Sequence[bool] | None = None,
+        absent_tiers: Sequence[str] = (),
+        on_close: Callable[[], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.config = config or StoreConfig()
+        self._p = StoreParts(tiers, self.config, clock, wall_clock, persistent)
+        self.tiers = self._p.tiers
+        self.absent_tiers = tuple(absent_tiers)  # "hbm: no CUDA", for logs and stats
+        self._on_close = on_close  # after the tiers closed (the builder's data-folder lock)
+        self._arena = ArenaCalls(self._p, clock, self._stored_new)
+        self._closed = False
+        rebuild(self._p)
+        self._persistent_index = next((t for t, p in enumerate(self._p.persistent) if p), None)
+        self._write_behind: WriteBehind[BlockId] | None = None
+        if self.config.write_behind and not self.config.write_through and self._persistent_index is not None:
+            self._write_behind = WriteBehind(self._copy_behind, self.config.write_behind_max_bytes)
+
+    @property
+    def leases(self) -> LeaseTable[Block]:
+        return self._p.pins.leases
+
+    # ----------------------------------------------------------------- queries
+
+    def lookup(
+        self, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None = None, owner: str = ""
+    ) -> LookupResult:
+        """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
+        p = self._p
+        check_keys(keys)
+        with p.locked():
+            p.governance.sweep()
+            scope = p.index.intern(scope)
+            tiers: list[str] = []
+            hits: list[Block] = []
+            for key in keys:
+                block = p.index.visible((scope, key))
+                if block is None:
+                    break
+                tiers.append(p.tiers[block.fastest].name)
+                hits.append(block)
+            p.count(scope, "lookup_hit_blocks", len(hits))
+            p.count(scope, "lookup_miss_blocks", len(keys) - len(hits))
+            lease = None
+            if pin_ttl_s is not None and hits:
+                p.expire()  # a lookup that pins must not let expired pins pile up
+                lease = p.pins.grant(hits, pin_ttl_s, owner)
+            return LookupResult(len(hits), tuple(tiers), lease)
+
+    def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
+        check_keys(keys)
+        with self._p.locked():
+            scope = self._p.index.intern(scope)
+            return [self._p.index.visible((scope, key)) is not None for key in keys]
+
+    def get_into(self, scope: Scope, key: BlockKey, out: memoryview) -> int | None:
+        """Copy the block into ``out``; its length, or None for a miss (recompute it)."""
+        return self.get_into_many(scope, [key], [out])[0]
+
+    def get_into_many(
+        self, scope: Scope, keys: Sequence[BlockKey], outs: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Copy each block into its buffer; per block its length, or None for a miss.
+
+        One restore is one call: the index is consulted once, the copies run without the lock
+        under transient holds, and blocks served from a slower tier are promoted afterwards.
+        """
+        p = self._p
+        check_keys(keys)
+        if len(keys) != len(outs):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} buffers")
+        plan: list[tuple[Block, int] | None] = []
+        with p.locked():
+            scope = p.index.intern(scope)
+            for key, out in zip(keys, outs, strict=True):
+                block = p.index.visible((scope, key))
+                if block is None:
+                    plan.append(None)
+                    continue
+                if len(out) < block.size_bytes:
+                    for planned in plan:
+                        if planned is not None:
+                            p.pins.unhold(planned[0])
+                    raise InvalidArgument(
+                        f"buffer of {len(out)} B is smaller than the {block.size_bytes} B block"
+                    )
+                p.pins.hold(block)  # the copy below runs without the lock
+                p.eviction.touch(block)
+                plan.append((block, block.fastest))
+        sizes: list[int | None] = []
+        try:
+            for planned, out in zip(plan, outs, strict=True):
+                sizes.append(None if planned is None else p.placement.read(planned[0], planned[1], out))
+        finally:
+            with p.locked():
+                for i, planned in enumerate(plan):
+                    if planned is None:
+                        continue
+                    block, source = planned
+                    p.pins.unhold(block)
+                    if i < len(sizes):
+                        self._after_read(block, source, outs[i], sizes[i])
+                hits = sum(1 for n in sizes if n is not None)
+                p.count(scope, "get_hit_blocks", hits)
+                p.count(scope, "get_miss_blocks", len(keys) - hits)
+        return sizes
+
+    def _after_read(self, block: Block, source: int, out: memoryview, n: int | None) -> None:
+        p = self._p
+        if n is None:
+            p.placement.failed_read(block, source)
+            return
+        p.counters[p.served_counter[source]] += 1
+        if source > 0 and self.config.promote_on_hit and p.index.is_current(block):
+            p.placement.place(block, out[:n], lowest=0, highest=0)
+            if 0 in block.tiers:
+                p.counters["promotions"] += 1
+
+    def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Convenience for scripts and tests: each block's bytes, or None for a miss."""
+        out: list[bytes | None] = []
+        for key in keys:
+            with self._p.locked():
+                block = self._p.index.visible((scope, key))
+                size = block.size_bytes if block else 0
+            buf = bytearray(size)
+            n = self.get_into(scope, key, memoryview(buf)) if block else None
+            out.append(None if n is None else bytes(buf[:n]))
+        return out
+
+    # ----------------------------------------------------------------- writes
+
+    def put(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[BytesLike],
+        parent: BlockKey | None = None,
+        first_depth: int | None = None,
+    ) -> int:
+        """Store a chain of blocks; ``keys[i-1]`` (or ``parent`` for i=0) is each one's parent.
+
+        Blocks already present are skipped. Returns how many were stored. ``first_depth`` is the
+        index of keys[0] in its full chain when the parent is not stored here (defaults to the
+        parent's depth + 1, or 0 without a parent).
+        """
+        p = self._p
+        check_keys(keys)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
+        check_sizes([len(memoryview(b)) for b in blocks], self.config.max_block_bytes)
+        stored = 0
+        with p.locked():
+            scope = p.index.intern(scope)
+            p.expire()
+            prev = parent
+            depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
+            for key, data in zip(keys, blocks, strict=True):
+                existing = p.index.get((scope, key))
+                if existing is not None:
+                    # A doomed block (deleted while a reader holds it) keeps its storage until
+                    # released; a new copy under the same key waits until then.
+                    p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
+                else:
+                    self._put_one(
+                        new_block(self.config, scope, key, len(data), prev, depth), data, stored, len(keys)
+                    )
+                    stored += 1
+                    p.count(scope, "put_blocks")
+                prev = key
+                depth += 1
+        return stored
+
+    def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int) -> None:
+        p = self._p
+        # Hold the parent while the child finds room: evicting it now would make the child
+        # unreachable dead weight.
+        parent = p.index.visible((block.scope, block.parent)) if block.parent is not None else None
+        if parent is not None:
+            p.pins.hold(parent)
+        # A child never lands in a faster tier than its parent: a chain stays fast at its head
+        # and slow at its tail, the order a restore reads it in.
+        lowest = parent.fastest if parent is not None else 0
+        try:
+            p.governance.check(block.scope, block.size_bytes, stored, chain)
+            p.placement.place(block, data, lowest=lowest, highest=len(p.tiers) - 1)
+        finally:
+            if parent is not None:
+                p.pins.unhold(parent)
+        if not block.tiers:
+            raise StoreFull(
+                f"no tier can take a {block.size_bytes} B block: all are full of pinned blocks "
+                f"(stored {stored} of {chain} blocks of this chain)"
+            )
+        p.index.admit(block)
+        p.eviction.touch(block)
+        self._stored_new(block, data)
+
+    def _stored_new(self, block: Block, data: BytesLike) -> None:
+        """A new block is in the index (under the lock): write-through or write-behind."""
+        if self.config.write_through:
+            for t, persistent in enumerate(self._p.persistent):
+                if persistent and t not in block.tiers:
+                    self._p.placement.place(block, data, lowest=t, highest=t)
+        self._behind(block)
+
+    def delete(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks; pinned ones vanish now and are freed on their last release."""
+        p = self._p
+        check_keys(keys)
+        with p.locked():
+            scope = p.index.intern(scope)
+            removed = 0
+            for key in keys:
+                block = p.index.visible((scope, key))
+                if block is not None:
+                    p.pins.doom(block)
+                    removed += 1
+            p.counters["deleted_blocks"] += removed
+            return removed
+
+    def invalidate(self, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
+        """Remove every block of a namespace, of a fingerprint, of both, or (neither) everything."""
+        p = self._p
+        with p.locked():
+            victims = [
+                b
+                for b in list(p.index.pool(namespace))
+                if not b.doomed and (fingerprint is None or b.scope.fingerprint == fingerprint)
+            ]
+            for block in victims:
+                p.pins.doom(block)
+            p.counters["invalidated_blocks"] += len(victims)
+            log.info(
+                "invalidated %d blocks (namespace=%s, fingerprint=%s)",
+                len(victims),
+                namespace or "*",
+                fingerprint.hex() if fingerprint else "*",
+            )
+            return len(victims)
+
+    def demote(self, tier: str, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
+        """Move every unpinned block of ``tier`` (of a namespace, a fingerprint, both, or all)
+        down into the next tier with free room: DRAM emptied into NVMe before a maintenance
+        window, or a restore from disk measured without a restart. Children go first, so no
+        block leaves ahead of a descendant. Nothing is evicted or dropped to make room: a block
+        the slower tiers cannot take as they are stays where it is. Returns the number of
+        blocks that left ``tier``."""
+        p = self._p
+        names = [t.name for t in p.tiers]
+        if tier not in names:
+            raise InvalidArgument(f"no tier {tier!r} here (tiers: {', '.join(names)})")
+        t = names.index(tier)
+        if t + 1 == len(p.tiers):
+            raise InvalidArgument(f"{tier} is the slowest tier here: there is nowhere to demote to")
+        with p.locked():
+            p.expire()
+            chosen = [
+                b
+                for b in p.index.pool(namespace)
+                if t in b.tiers
+                and not b.doomed
+                and (fingerprint is None or b.scope.fingerprint == fingerprint)
+            ]
+            moved = sum(p.placement.demote(block, t) for block in sorted(chosen, key=lambda b: -b.depth))
+            log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
+            return moved
+
+    # ----------------------------------------------------------------- leases
+
+    def pin(
+        self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
+    ) -> Lease:
+        """Pin present blocks among ``keys`` until release or ``ttl_s`` (default from config)."""
+        p = self._p
+        check_keys(keys)
+        with p.locked():
+            scope = p.index.intern(scope)
+            p.expire()
+            present = [b for b in (p.index.visible((scope, k)) for k in keys) if b is not None]
+            return p.pins.grant(present, ttl_s, owner)
+
+    def release(self, lease_id: int, owner: str = "") -> None:
+        with self._p.locked():
+            self._p.expire()
+            self._p.pins.release(lease_id, owner)
+
+    # ----------------------------------------------------------------- same-host arena
+
+    @property
+    def arena(self) -> InPlaceTier | None:
+        """The tier whose arena same-host clients map, or None without one."""
+        return None if self._p.arena_index is None else self._p.arena()[1]
+
+    def resolve(
+        self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
+    ) -> Resolved:
+        return self._arena.resolve(scope, keys, ttl_s, owner)
+
+    def reserve(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        parent: BlockKey | None = None,
+        ttl_s: float | None = None,
+        owner: str = "",
+    ) -> Reservation:
+        return self._arena.reserve(scope, keys, sizes, parent, ttl_s, owner)
+
+    def commit(self, reservation_id: int, owner: str = "") -> int:
+        return self._arena.commit(reservation_id, owner)
+
+    def abort(self, reservation_id: int, owner: str = "") -> None:
+        self._arena.abort(reservation_id, owner)
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> StoreStats:
+        p = self._p
+        with p.locked():
+            return StoreStats(
+                tiers=tuple(tier.usage() for tier in p.tiers),
+                counters=dict(p.counters),
+                namespace_bytes=dict(p.index.namespace_bytes),
+                namespace_counters={ns: dict(c) for ns, c in p.namespace_counters.items()},
+                blocks=p.index.live_count(),
+                leases=len(p.pins.leases),
+                absent_tiers=self.absent_tiers,
+            )
+
+    def tier_of(self, scope: Scope, key: BlockKey) -> str | None:
+        with self._p.locked():
+            block = self._p.index.visible((scope, key))
+            return None if block is None else self._p.tiers[block.fastest].name
+
+    def fingerprint_usage(self, namespace: str | None = None) -> dict[Fingerprint, tuple[int, int]]:
+        """(blocks, bytes) per model fingerprint, of one namespace or of all (for ``stats``)."""
+        with self._p.locked():
+            return self._p.index.fingerprint_usage(namespace)
+
+    def tier_usage_of(self, namespace: str) -> dict[str, tuple[int, int]]:
+        """(blocks, bytes) one namespace holds in each tier (a non-admin's ``stats``)."""
+        with self._p.locked():
+            return self._p.index.tier_usage(namespace, [t.name for t in self._p.tiers])
+
+    def blocks(self) -> Iterator[tuple[Scope, BlockKey, str]]:
+        """Every visible block with its fastest tier's name (for tests and tools)."""
+        p = self._p
+        with p.locked():
+            snapshot = [
+                (b.scope, b.key, p.tiers[b.fastest].name) for b in p.index.blocks.values() if not b.doomed
+            ]
+        return iter(snapshot)
+
+    def flush(self) -> None:
+        with translated():  # not under the lock: a flush waits for the disk
+            for tier in self._p.tiers:
+                tier.flush()
+
+    def close(self) -> None:
+        """Spill volatile-only blocks to the persistent tier (``persist_on_close``), then close."""
+        if self._write_behind is not None:
+            self._write_behind.close()  # before the lock: its thread takes it for every block
+        with self._p.locked():
+            if self._closed:
+                return
+            if self.config.persist_on_close and self._persistent_index is not None:
+                self._p.placement.spill(self._persistent_index, self._p.persistent)
+            self._closed = True
+            try:
+                for tier in self._p.tiers:
+                    tier.close()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- write-behind
+
+    def _behind(self, block: Block) -> None:
+        """Queue a new block for the write-behind copy (under the lock; never blocks)."""
+        wb, t = self._write_behind, self._persistent_index
+        if wb is None or t is None or t in block.tiers:
+            return
+        if wb.offer(block.ident, block.size_bytes):
+            self._p.counters["write_behind_queued_blocks"] += 1
+        else:
+            self._p.counters["write_behind_dropped_blocks"] += 1
+
+    def _copy_behind(self, ident: BlockId) -> None:
+        """The write-behind thread's step: copy one block to the persistent tier, held for the
+        copy, which runs outside the lock (the tier's put may wait for its writer)."""
+        p, t = self._p, self._persistent_index
+        assert t is not None
+        with p.locked():
+            block = p.index.visible(ident)
+            if (
+                self._closed
+                or block is None
+                or t in block.tiers
+                or not p.placement.make_room(t, block.size_bytes)
+            ):
+                return
+            view = p.placement.bytes_of(block, block.fastest)
+            if view is None:
+                return
+            p.pins.hold(block)  # its slot stays put (and allocated) until the copy is done
+        copied = False
+        try:
+            p.tiers[t].put(block.tkey, view, block.scope.fingerprint, block.meta)
+            copied = True
+        except TierError as exc:  # full after all, or closing: the block stays volatile
+            log.debug("write-behind of a %d B block: %s", block.size_bytes, exc)
+        finally:
+            with p.locked():
+                if copied and block.doomed:
+                    p.tiers[t].delete(block.tkey)  # deleted while copying: the copy goes too
+                elif copied:
+                    p.placement.added(block, t)
+                    p.counters["write_behind_blocks"] += 1
+                p.pins.unhold(block)

@@ -1,0 +1,138 @@
+"""The block index: every block the store holds, by id, by namespace and by parent.
+
+Calls (all with the store lock held; nothing here touches a tier):
+    intern(scope)            the one Scope object the index uses for a scope
+    visible(ident)           the block readers may see: present, not deleted, not past retention
+    admit(block)             a new block joins (its birth time and retention deadline set)
+    remove(block)            it leaves (its copies are already gone)
+    depth_after(scope, key)  the chain depth of a child of ``key``
+    children(ident)          keys of its children in the index
+    usage by fingerprint / by tier, and per-namespace bytes
+
+Chains: a parent remembers its children even while it is absent itself, so a parent stored
+after its child still knows it has one (eviction never lets a child outlive its parent in a
+faster tier). Retained namespaces keep their blocks in birth order for the retention sweep.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.model import Block, BlockId, Scope
+
+
+class BlockIndex:
+    """See the module docstring. Not thread-safe: the store calls it under its lock."""
+
+    def __init__(self, wall_clock: Callable[[], float], retention_of: Callable[[str], float | None]) -> None:
+        self._wall = wall_clock
+        self._retention_of = retention_of
+        self.blocks: dict[BlockId, Block] = {}
+        self.by_namespace: dict[str, dict[BlockId, Block]] = {}
+        self.namespace_bytes: Counter[str] = Counter()
+        self.by_age: dict[str, collections.deque[BlockId]] = {}  # retained namespaces, oldest first
+        self._children: dict[BlockId, set[BlockKey]] = {}
+        self._scopes: dict[Scope, Scope] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def intern(self, scope: Scope) -> Scope:
+        """Index probes then compare scopes by identity instead of the dataclass __eq__."""
+        return self._scopes.setdefault(scope, scope)
+
+    def get(self, ident: BlockId) -> Block | None:
+        """The entry under ``ident``, visible or not."""
+        return self.blocks.get(ident)
+
+    def visible(self, ident: BlockId) -> Block | None:
+        block = self.blocks.get(ident)
+        if block is None or block.doomed:
+            return None
+        if block.expires_at_s != math.inf and block.expires_at_s <= self._wall():
+            return None  # past its retention: gone for readers now, for the tiers at the sweep
+        return block
+
+    def is_current(self, block: Block) -> bool:
+        """Whether ``block`` is still the live entry under its id (not replaced, not deleted)."""
+        return self.blocks.get(block.ident) is block and not block.doomed
+
+    def pool(self, namespace: str | None) -> Iterable[Block]:
+        """Every entry of one namespace, or of all."""
+        return self.blocks.values() if namespace is None else self.by_namespace.get(namespace, {}).values()
+
+    def depth_after(self, scope: Scope, parent: BlockKey | None) -> int:
+        if parent is None:
+            return 0
+        block = self.blocks.get((scope, parent))
+        return 0 if block is None else block.depth + 1
+
+    def children(self, ident: BlockId) -> set[BlockKey]:
+        return self._children.get(ident, set())
+
+    def parent_of(self, block: Block) -> Block | None:
+        return None if block.parent is None else self.blocks.get((block.scope, block.parent))
+
+    def admit(self, block: Block) -> None:
+        ident = block.ident
+        if not block.stored_at_s:
+            block.stored_at_s = self._wall()
+        retention = self._retention_of(block.scope.namespace)
+        if retention is not None:
+            block.expires_at_s = block.stored_at_s + retention
+            self.by_age.setdefault(block.scope.namespace, collections.deque()).append(ident)
+        self.blocks[ident] = block
+        self.by_namespace.setdefault(block.scope.namespace, {})[ident] = block
+        self.namespace_bytes[block.scope.namespace] += block.size_bytes
+        if block.parent is not None:
+            self._children.setdefault((block.scope, block.parent), set()).add(block.key)
+
+    def remove(self, block: Block) -> None:
+        ident = block.ident
+        if self.blocks.get(ident) is not block:
+            return
+        del self.blocks[ident]
+        ns = block.scope.namespace
+        del self.by_namespace[ns][ident]
+        self.namespace_bytes[ns] -= block.size_bytes
+        if not self.namespace_bytes[ns]:
+            del self.namespace_bytes[ns]
+        if block.parent is not None:
+            siblings = self._children.get((block.scope, block.parent))
+            if siblings is not None:
+                siblings.discard(block.key)
+                if not siblings:
+                    del self._children[(block.scope, block.parent)]
+
+    def order_by_age(self) -> None:
+        """After a rebuild from disk (disk order is no age order)."""
+        for queue in self.by_age.values():
+            ordered = sorted(queue, key=lambda ident: self.blocks[ident].expires_at_s)
+            queue.clear()
+            queue.extend(ordered)
+
+    def live_count(self) -> int:
+        return sum(1 for b in self.blocks.values() if not b.doomed)
+
+    def fingerprint_usage(self, namespace: str | None) -> dict[Fingerprint, tuple[int, int]]:
+        usage: dict[Fingerprint, list[int]] = {}
+        for b in self.pool(namespace):
+            if not b.doomed:
+                entry = usage.setdefault(b.scope.fingerprint, [0, 0])
+                entry[0] += 1
+                entry[1] += b.size_bytes
+        return {fp: (n, nbytes) for fp, (n, nbytes) in usage.items()}
+
+    def tier_usage(self, namespace: str, names: list[str]) -> dict[str, tuple[int, int]]:
+        usage = {name: [0, 0] for name in names}
+        for b in self.pool(namespace):
+            if not b.doomed:
+                for t in b.tiers:
+                    entry = usage[names[t]]
+                    entry[0] += 1
+                    entry[1] += b.size_bytes
+        return {name: (n, nbytes) for name, (n, nbytes) in usage.items()}

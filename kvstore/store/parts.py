@@ -1,0 +1,107 @@
+"""The store's rooms, built and wired in one place, and what they share: the lock, the tiers,
+the counters.
+
+The lock rule (the store's, tested in tests/test_store_threads.py):
+    under the lock   index, heap, pin and lease edits; copies between memory tiers and into a
+                     tier's write queue (a bounded memcpy: puts, promotion of a block a reader
+                     already holds in memory, demotion out of the arena, spill on close)
+    outside it       reads from a medium into a caller's buffer (``get_into``), promotion of a
+                     block from a slower tier into the arena (``resolve``), write-behind copies,
+                     and the wait a throttled tier adds; each under a pin that keeps its block
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from kvstore.errors import FailedPrecondition, Unavailable
+from kvstore.store.eviction import Eviction
+from kvstore.store.governance import Governance
+from kvstore.store.index import BlockIndex
+from kvstore.store.model import Block, Scope, StoreConfig
+from kvstore.store.pins import Pins
+from kvstore.store.placement import Placement
+from tiers import InPlaceTier, Tier, TierError
+
+
+class StoreParts:
+    """Everything the store's calls work on. Each part's docstring says what it owns."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        persistent: Sequence[bool] | None,
+    ) -> None:
+        self.tiers = list(tiers)
+        self.config = config
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)  # an arena promotion finished
+        self.counters: Counter[str] = Counter()
+        self.namespace_counters: dict[str, Counter[str]] = {}
+        self.persistent = list(persistent) if persistent is not None else [t.persistent for t in tiers]
+        self.index = BlockIndex(wall_clock, self._retention_of)
+        self.eviction = Eviction(self.index, len(tiers))
+        self.pins = Pins(config, clock, self.eviction, on_free=self._free)
+        self.placement = Placement(
+            self.tiers, self.index, self.eviction, self.pins, self.counters, self.expire
+        )
+        self.governance = Governance(
+            config, self.index, wall_clock, self.counters, self.placement.drop, self.pins.doom
+        )
+        self.arena_index = next((i for i, t in enumerate(tiers) if t.as_arena() is not None), None)
+        self.expire_reservations: Callable[[], None] = lambda: None  # set by the arena calls
+        self.served_counter = [f"get_{t.name}_blocks" for t in tiers]
+
+    def _free(self, block: Block) -> None:
+        self.placement.drop(block)  # the placement is built after the pins that call this
+
+    def _retention_of(self, namespace: str) -> float | None:
+        return self.config.retention_s.get(namespace, self.config.default_retention_s)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """The store lock, with tier errors translated (see ``translated``)."""
+        with self.lock, translated():
+            yield
+
+    def expire(self) -> None:
+        """Collect what has run out: retention, uncommitted reservations, leases."""
+        self.governance.sweep()
+        self.expire_reservations()
+        expired = self.pins.expire()
+        if expired:
+            self.counters["leases_expired"] += expired
+
+    def count(self, scope: Scope, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        self.namespace_counters.setdefault(scope.namespace, Counter())[name] += n
+
+    def arena(self) -> tuple[int, InPlaceTier]:
+        if self.arena_index is None:
+            raise FailedPrecondition("this store has no dram arena for same-host clients")
+        arena = self.tiers[self.arena_index].as_arena()
+        assert arena is not None
+        return self.arena_index, arena
+
+    @staticmethod
+    def wait(seconds: float) -> None:
+        """A throttled tier's delay, waited out beside the reader (never under the lock)."""
+        if seconds:
+            time.sleep(seconds)
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Tier errors that escape a store call become kvstore.errors here, the one place they
+    are: a medium that failed or closed is Unavailable."""
+    try:
+        yield
+    except TierError as exc:
+        raise Unavailable(f"a tier failed: {exc}") from exc

@@ -1,0 +1,190 @@
+"""Placement: which tier gets a copy, room made by demoting down the tiers, spill on close.
+
+Calls (store lock held):
+    place(block, data, lowest, highest, evict)  a copy into the first tier in [lowest, highest]
+                                                that has room or (``evict``) can make it
+    make_room(t, size)     evict from tier t until size fits; whether it does
+    demote(block, t)       move a block's only copy out of t into the next tier with free room
+                           (nothing evicted for it); whether it left t
+    forget_tier(block, t)  the copy in t goes; a block left with no copy leaves the index
+    drop(block)            every copy and the entry go (a freed doomed block, a quota victim)
+    bytes_of(block, t)     the bytes to copy from tier t: the arena slot itself, or a scratch
+                           copy read from a slower medium
+    read(block, t, out)    a verified read, or None (a failed checksum or a dead medium)
+    spill(target)          copy every volatile-only block to ``target``, parents first
+
+Eviction demotes a block to the next tier while there is one and drops it from the last; a
+block whose only copy cannot move and whose removal would strand a resident child stays.
+
+What runs under the lock here: copies between memory tiers and into a tier's write queue (a
+bounded memcpy); reads from a slower medium happen only for demotions out of a tier that is not
+an arena, which the default tiers never need.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from kvstore.store.eviction import Eviction
+from kvstore.store.index import BlockIndex
+from kvstore.store.model import Block
+from kvstore.store.pins import Pins
+from tiers import BytesLike, Tier, TierError, TierFull
+
+log = logging.getLogger("kvstore.store")
+
+
+class Placement:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        index: BlockIndex,
+        eviction: Eviction,
+        pins: Pins,
+        counters: Counter[str],
+        before_evicting: Callable[[], None],
+    ) -> None:
+        self.tiers = tiers
+        self._index = index
+        self._eviction = eviction
+        self._pins = pins
+        self._counters = counters
+        self._before_evicting = before_evicting  # expired leases and reservations go first
+
+    def make_room(self, t: int, size_bytes: int) -> bool:
+        self._before_evicting()
+        tier = self.tiers[t]
+        stuck: list[Block] = []  # could neither move down nor go: back in the heap afterwards
+        try:
+            while not tier.can_store(size_bytes):
+                victim = self._eviction.pop_victim(t)
+                if victim is None:
+                    return False
+                if not self._evict(victim, t):
+                    stuck.append(victim)
+            return True
+        finally:
+            for block in stuck:
+                self._eviction.push(block)
+
+    def _evict(self, block: Block, t: int) -> bool:
+        """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
+        it can do neither (no room below, and dropping it would strand a resident child)."""
+        if len(block.tiers) == 1 and t + 1 < len(self.tiers):
+            data = self.bytes_of(block, t)
+            if data is not None:
+                self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1)
+                if len(block.tiers) > 1:
+                    self._counters["demotions"] += 1
+                elif self._index.children(block.ident):
+                    return False
+        self._counters[f"evicted_{self.tiers[t].name}_blocks"] += 1
+        self.forget_tier(block, t)
+        return True
+
+    def place(self, block: Block, data: BytesLike, lowest: int, highest: int, evict: bool = True) -> None:
+        for t in range(lowest, highest + 1):
+            if t in block.tiers:
+                return
+            if not (
+                self.make_room(t, block.size_bytes) if evict else self.tiers[t].can_store(block.size_bytes)
+            ):
+                continue
+            try:
+                self.tiers[t].put(block.tkey, data, block.scope.fingerprint, block.meta)
+            except TierFull:
+                continue
+            except TierError as exc:
+                log.warning("tier %s refused a %d B block: %s", self.tiers[t].name, block.size_bytes, exc)
+                continue
+            self.added(block, t)
+            return
+
+    def added(self, block: Block, t: int) -> None:
+        """Tier ``t`` now holds a copy of ``block``."""
+        block.tiers.add(t)
+        block.version += 1
+        self._eviction.push(block)
+
+    def demote(self, block: Block, t: int) -> bool:
+        if not self._eviction.evictable_from(block, t):
+            return False  # pinned, or a child stays here
+        if len(block.tiers) == 1:
+            data = self.bytes_of(block, t)
+            if data is None:
+                return False
+            self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1, evict=False)
+            if len(block.tiers) == 1:
+                return False
+            self._counters["demotions"] += 1
+        self.forget_tier(block, t)
+        return True
+
+    def bytes_of(self, block: Block, t: int) -> memoryview | None:
+        """From the arena this is the slot itself (the copy into the next tier is then the only
+        one); it stays valid while the caller holds the store lock or a pin on the block."""
+        arena = self.tiers[t].as_arena()
+        if arena is not None:
+            slot = arena.locate(block.tkey)
+            if slot is not None:
+                return arena.slot_view(slot)
+        scratch = memoryview(bytearray(block.size_bytes))
+        n = self.read(block, t, scratch)
+        return None if n is None else scratch[:n]
+
+    def read(self, block: Block, t: int, out: memoryview) -> int | None:
+        try:
+            return self.tiers[t].get_into(block.tkey, out)
+        except TierError as exc:
+            log.warning("reading a block from %s failed: %s", self.tiers[t].name, exc)
+            return None
+
+    def failed_read(self, block: Block, t: int) -> None:
+        """A read from tier ``t`` failed its checks: that copy is gone."""
+        self._counters["checksum_failures"] += 1
+        self.forget_tier(block, t)
+
+    def forget_tier(self, block: Block, t: int) -> None:
+        if t in block.tiers:
+            block.tiers.discard(t)
+            self.tiers[t].delete(block.tkey)
+            block.version += 1
+            self._eviction.push(block)
+        if not block.tiers:
+            self._index.remove(block)
+        self._eviction.push_parent(block)
+
+    def drop(self, block: Block) -> None:
+        for t in sorted(block.tiers):
+            self.tiers[t].delete(block.tkey)
+        block.tiers.clear()
+        self._index.remove(block)
+        self._eviction.push_parent(block)
+
+    def spill(self, target: int, persistent: Sequence[bool]) -> None:
+        """Copy every block held only by volatile tiers down to ``target``. Parents go first,
+        so that if the persistent tier fills up, what it keeps is prefixes."""
+        todo = [
+            b for b in self._index.blocks.values() if not b.doomed and not any(persistent[t] for t in b.tiers)
+        ]
+        todo.sort(key=lambda b: (b.depth, -b.priority))
+        spilled = 0
+        for block in todo:
+            data = self.bytes_of(block, block.fastest)
+            if data is None:
+                continue
+            self._pins.hold(block)  # keep it from being chosen to make room for itself
+            try:
+                self.place(block, data, lowest=target, highest=target)
+            finally:
+                self._pins.unhold(block)
+            spilled += target in block.tiers
+        for tier in self.tiers:
+            tier.flush()
+        log.info(
+            "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
+        )
