@@ -133,12 +133,14 @@ class ArenaCalls:
                     del held[cut:], sources[cut:]
                     done = True
         with p.locked():
+            # The lease first, then the transient holds go: a block deleted while this call
+            # copied outside the lock is doomed, and must stay until the lease ends.
+            lease = p.pins.grant(held, ttl_s, owner) if held else None
             for block in held:
                 p.eviction.touch(block)
                 p.pins.unhold(block)
             p.count(scope, "lookup_hit_blocks", len(held))
             p.count(scope, "lookup_miss_blocks", len(keys) - len(held))
-            lease = p.pins.grant(held, ttl_s, owner) if held else None
             slots = []
             for block in held:
                 slot = arena.locate(block.tkey)
