@@ -18,13 +18,13 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import Result, machine_info, print_results
-from benchmarks.service import ServerProcess
+from benchmarks.service import bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.cost_model import TierCost
@@ -83,14 +83,14 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> TierCost:
 
 
 def measure_tiers(
-    block_bytes: int, many: int, reps: int, settings: Sequence[str] = ()
+    block_bytes: int, many: int, reps: int, settings: Mapping[str, str] | None = None
 ) -> dict[str, TierCost]:
     """Same-host restore cost per tier through a private server, as the connector restores."""
     from kvstore.client import connect
     from kvstore.keys import Fingerprint, block_keys
 
     fp = Fingerprint(b"\xca" * 32)
-    server = ServerProcess(arena_bytes=max(4 * many * block_bytes, 64 << 20) + (64 << 20), settings=settings)
+    server = bench_server(arena_bytes=max(4 * many * block_bytes, 64 << 20) + (64 << 20), settings=settings)
     timings: dict[str, dict[int, list[float]]] = {"nvme": {}, "dram": {}}
     try:
         groups = []
@@ -129,7 +129,7 @@ def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
     block_bytes = block_bytes_of(model_dir, BLOCK_SIZE)
     lengths = [128, 512, 1024, 2048] if quick else [64, 128, 256, 512, 1024, 1536, 2048, 3072]
     reps = 3 if quick else 5
-    server = ServerProcess(arena_bytes=256 << 20)
+    server = bench_server(arena_bytes=256 << 20)
     try:
         points = measure_prefill(model_dir, server.unix, lengths, reps)
     finally:

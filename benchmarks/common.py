@@ -81,18 +81,6 @@ def machine_info() -> dict[str, object]:
     }
 
 
-def median_seconds(fn: Callable[[], None], repeats: int, setup: Callable[[], None] | None = None) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs; ``setup`` runs untimed before each."""
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def interleaved(
     subject: Callable[[], float], reference: Callable[[], float], rounds: int
 ) -> tuple[float, float]:

@@ -19,14 +19,14 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.progress import Progress
 
 from benchmarks.common import Result, print_results, write_json
-from benchmarks.service import ServerProcess
+from benchmarks.service import bench_server
 from kvstore.client import Client, connect
 from kvstore.config import DramSettings
 from kvstore.errors import KvStoreError
@@ -105,9 +105,9 @@ def verify(address: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
     return served, corrupt
 
 
-def put_throughput(settings: Sequence[str], blocks: int) -> float:
+def put_throughput(settings: Mapping[str, str], blocks: int) -> float:
     """Bytes per second of the writer into a fresh server, no kills."""
-    server = ServerProcess(ARENA_BYTES, settings)
+    server = bench_server(ARENA_BYTES, settings)
     try:
         load = Load(server.unix, salt=f"tput-{settings}")
         load.run(max_blocks=blocks)
@@ -132,12 +132,12 @@ def kill_cycles(
     rng: random.Random,
     progress: Progress | None = None,
     max_blocks: int = 1 << 30,
-    settings: Sequence[str] = (),
+    settings: Mapping[str, str] | None = None,
     pace_bytes_per_s: float = 0.0,
 ) -> Cycles:
     """``cycles`` rounds of load (at most ``max_blocks`` per round), SIGKILL, restart and
     read-back on one data folder."""
-    server = ServerProcess(arena_bytes, settings)
+    server = bench_server(arena_bytes, settings)
     out = Cycles()
     acked: list[BlockKey] = []
     task = (
@@ -151,12 +151,11 @@ def kill_cycles(
             writer = threading.Thread(target=load.run, args=(max_blocks,))
             writer.start()
             time.sleep(rng.uniform(0.3, max_load_s))
-            server.proc.kill()  # SIGKILL: nothing of the server's runs
-            server.proc.wait(30)
+            server.kill()
             load.stop()
             writer.join(30)
             acked.extend(load.acked)
-            server._start()
+            server.start()
             got, bad = verify(server.unix, load.acked)
             out.served += got
             out.corrupt += bad
@@ -195,10 +194,10 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
         )
     blocks = 400 if quick else 2000
     rounds = 3 if quick else 5
-    variants = {
-        "default": [],
-        "no journal": ["dram.journal=false"],
-        "write-behind": ["store.write_behind=true"],
+    variants: dict[str, dict[str, str]] = {
+        "default": {},
+        "no journal": {"dram.journal": "false"},
+        "write-behind": {"store.write_behind": "true"},
     }
     speeds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):  # interleaved: the machine's noise falls on all three alike

@@ -52,7 +52,7 @@ from rich.console import Console
 
 from benchmarks.calibrate import BLOCK_SIZE, block_bytes_of, measure_tiers, prefill_points
 from benchmarks.common import Result, print_results, write_json
-from benchmarks.service import ServerProcess
+from benchmarks.service import bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.vllm_connector import DEFAULT_PREFILL, DEFAULT_TIERS
@@ -123,7 +123,7 @@ def run_decisions(
     model_dir = Path(model) if model else build_tiny_llama(folder / "llama", seed=0, size=sweep.model_size)
     block_bytes = block_bytes_of(model_dir, BLOCK_SIZE)
     need = 2 * max(sweep.lengths) * block_bytes // BLOCK_SIZE * len(sweep.tiers) + (256 << 20)
-    server = ServerProcess(arena_bytes=need)
+    server = bench_server(arena_bytes=need)
     calibration_path = folder / "calibration.json"
     engine: Engine | None = None
     results: list[Result] = []
@@ -140,13 +140,15 @@ def run_decisions(
         points = prefill_points(engine, sweep.prefill_lengths, reps=3, seed=seed)
         prefill = fit_prefill(points)
         for throttle in sweep.throttles:
-            settings = [f"dram.throttle_bytes_per_s={throttle}", f"nvme.throttle_bytes_per_s={throttle}"]
+            settings = {
+                "dram.throttle_bytes_per_s": str(throttle),
+                "nvme.throttle_bytes_per_s": str(throttle),
+            }
             console.print(f"[dim]{_label(throttle)}: tiers …[/]")
             many = max(16, (16 << 20) // block_bytes)
             tiers = measure_tiers(block_bytes, many=many, reps=2, settings=settings)
             Calibration(tiers, prefill, points).save(calibration_path, {"throttle_bytes_per_s": throttle})
-            server.settings = settings
-            server.restart()
+            server.restart(settings)
             seed += 1  # reconnects after the restart and re-reads the calibration
             engine.generate(_tokens(SUFFIX_TOKENS, 20_000 + seed), max_tokens=1)
             with connect(server.unix) as admin:

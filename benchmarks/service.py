@@ -16,24 +16,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
-import signal
 import socket
 import ssl
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from rich.console import Console
 
 from benchmarks.common import Result, interleaved, print_results, write_json
+from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
-from kvstore.datadir import remove_shm_files
-from kvstore.errors import Unavailable
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
 from kvstore.tls import ClientTls
 
@@ -46,77 +40,18 @@ MODEL = ModelIdentity(
 )
 
 
-class ServerProcess:
-    """``kvstore serve`` in a child process with a private data folder."""
-
-    def __init__(self, arena_bytes: int, settings: Sequence[str] = ()) -> None:
-        self.folder = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-        self.settings = list(settings)  # extra "section.field=value" overrides
-        self.port = _free_port()
-        self.arena_bytes = arena_bytes
-        self.unix = f"unix://{self.folder}/kvstore.sock"
-        self.tcp = f"127.0.0.1:{self.port}"
-        self._start()
-
-    def _start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvstore.cli",
-            "serve",
-            "--data-dir",
-            self.folder,
-            "--tcp",
-            f"127.0.0.1:{self.port}",
-            "--set",
-            f"dram.capacity_bytes={self.arena_bytes}",
-            "--set",
-            "nvme.capacity_bytes=4GiB",
-            "--set",
-            f"server.tokens={TOKEN}=bench",
-            "--set",
-            "server.metrics_address=",
-            "--set",
-            "server.max_message_bytes=64MiB",
-        ]
-        for setting in self.settings:
-            cmd += ["--set", setting]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with connect(self.unix, timeout_s=2) as kv:
-                    kv.stats()
-                return
-            except Unavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read() if self.proc.stderr else ""
-                    raise RuntimeError(f"kvstore serve did not start: {err[-2000:]}") from None
-                time.sleep(0.2)
-
-    def _terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-    def restart(self) -> None:
-        """A clean stop and start on the same folder: dram is empty after it, nvme holds all."""
-        self._terminate()
-        self._start()
-
-    def stop(self) -> None:
-        self._terminate()
-        remove_shm_files(self.folder)  # a killed server's arena, had it been killed last
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def bench_server(arena_bytes: int, settings: Mapping[str, str] | None = None) -> ServerProcess:
+    """The benchmarks' server: a TCP listener with the bench token, messages up to 64 MiB."""
+    return ServerProcess(
+        {
+            "dram.capacity_bytes": str(arena_bytes),
+            "nvme.capacity_bytes": "4GiB",
+            "server.tokens": f"{TOKEN}=bench",
+            "server.max_message_bytes": "64MiB",
+            **(settings or {}),
+        },
+        tcp=True,
+    )
 
 
 # ----------------------------------------------------------------------------- raw TCP reference
@@ -220,9 +155,9 @@ def bench_tls(server: ServerProcess, count: int, rounds: int) -> list[Result]:
     from benchmarks import tls_ceiling
     from benchmarks.tls_certs import make_certs
 
-    certs = make_certs(Path(server.folder) / "certs")
-    settings = [f"server.tls_cert_file={certs.server_cert}", f"server.tls_key_file={certs.server_key}"]
-    secure_server = ServerProcess(server.arena_bytes, settings)
+    certs = make_certs(server.data_dir / "certs")
+    tls = {"server.tls_cert_file": str(certs.server_cert), "server.tls_key_file": str(certs.server_key)}
+    secure_server = ServerProcess({**server.settings, **tls}, tcp=True)
     plain_outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
     tls_outs = [memoryview(bytearray(BLOCK)) for _ in range(count)]
     try:
@@ -494,7 +429,7 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
     count = 64 if quick else 256
     rounds = 5 if quick else 9
     console = Console(stderr=True)
-    server = ServerProcess(arena_bytes=(3 * count + 64) * BLOCK)
+    server = bench_server(arena_bytes=(3 * count + 64) * BLOCK)
     results: list[Result] = []
     try:
         console.print("[dim]remote get/put against raw TCP …[/]")

@@ -90,6 +90,16 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
     def reset(self) -> None:
         self.data = _empty()
 
+    def take(self) -> KvstoreConnectorStats | None:
+        """What was gathered since the last take, as a new object (None: nothing), and start
+        over. This object keeps gathering, so what is bound to it (a sidecar link's
+        ``on_unreachable``) counts into the next report."""
+        if self.is_empty():
+            return None
+        taken = KvstoreConnectorStats(self.data)
+        self.reset()
+        return taken
+
     @property
     def calibration(self) -> dict[str, Any]:
         return cast(dict[str, Any], self.data["calibration"])

@@ -42,7 +42,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            raise KvStoreError(f"--set takes section.field=value, got {item!r}")
+            raise InvalidArgument(f"--set takes section.field=value, got {item!r}")
         overrides[name.strip()] = value.strip()
     if args.data_dir:
         overrides["data_dir"] = args.data_dir

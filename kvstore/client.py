@@ -18,8 +18,14 @@ implicitly, and connecting to the data port) must end within ``s`` of entering t
 raises ``DeadlineExceeded`` (a kind of ``Unavailable``). A data-port connection that timed out
 is dropped: its stream stopped mid-message; the next call opens another.
 
-Fingerprints and keys are 32-byte ``bytes``. Every failure raises a ``kvstore.errors`` class
-mirroring the gRPC status code. A Client is safe to share between threads.
+Fingerprints and keys are 32-byte ``bytes``. Every failure raises a ``kvstore.errors`` class:
+the server's own class for a status it sent (``kvstore.status``), ``InvalidArgument`` for bad
+arguments, ``Unavailable`` (``DeadlineExceeded`` for a timeout) for whatever the layers below
+raise (gRPC, sockets, the arena's mapping), translated in ``_translated`` and nowhere else; no
+``OSError`` or ``grpc.RpcError`` leaves a public method. A Client is safe to share between threads.
+
+Control calls go through the generated ``KvStoreStub``; the Get and Put streams are wired by
+hand, since their frames are bytes encoded and decoded here (``kvstore.frames``), not messages.
 """
 
 from __future__ import annotations
@@ -38,19 +44,22 @@ from kvstore.dataport import IDLE_S, DataPortClient
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     KvStoreError,
     StoreFull,
     Unavailable,
-    error_for_status,
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
+from kvstore.status import DETAIL_METADATA, error_for
 from kvstore.tls import ClientTls
 from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.dram import Arena
 
 _TIER_NAME = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
 _MAX_MESSAGE_BYTES = 256 << 20
+_SERVICE = pb.DESCRIPTOR.services_by_name["KvStore"]
 
 
 @dataclass(frozen=True)
@@ -87,9 +96,9 @@ class Client:
         tls: ClientTls | None = None,
     ) -> None:
         if data_plane not in ("auto", "grpc"):
-            raise KvStoreError(f"data_plane is 'auto' or 'grpc', got {data_plane!r}")
+            raise InvalidArgument(f"data_plane is 'auto' or 'grpc', got {data_plane!r}")
         if tls is not None and address.startswith("unix:"):
-            raise KvStoreError("TLS is for TCP addresses; the Unix socket is local and plain")
+            raise InvalidArgument("TLS is for TCP addresses; the Unix socket is local and plain")
         self.address = address
         self._tls = tls
         self._ssl_context = tls.ssl_context() if tls is not None else None
@@ -113,12 +122,13 @@ class Client:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
         self._arena_lock = threading.Lock()
-        self._unary: dict[str, Any] = {}
+        self._stub = pb_grpc.KvStoreStub(self._channel)
+        # By hand, not the stub's: the frames are bytes, encoded and decoded by kvstore.frames.
         self._get = self._channel.unary_stream(
-            "/kvstore.v1.KvStore/Get", request_serializer=pb.GetRequest.SerializeToString
+            _method_path("Get"), request_serializer=pb.GetRequest.SerializeToString
         )
         self._put = self._channel.stream_unary(
-            "/kvstore.v1.KvStore/Put", response_deserializer=pb.PutResponse.FromString
+            _method_path("Put"), response_deserializer=pb.PutResponse.FromString
         )
 
     # ----------------------------------------------------------------- plumbing
@@ -152,19 +162,10 @@ class Client:
             return None
         return time.monotonic() + self._timeout_s()
 
-    def _call(self, method: str, request: Any, response_type: Any) -> Any:
-        stub = self._unary.get(method)
-        if stub is None:
-            stub = self._channel.unary_unary(
-                f"/kvstore.v1.KvStore/{method}",
-                request_serializer=type(request).SerializeToString,
-                response_deserializer=response_type.FromString,
-            )
-            self._unary[method] = stub
-        try:
-            return stub(request, metadata=self._metadata, timeout=self._timeout_s())
-        except grpc.RpcError as exc:
-            raise _translate(exc) from None
+    def _call(self, rpc: Any, request: Any) -> Any:
+        """One unary call of the stub, ``rpc`` being its method (``self._stub.Lookup``)."""
+        with _translated("the call"):
+            return rpc(request, metadata=self._metadata, timeout=self._timeout_s())
 
     # ----------------------------------------------------------------- control
 
@@ -172,7 +173,7 @@ class Client:
         """Tell the server the model's layout; returns its fingerprint. Blocks stored under it
         must then be exactly ``identity.block_bytes`` long."""
         message = pb.ModelIdentity(**{k: v for k, v in identity.__dict__.items()})
-        response = self._call("Register", pb.RegisterRequest(identity=message), pb.RegisterResponse)
+        response: pb.RegisterResponse = self._call(self._stub.Register, pb.RegisterRequest(identity=message))
         return Fingerprint(response.fingerprint)
 
     def lookup(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> int:
@@ -186,26 +187,21 @@ class Client:
         if self._data_connection(scope) is not None:
             hit, tiers, lease_id = self._on_data(scope, lambda c: c.lookup(fingerprint, keys, pin_ttl_s))
             return Lookup(hit, tiers, lease_id)
-        r = self._call(
-            "Lookup",
+        r: pb.LookupResponse = self._call(
+            self._stub.Lookup,
             pb.LookupRequest(fingerprint=fingerprint, keys=list(keys), pin_ttl_s=pin_ttl_s, scope=scope),
-            pb.LookupResponse,
         )
         return Lookup(r.hit_blocks, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
 
     def exists(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bool]:
-        r = self._call(
-            "Exists",
-            pb.ExistsRequest(fingerprint=fingerprint, keys=list(keys), scope=scope),
-            pb.ExistsResponse,
+        r: pb.ExistsResponse = self._call(
+            self._stub.Exists, pb.ExistsRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
         )
         return list(r.present)
 
     def delete(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> int:
-        r = self._call(
-            "Delete",
-            pb.DeleteRequest(fingerprint=fingerprint, keys=list(keys), scope=scope),
-            pb.DeleteResponse,
+        r: pb.DeleteResponse = self._call(
+            self._stub.Delete, pb.DeleteRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
         )
         return int(r.deleted)
 
@@ -215,22 +211,22 @@ class Client:
         """Remove every block of ``fingerprint``, or ``everything``; of the caller's tenant unless
         ``tenant`` names another (``"*"``: all tenants), which needs an admin tenant."""
         if (fingerprint is None) == (not everything):
-            raise KvStoreError("invalidate takes a fingerprint or everything=True, not both")
+            raise InvalidArgument("invalidate takes a fingerprint or everything=True, not both")
         request = (
             pb.InvalidateRequest(fingerprint=fingerprint, tenant=tenant)
             if fingerprint is not None
             else pb.InvalidateRequest(everything=True, tenant=tenant)
         )
-        return int(self._call("Invalidate", request, pb.InvalidateResponse).removed)
+        return int(self._call(self._stub.Invalidate, request).removed)
 
     def demote(self, tier: str, fingerprint: bytes | None = None, *, tenant: str = "") -> int:
         """Move the caller's blocks (of ``fingerprint``, or all) out of ``tier`` into the next
         tier; ``tenant`` as for ``invalidate``. Returns how many blocks moved."""
         request = pb.DemoteRequest(tier=tier, fingerprint=fingerprint or b"", tenant=tenant)
-        return int(self._call("Demote", request, pb.DemoteResponse).moved)
+        return int(self._call(self._stub.Demote, request).moved)
 
     def stats(self) -> dict[str, Any]:
-        r = self._call("Stats", pb.StatsRequest(), pb.StatsResponse)
+        r: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return {
             "tenant": r.tenant,
             "tiers": [
@@ -268,7 +264,7 @@ class Client:
         }
 
     def server_info(self) -> dict[str, Any]:
-        r = self._call("ServerInfo", pb.ServerInfoRequest(), pb.ServerInfoResponse)
+        r: pb.ServerInfoResponse = self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
         return {"data_port": r.data_port, "data_socket": r.data_socket, "tiers": list(r.tiers)}
 
     def _data_connection(self, scope: str) -> DataPortClient | None:
@@ -293,7 +289,7 @@ class Client:
         if conn is None:
             deadline = self._data_deadline()
             connect_s = None if deadline is None else deadline - time.monotonic()
-            try:
+            with _translated("connecting to the data port"):
                 if unix:
                     conn = DataPortClient(
                         "", 0, self._token, scope, unix_path=self._data_socket, connect_timeout_s=connect_s
@@ -309,39 +305,31 @@ class Client:
                         ssl_context=self._ssl_context,
                         server_name=self._tls.server_name if self._tls is not None else "",
                     )
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"connecting to the data port: {exc}") from None
-            except OSError as exc:
-                raise Unavailable(f"connecting to the data port: {exc}") from None
             conns[scope] = conn
             with self._arena_lock:
                 self._data_conns.append(conn)
         return conn
 
     def _on_data(self, scope: str, call: Any) -> Any:
-        """Run ``call(conn)`` on the data port; a broken or timed-out connection is dropped and
-        raised as Unavailable or DeadlineExceeded (the next call reconnects)."""
+        """Run ``call(conn)`` on the data port. A failed call drops its connection (the server
+        closed it, or it stopped mid-message); the next call reconnects."""
         conn = self._data_connection(scope)
         assert conn is not None
         conn.deadline = self._data_deadline()
         conn.last_used = time.monotonic()
         try:
-            return call(conn)
-        except (OSError, ConnectionError) as exc:
+            with _translated("the data port call"):
+                return call(conn)
+        except KvStoreError:
             self._local.__dict__.get("conns", {}).pop(scope, None)
             conn.close()
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded(f"data port call timed out: {exc}") from None
-            raise Unavailable(f"data port connection failed: {exc}") from None
-        except KvStoreError:
-            self._local.__dict__.get("conns", {}).pop(scope, None)  # the server closed it
             raise
 
     def release(self, lease_id: int) -> None:
         if self._data_connection("") is not None:
             self._on_data("", lambda c: c.release(lease_id))
             return
-        self._call("Release", pb.ReleaseRequest(lease_id=lease_id), pb.ReleaseResponse)
+        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
 
     # ----------------------------------------------------------------- remote data plane
 
@@ -355,7 +343,7 @@ class Client:
     ) -> int:
         """Store a chain (over the data port, else the Put stream); how many blocks were new."""
         if len(keys) != len(blocks):
-            raise KvStoreError(f"{len(keys)} keys but {len(blocks)} blocks")
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
             return 0
         if self._data_connection(scope) is not None:
@@ -369,19 +357,15 @@ class Client:
                 else:
                     yield encode_frame(key, block)
 
-        try:
+        with _translated("the Put stream"):
             response = self._put(frames(), metadata=self._metadata, timeout=self._timeout_s())
-        except grpc.RpcError as exc:
-            raise _translate(exc) from None
         return int(response.stored)
 
     def _stream(self, fingerprint: bytes, keys: Sequence[bytes], scope: str) -> Iterator[memoryview]:
         request = pb.GetRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
-        try:
+        with _translated("the Get stream"):
             for message in self._get(request, metadata=self._metadata, timeout=self._timeout_s()):
                 yield decode_frame(message).payload
-        except grpc.RpcError as exc:
-            raise _translate(exc) from None
 
     def get(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bytes]:
         """The bytes of the present prefix of ``keys`` (shorter than ``keys`` at the first miss)."""
@@ -411,8 +395,8 @@ class Client:
             if self._arena is None:
                 if not self.address.startswith("unix:"):
                     raise FailedPrecondition("the arena is for same-host clients on the Unix socket")
-                r = self._call("Attach", pb.AttachRequest(), pb.AttachResponse)
-                self._arena = Arena.attach(r.arena_name)
+                r: pb.AttachResponse = self._call(self._stub.Attach, pb.AttachRequest())
+                self._arena = _map_arena(r.arena_name)
             return self._arena
 
     def _arena_named(self, name: str) -> Arena:
@@ -420,8 +404,9 @@ class Client:
         slots of the new arena must never be read out of the old mapping)."""
         with self._arena_lock:
             if self._arena is not None and name and self._arena.name != name:
-                self._arena.close()
-                self._arena = Arena.attach(name)
+                stale, self._arena = self._arena, None  # a mapping that fails leaves none
+                stale.close()
+                self._arena = _map_arena(name)
             assert self._arena is not None
             return self._arena
 
@@ -433,10 +418,9 @@ class Client:
             name, slots, tiers, lease_id = self._on_data(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
             arena = self._arena_named(name)
             return ResolvedBlocks([arena.view[o : o + n] for o, n in slots], tiers, lease_id)
-        r = self._call(
-            "Resolve",
+        r: pb.ResolveResponse = self._call(
+            self._stub.Resolve,
             pb.ResolveRequest(fingerprint=fingerprint, keys=list(keys), ttl_s=ttl_s, scope=scope),
-            pb.ResolveResponse,
         )
         arena = self._arena_named(r.arena_name)
         views = [arena.view[s.offset : s.offset + s.size_bytes] for s in r.slots]
@@ -465,8 +449,8 @@ class Client:
         scope: str = "",
     ) -> PendingWrite:
         arena = self.attach()
-        r = self._call(
-            "Reserve",
+        r: pb.ReserveResponse = self._call(
+            self._stub.Reserve,
             pb.ReserveRequest(
                 fingerprint=fingerprint,
                 keys=list(keys),
@@ -475,19 +459,16 @@ class Client:
                 ttl_s=ttl_s,
                 scope=scope,
             ),
-            pb.ReserveResponse,
         )
         arena = self._arena_named(r.arena_name)
         views = [arena.view[s.offset : s.offset + s.size_bytes] if s.present else None for s in r.slots]
         return PendingWrite(views, r.reservation_id)
 
     def commit(self, reservation_id: int) -> int:
-        return int(
-            self._call("Commit", pb.CommitRequest(reservation_id=reservation_id), pb.CommitResponse).stored
-        )
+        return int(self._call(self._stub.Commit, pb.CommitRequest(reservation_id=reservation_id)).stored)
 
     def abort(self, reservation_id: int) -> None:
-        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id), pb.AbortResponse)
+        self._call(self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id))
 
     def write(
         self,
@@ -549,7 +530,7 @@ def connect(
     """A client for ``unix:///path/to/socket`` (same host) or ``host:port`` (remote; with
     ``tls`` for a server whose TCP listeners use TLS: gRPC and the data port alike)."""
     if not address:
-        raise KvStoreError("empty address")
+        raise InvalidArgument("empty address")
     return Client(address, token, timeout_s, data_plane, tls)
 
 
@@ -558,9 +539,34 @@ def _copy(dst: memoryview | bytearray, src: bytes | bytearray | memoryview) -> N
     np.copyto(np.frombuffer(dst, dtype=np.uint8)[: len(src)], np.frombuffer(src, dtype=np.uint8))
 
 
-def _translate(exc: grpc.RpcError) -> KvStoreError:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    if code is None:
+def _method_path(name: str) -> str:
+    """The path of a KvStore method; a KeyError at import when the proto has no such method."""
+    return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
+
+
+def _map_arena(name: str) -> Arena:
+    with _translated(f"mapping the server's arena {name}"):
+        return Arena.attach(name)
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """The client's one translation of what the layers below raise into ``kvstore.errors``: a
+    gRPC status into the server's class (the detail from its trailing metadata), a timeout into
+    DeadlineExceeded, any other socket or file failure into Unavailable."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise _rpc_error(exc) from None
+    except TimeoutError as exc:
+        raise DeadlineExceeded(f"{what} timed out: {exc}") from None
+    except OSError as exc:
+        raise Unavailable(f"{what} failed: {exc}") from None
+
+
+def _rpc_error(exc: grpc.RpcError) -> KvStoreError:
+    if not isinstance(exc, grpc.Call):  # no status at all: the channel itself failed
         return Unavailable(str(exc))
-    return error_for_status(code.name, details or code.name)
+    code = exc.code()
+    detail = dict(exc.trailing_metadata() or ()).get(DETAIL_METADATA, "")
+    return error_for(code.value[0], exc.details() or code.name, detail)

@@ -22,9 +22,12 @@ Framing (little-endian), one request at a time per connection:
     put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
                      then the n payloads back to back
              server: status, u32 stored
-    status   u8 gRPC status code (0 = OK), u32 len + UTF-8 message
+    status   u8 gRPC status code (0 = OK, ``kvstore.status.Status``), u32 len + UTF-8 message
 
-A request that fails is answered with its status and the connection closes.
+A request that fails is answered with its status and the connection closes. The message of a
+failure starts with its detail in brackets, ``[LeaseExpired] lease 7 expired ...``: the name of
+the error class the server raised (``kvstore.status``), which the client raises again. A client
+that knows no details reads the code alone, as before, and shows the bracket as part of the text.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from kvstore.errors import (
     ResourceExhausted,
 )
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.store import Scope, TieredStore
+from kvstore.status import Status, error_for, status_of
+from kvstore.store import Scope
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Reso
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1
+_OK = struct.pack("<BI", Status.OK, 0)
 IO_TIMEOUT_S = 30.0  # the client's per-operation default
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
@@ -67,18 +72,6 @@ IDLE_S = 600.0  # a connection idle between requests longer than this is closed
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_TENANT = 256
 MAX_BLOCKS_PER_REQUEST = 65536
-_STATUS_CODES = {
-    "OK": 0,
-    "INVALID_ARGUMENT": 3,
-    "NOT_FOUND": 5,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "UNAVAILABLE": 14,
-    "UNAUTHENTICATED": 16,
-    "UNKNOWN": 2,
-}
-STATUS_NAMES = {v: k for k, v in _STATUS_CODES.items()}
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -124,14 +117,25 @@ def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:
         sock.sendall(body[sent - len(head) :])
 
 
-def send_status(sock: socket.socket, code_name: str, message: str = "") -> None:
-    body = message.encode()
-    sock.sendall(struct.pack("<BI", _STATUS_CODES.get(code_name, 2), len(body)) + body)
+def send_error(sock: socket.socket, error: KvStoreError) -> None:
+    """The status frame of a failure: its code and, before its message, its detail."""
+    code, detail = status_of(error)
+    body = f"[{detail}] {error}".encode()
+    sock.sendall(struct.pack("<BI", code, len(body)) + body)
 
 
-def read_status(sock: socket.socket, deadline: float | None = None) -> tuple[str, str]:
+def read_status(sock: socket.socket, deadline: float | None = None) -> tuple[int, str]:
+    """The code (a ``Status`` number) and message of a status frame, the detail left in."""
     code, length = struct.unpack("<BI", recv_exact(sock, 5, deadline))
-    return STATUS_NAMES.get(code, "UNKNOWN"), recv_exact(sock, length, deadline).decode(errors="replace")
+    return code, recv_exact(sock, length, deadline).decode(errors="replace")
+
+
+def status_error(code: int, message: str) -> KvStoreError:
+    """The exception for a failed status frame: the detail taken off the message."""
+    detail, sep, rest = message[1:].partition("] ") if message.startswith("[") else ("", "", "")
+    if sep and detail.isidentifier():
+        return error_for(code, rest, detail)
+    return error_for(code, message)
 
 
 def time_left_s(deadline: float) -> float:
@@ -164,7 +168,6 @@ class DataPort:
 
     def __init__(
         self,
-        store: TieredStore,
         auth: Authenticator,
         address: str,
         plane: DataPlane,
@@ -172,7 +175,6 @@ class DataPort:
     ) -> None:
         """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600);
         ``ssl_context``: TLS on every connection (TCP only), the handshake within HELLO_S."""
-        self.store = store
         self._ssl_context = ssl_context
         self.auth = auth
         self.plane = plane
@@ -289,14 +291,14 @@ class DataPort:
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
-                send_status(conn, exc.status_code_name, str(exc))
+                send_error(conn, exc)
         except (OSError, ConnectionError, struct.error) as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         except Exception:  # a bug must not kill the port silently: log it, tell the client
             log.exception("data port request from %s failed", peer)
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)
-                send_status(conn, "UNKNOWN", "internal error in the data port; see the server log")
+                send_error(conn, KvStoreError("internal error in the data port; see the server log"))
         finally:
             conn.close()
             with self._lock:
@@ -313,7 +315,7 @@ class DataPort:
         elif op == OP_RELEASE:
             (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
             self.plane.release(session.caller, lease_id)
-            self._status(conn, session, "OK")
+            self._ok(conn, session)
         elif op == OP_GET:
             self._get(conn, session)
         elif op == OP_PUT:
@@ -332,9 +334,9 @@ class DataPort:
                 )
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
-    def _status(self, conn: socket.socket, session: _Session, code: str, message: str = "") -> None:
+    def _ok(self, conn: socket.socket, session: _Session) -> None:
         conn.settimeout(time_left_s(session.deadline))
-        send_status(conn, code, message)
+        conn.sendall(_OK)
 
     def _next_op(self, conn: socket.socket) -> bytes:
         """Wait up to IDLE_S for the next request (a connection idle longer is closed; the client
@@ -364,7 +366,7 @@ class DataPort:
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
         session = _Session(caller, self.auth.namespace(caller, scope), deadline)
-        self._status(conn, session, "OK")
+        self._ok(conn, session)
         return session
 
     def _keys(self, conn: socket.socket, session: _Session) -> tuple[Fingerprint, list[BlockKey]]:
@@ -392,7 +394,7 @@ class DataPort:
             for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
         )
         body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
-        self._status(conn, session, "OK")
+        self._ok(conn, session)
         _send(conn, session.deadline, b"".join(body))
 
     def _lookup(self, conn: socket.socket, session: _Session) -> None:
@@ -402,7 +404,7 @@ class DataPort:
         result = self.plane.lookup(session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None)
         tiers = bytes(TIER_CODES[t] for t in result.tiers)
         lease_id = result.lease.lease_id if result.lease else 0
-        self._status(conn, session, "OK")
+        self._ok(conn, session)
         _send(
             conn, session.deadline, struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id)
         )
@@ -411,7 +413,7 @@ class DataPort:
         fingerprint, keys = self._keys(conn, session)
         scope = Scope(session.namespace, fingerprint)
         self.plane.arena()
-        self._status(conn, session, "OK")  # from here on a failure can only close the connection
+        self._ok(conn, session)  # from here on a failure can only close the connection
 
         def send(key: BlockKey, payload: memoryview) -> None:  # straight out of the pinned slot
             conn.settimeout(time_left_s(session.deadline))
@@ -420,7 +422,7 @@ class DataPort:
         for _ in self.plane.read(session.caller, scope, keys, send):
             pass
         _send(conn, session.deadline, struct.pack("<Q", END))
-        self._status(conn, session, "OK")
+        self._ok(conn, session)
 
     def _put(self, conn: socket.socket, session: _Session) -> None:
         deadline = session.deadline
@@ -437,14 +439,14 @@ class DataPort:
         stored = self.plane.write(
             session.caller, scope, parent, keys, sizes, lambda i, view: recv_into_exact(conn, view, deadline)
         )
-        self._status(conn, session, "OK")
+        self._ok(conn, session)
         _send(conn, session.deadline, struct.pack("<I", stored))
 
 
 def _refuse(conn: socket.socket, message: str) -> None:
     with contextlib.suppress(OSError):
         conn.settimeout(1.0)
-        send_status(conn, "RESOURCE_EXHAUSTED", message)
+        send_error(conn, ResourceExhausted(message))
     conn.close()
 
 
@@ -516,11 +518,9 @@ class DataPortClient:
 
     def _check(self) -> None:
         code, message = read_status(self.sock, self.deadline)
-        if code != "OK":
-            from kvstore.errors import error_for_status
-
+        if code != Status.OK:
             self.sock.close()
-            raise error_for_status(code, message)
+            raise status_error(code, message)
 
     def resolve(
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float

@@ -1,44 +1,65 @@
-"""The one error hierarchy of kvstore. Each class names the gRPC status code it maps to; the
-server translates with ``status_code_name`` in one place, the client raises the same classes.
+"""The one error hierarchy of kvstore, with the gRPC status code each class travels as (the
+table itself is ``kvstore.status``: the server and the client both translate through it, and
+nowhere else).
 
-    KvStoreError
-    ├── InvalidArgument        bad key length, block size not matching the layout, bad frame
-    ├── Unauthenticated        no or unknown bearer token
-    ├── PermissionDenied       a scope the tenant was not granted
-    ├── NotFound
-    │   ├── LeaseNotFound      a lease id that was never granted, or already released
-    │   └── LeaseExpired       a lease that ran out before it was released
-    ├── ResourceExhausted
-    │   ├── QuotaExceeded      the tenant's byte quota is full of blocks that cannot go
-    │   └── StoreFull          no tier can take the block (everything is pinned)
-    ├── FailedPrecondition     a call out of order (commit without reserve)
-    └── Unavailable            the server is draining or a tier's medium is gone, or unreachable
-        └── DeadlineExceeded   no answer within the call's deadline (the server may be hung)
+    KvStoreError               UNKNOWN
+    ├── InvalidArgument        INVALID_ARGUMENT     bad key length, block size not matching the layout, bad frame
+    ├── Unauthenticated        UNAUTHENTICATED      no or unknown bearer token
+    ├── PermissionDenied       PERMISSION_DENIED    a scope the tenant was not granted
+    ├── NotFound               NOT_FOUND
+    │   ├── LeaseNotFound                           a lease id that was never granted, or already released
+    │   └── LeaseExpired                            a lease that ran out before it was released
+    ├── ResourceExhausted      RESOURCE_EXHAUSTED
+    │   ├── QuotaExceeded                           the tenant's byte quota is full of blocks that cannot go
+    │   └── StoreFull                               no tier can take the block (everything is pinned)
+    ├── FailedPrecondition     FAILED_PRECONDITION  a call out of order (commit without reserve)
+    └── Unavailable            UNAVAILABLE          the server is draining or a tier's medium is gone, or unreachable
+        └── DeadlineExceeded   DEADLINE_EXCEEDED    no answer within the call's deadline (the server may be hung)
 
-Errors raised by ``tiers`` are translated into these by the tiered store, nowhere else.
+A subclass shares its parent's code; the status carries the class's name beside the code, so the
+client raises the very class the server did (``LeaseExpired``, not just ``NotFound``).
+
+Errors raised by ``tiers`` are translated into these by the tiered store, nowhere else; what the
+client's lower layers raise (gRPC, sockets, the arena's mapping) is translated by the client.
 """
 
 from __future__ import annotations
 
+__all__ = [
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "KvStoreError",
+    "LeaseExpired",
+    "LeaseNotFound",
+    "NotFound",
+    "PermissionDenied",
+    "QuotaExceeded",
+    "ResourceExhausted",
+    "StoreFull",
+    "Unauthenticated",
+    "Unavailable",
+]
+
 
 class KvStoreError(Exception):
-    status_code_name = "UNKNOWN"
+    pass
 
 
 class InvalidArgument(KvStoreError):
-    status_code_name = "INVALID_ARGUMENT"
+    pass
 
 
 class Unauthenticated(KvStoreError):
-    status_code_name = "UNAUTHENTICATED"
+    pass
 
 
 class PermissionDenied(KvStoreError):
-    status_code_name = "PERMISSION_DENIED"
+    pass
 
 
 class NotFound(KvStoreError):
-    status_code_name = "NOT_FOUND"
+    pass
 
 
 class LeaseNotFound(NotFound):
@@ -50,7 +71,7 @@ class LeaseExpired(NotFound):
 
 
 class ResourceExhausted(KvStoreError):
-    status_code_name = "RESOURCE_EXHAUSTED"
+    pass
 
 
 class QuotaExceeded(ResourceExhausted):
@@ -62,38 +83,13 @@ class StoreFull(ResourceExhausted):
 
 
 class FailedPrecondition(KvStoreError):
-    status_code_name = "FAILED_PRECONDITION"
+    pass
 
 
 class Unavailable(KvStoreError):
-    status_code_name = "UNAVAILABLE"
+    pass
 
 
 class DeadlineExceeded(Unavailable):
     """A subclass of Unavailable, so callers that retry elsewhere on Unavailable keep doing so;
     callers that must not wait twice (a retry costs another full deadline) catch it first."""
-
-    status_code_name = "DEADLINE_EXCEEDED"
-
-
-_BY_STATUS: dict[str, type[KvStoreError]] = {
-    cls.status_code_name: cls
-    for cls in (
-        InvalidArgument,
-        Unauthenticated,
-        PermissionDenied,
-        NotFound,
-        ResourceExhausted,
-        FailedPrecondition,
-        Unavailable,
-    )
-}
-
-
-def error_for_status(code_name: str, message: str) -> KvStoreError:
-    """The exception a client raises for a gRPC status (the inverse of status_code_name)."""
-    if code_name == "NOT_FOUND" and "expired" in message:
-        return LeaseExpired(message)
-    if code_name == "DEADLINE_EXCEEDED":
-        return DeadlineExceeded(f"deadline exceeded: {message}")
-    return _BY_STATUS.get(code_name, KvStoreError)(message)

@@ -38,7 +38,6 @@ from kvstore.models import ModelRegistry
 from kvstore.service import SERVICE_NAME, KvStoreService
 from kvstore.store import TieredStore
 from kvstore.tls import ServerTls
-from proto import kvstore_pb2
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +125,12 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.server.workers), options=options)
     undo.callback(lambda: server.stop(None))
-    server.add_generic_rpc_handlers((service.handler(),))
+    service.add_to(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
-            kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name,
+            SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
@@ -167,7 +166,7 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     if data_address == "auto":
         data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
     if data_address:
-        data_port = _data_port(store, auth, service, data_address, "server.data_address", tls)
+        data_port = _data_port(auth, service, data_address, "server.data_address", tls)
         undo.callback(data_port.close, 0.0)
         service.data_port = data_port.port
     data_socket = None
@@ -175,7 +174,7 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     if data_socket_path == "auto":
         data_socket_path = str(Path(settings.data_dir) / "kvstore-data.sock")
     if data_socket_path:
-        data_socket = _data_port(store, auth, service, f"unix:{data_socket_path}", "server.data_socket_path")
+        data_socket = _data_port(auth, service, f"unix:{data_socket_path}", "server.data_socket_path")
         undo.callback(data_socket.close, 0.0)
         service.data_socket = data_socket_path
     metrics_port = None
@@ -286,7 +285,6 @@ def _check_free(address: str, setting: str) -> None:
 
 
 def _data_port(
-    store: TieredStore,
     auth: Authenticator,
     service: KvStoreService,
     address: str,
@@ -295,7 +293,7 @@ def _data_port(
 ) -> DataPort:
     context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
     try:
-        port = DataPort(store, auth, address, service.plane, context)
+        port = DataPort(auth, address, service.plane, context)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"

@@ -1,14 +1,19 @@
 """The gRPC servicer of ``kvstore.v1.KvStore`` over a tiered store.
 
 Every RPC goes through ``_serve``: refuse while draining (UNAVAILABLE), authenticate the caller,
-time the call, and translate a ``KvStoreError`` into its status code — the one place errors
-become status codes. A request can only reach its own tenant's namespace or a shared scope
-granted to it (``kvstore.auth``); lease and reservation ids are owned by the tenant that got
-them.
+time the call, and send a ``KvStoreError`` as its status (``_abort``: the code and detail of
+``kvstore.status``, the detail as trailing metadata) — the one place errors become gRPC statuses.
+Any other exception is a bug: gRPC logs it and answers UNKNOWN. A request can only reach its own
+tenant's namespace or a shared scope granted to it (``kvstore.auth``); lease and reservation ids
+are owned by the tenant that got them.
 
-The Get and Put streams carry hand-written frames (``kvstore.frames``): Get serves blocks
-straight out of the arena slots it pinned, Put hands received payloads to the store without
-decoding them through protobuf.
+The servicer implements the generated ``KvStoreServicer`` and is registered through the
+generated ``add_KvStoreServicer_to_server`` (``add_to``), so the proto names every method; a
+method renamed there fails the type check here (``@override``). Two things the generated
+handlers cannot say are changed on them: a request protobuf cannot parse is refused as
+INVALID_ARGUMENT (gRPC would answer INTERNAL), and the Get and Put streams carry hand-written
+frames (``kvstore.frames``) that no protobuf serializer touches: Get serves blocks straight out
+of the arena slots it pinned, Put hands received payloads to the store without decoding them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,25 +45,38 @@ from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.metrics import Metrics
 from kvstore.models import ModelRegistry
+from kvstore.status import DETAIL_METADATA, status_of
 from kvstore.store import Scope, TieredStore
 from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
 from tiers import TierUsage
+
+if TYPE_CHECKING:
+    from typing_extensions import override
+else:
+
+    def override(method: Callable[..., Any]) -> Callable[..., Any]:  # typing.override is 3.12+
+        return method
+
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "kvstore.v1.KvStore"
+_SERVICE = pb.DESCRIPTOR.services_by_name["KvStore"]
+SERVICE_NAME = _SERVICE.full_name
 TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME}
 PUT_BUFFER_BYTES = 32 << 20  # a Put stream's frames buffered before they go to the data plane
 
 R = TypeVar("R")
 
 
-def _abort(context: grpc.ServicerContext, exc: KvStoreError) -> NoReturn:
-    context.abort(grpc.StatusCode[exc.status_code_name], str(exc))
+def _abort(context: grpc.ServicerContext, error: KvStoreError) -> NoReturn:
+    code, detail = status_of(error)
+    context.set_trailing_metadata(((DETAIL_METADATA, detail),))
+    context.abort(grpc.StatusCode[code.name], str(error))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
-class KvStoreService:
+class KvStoreService(pb_grpc.KvStoreServicer):
     def __init__(
         self,
         store: TieredStore,
@@ -177,6 +195,7 @@ class KvStoreService:
 
     # ----------------------------------------------------------------- control
 
+    @override
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         def body(caller: Caller) -> pb.RegisterResponse:
             i = request.identity
@@ -207,6 +226,7 @@ class KvStoreService:
 
         return self._serve("Register", context, body)
 
+    @override
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def body(caller: Caller) -> pb.LookupResponse:
             scope = self._scope(caller, request.fingerprint, request.scope)
@@ -223,6 +243,7 @@ class KvStoreService:
 
         return self._serve("Lookup", context, body)
 
+    @override
     def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
         def body(caller: Caller) -> pb.ExistsResponse:
             scope = self._scope(caller, request.fingerprint, request.scope)
@@ -230,6 +251,7 @@ class KvStoreService:
 
         return self._serve("Exists", context, body)
 
+    @override
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         def body(caller: Caller) -> pb.DeleteResponse:
             scope = self._scope(caller, request.fingerprint, request.scope)
@@ -240,6 +262,7 @@ class KvStoreService:
 
         return self._serve("Delete", context, body)
 
+    @override
     def Invalidate(
         self, request: pb.InvalidateRequest, context: grpc.ServicerContext
     ) -> pb.InvalidateResponse:
@@ -258,6 +281,7 @@ class KvStoreService:
 
         return self._serve("Invalidate", context, body)
 
+    @override
     def Demote(self, request: pb.DemoteRequest, context: grpc.ServicerContext) -> pb.DemoteResponse:
         def body(caller: Caller) -> pb.DemoteResponse:
             namespace = _target_namespace(caller, request.tenant, "demote")
@@ -269,6 +293,7 @@ class KvStoreService:
 
         return self._serve("Demote", context, body)
 
+    @override
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         def body(caller: Caller) -> pb.StatsResponse:
             stats = self.store.stats()
@@ -329,6 +354,7 @@ class KvStoreService:
             )
         return out
 
+    @override
     def ServerInfo(
         self, request: pb.ServerInfoRequest, context: grpc.ServicerContext
     ) -> pb.ServerInfoResponse:
@@ -341,6 +367,7 @@ class KvStoreService:
 
         return self._serve("ServerInfo", context, body)
 
+    @override
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def body(caller: Caller) -> pb.ReleaseResponse:
             self.store.release(request.lease_id, owner=caller.tenant)
@@ -353,6 +380,7 @@ class KvStoreService:
     def _arena(self) -> Any:
         return self.plane.arena()
 
+    @override
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
         def body(caller: Caller) -> pb.AttachResponse:
             if not context.peer().startswith("unix:"):
@@ -366,6 +394,7 @@ class KvStoreService:
 
         return self._serve("Attach", context, body)
 
+    @override
     def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.ResolveResponse:
         def body(caller: Caller) -> pb.ResolveResponse:
             start = time.perf_counter()
@@ -387,6 +416,7 @@ class KvStoreService:
 
         return self._serve("Resolve", context, body)
 
+    @override
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         def body(caller: Caller) -> pb.ReserveResponse:
             self._arena()
@@ -411,6 +441,7 @@ class KvStoreService:
 
         return self._serve("Reserve", context, body)
 
+    @override
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         def body(caller: Caller) -> pb.CommitResponse:
             start = time.perf_counter()
@@ -421,6 +452,7 @@ class KvStoreService:
 
         return self._serve("Commit", context, body)
 
+    @override
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         def body(caller: Caller) -> pb.AbortResponse:
             self.store.abort(request.reservation_id, owner=caller.tenant)
@@ -430,6 +462,7 @@ class KvStoreService:
 
     # ----------------------------------------------------------------- remote streams
 
+    @override
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Frames of the present prefix of ``keys``, in order. Each step pins a batch, copies it
         into frames and releases it before yielding, so a slow reader never holds a pin."""
@@ -462,6 +495,7 @@ class KvStoreService:
                 self.metrics.observe_request("Get", seconds)
                 self.metrics.restore_seconds.labels("get").observe(seconds)
 
+    @override
     def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
         watchdog = self._watchdog(context)
         try:
@@ -512,59 +546,66 @@ class KvStoreService:
 
     # ----------------------------------------------------------------- registration
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Any, request_type: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(
-                _refuse_malformed(fn),
-                request_deserializer=_parser(request_type),
-                response_serializer=_serialize,
-            )
-
-        methods = {
-            "Register": unary(self.Register, pb.RegisterRequest),
-            "Lookup": unary(self.Lookup, pb.LookupRequest),
-            "Exists": unary(self.Exists, pb.ExistsRequest),
-            "Delete": unary(self.Delete, pb.DeleteRequest),
-            "Invalidate": unary(self.Invalidate, pb.InvalidateRequest),
-            "Demote": unary(self.Demote, pb.DemoteRequest),
-            "Stats": unary(self.Stats, pb.StatsRequest),
-            "Release": unary(self.Release, pb.ReleaseRequest),
-            "ServerInfo": unary(self.ServerInfo, pb.ServerInfoRequest),
-            "Attach": unary(self.Attach, pb.AttachRequest),
-            "Resolve": unary(self.Resolve, pb.ResolveRequest),
-            "Reserve": unary(self.Reserve, pb.ReserveRequest),
-            "Commit": unary(self.Commit, pb.CommitRequest),
-            "Abort": unary(self.Abort, pb.AbortRequest),
-            # Frames are bytes already: no (de)serializer touches block payloads.
-            "Get": grpc.unary_stream_rpc_method_handler(
-                _refuse_malformed(self.Get), request_deserializer=_parser(pb.GetRequest)
-            ),
-            "Put": grpc.stream_unary_rpc_method_handler(self.Put, response_serializer=_serialize),
-        }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+    def add_to(self, server: grpc.Server) -> None:
+        """Register every RPC on ``server``: the generated handlers, changed by ``_tuned``."""
+        registrar = _Registrar(server)
+        pb_grpc.add_KvStoreServicer_to_server(self, registrar)
+        if not registrar.registered:
+            raise RuntimeError("add_KvStoreServicer_to_server registered no method handlers")
 
 
-def _serialize(message: Any) -> bytes:
-    data: bytes = message.SerializeToString()
-    return data
+class _Registrar:
+    """The server the generated ``add_KvStoreServicer_to_server`` registers on: it hands the
+    real one the generated handlers changed by ``_tuned``, as generic and as registered method
+    handlers, as the generated code itself does."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+        self.registered = False
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # built from the same handlers as the call below, which registers both kinds
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        tuned = {method: _tuned(method, handler) for method, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tuned),))
+        self._server.add_registered_method_handlers(service, tuned)
+        self.registered = True
+
+
+def _tuned(method: str, handler: Any) -> Any:
+    """A generated handler changed where the generated code cannot say what we need: streams of
+    ``BlockFrame`` carry frames encoded and decoded by hand (``kvstore.frames``: no protobuf
+    serializer copies block payloads), and a request that does not parse is refused as
+    INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
+    declared = _SERVICE.methods_by_name[method]
+    changes: dict[str, Any] = {}
+    if declared.output_type is pb.BlockFrame.DESCRIPTOR:
+        changes["response_serializer"] = None  # Get yields frames already encoded
+    if declared.input_type is pb.BlockFrame.DESCRIPTOR:
+        changes["request_deserializer"] = None  # Put decodes its frames itself
+    elif not handler.request_streaming:
+        behaviour = "unary_stream" if handler.response_streaming else "unary_unary"
+        changes["request_deserializer"] = _parser(method, handler.request_deserializer)
+        changes[behaviour] = _refuse_malformed(getattr(handler, behaviour))
+    return handler._replace(**changes)
 
 
 class _Malformed:
-    """Stands in for a request protobuf could not parse, so it is refused as INVALID_ARGUMENT
-    (gRPC itself would answer INTERNAL)."""
+    """Stands in for a request protobuf could not parse, so that it is refused."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
 
-def _parser(request_type: Any) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
+def _parser(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def tolerant(raw: bytes) -> Any:
         try:
-            return request_type.FromString(raw)
+            return parse(raw)
         except DecodeError as exc:
-            return _Malformed(f"malformed {request_type.DESCRIPTOR.name}: {exc}")
+            return _Malformed(f"malformed {method} request: {exc}")
 
-    return parse
+    return tolerant
 
 
 def _refuse_malformed(

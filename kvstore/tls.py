@@ -73,7 +73,10 @@ class ClientTls:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     def ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self.ca_file or None)
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise FailedPrecondition(f"tls ca_file {self.ca_file}: {exc.strerror or exc}") from None
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.cert_file:
             try:

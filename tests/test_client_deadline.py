@@ -5,39 +5,37 @@ DeadlineExceeded, and the client works again once the server does."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
-from kvstore.datadir import remove_shm_files
 from kvstore.dataport import DataPortClient
 from kvstore.errors import DeadlineExceeded
 from kvstore.keys import block_keys
 from tests.service_fixtures import MODEL
-from tests.sidecar_process import freeze, start_serve, stop_serve, thaw
 
 SLACK_S = 0.5  # a loaded 2-core host wakes a timed-out thread this late at worst
 
 
 @pytest.fixture
-def serving() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    data_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
-    proc = start_serve(
-        data_dir, {"dram.capacity_bytes": "8MiB", "dram.page_bytes": "1MiB", "nvme.capacity_bytes": "64MiB"}
+def serving() -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        {
+            "dram.capacity_bytes": "8MiB",
+            "dram.page_bytes": "1MiB",
+            "dram.prefault": "false",
+            "nvme.capacity_bytes": "64MiB",
+        }
     )
     try:
-        yield f"unix://{data_dir}/kvstore.sock", proc
+        yield server
     finally:
-        stop_serve(proc)
-        remove_shm_files(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+        server.stop()
 
 
 def _times_out(kv: Client, timeout_s: float, call: Callable[[], object]) -> float:
@@ -48,15 +46,15 @@ def _times_out(kv: Client, timeout_s: float, call: Callable[[], object]) -> floa
 
 
 def test_every_call_ends_at_its_deadline_on_a_hung_server(
-    serving: tuple[str, subprocess.Popen[bytes]],
+    serving: ServerProcess,
 ) -> None:
-    address, proc = serving
+    address = serving.unix
     keys = block_keys(MODEL.fingerprint(), list(range(16 * 4)), 16)
     with connect(address) as kv, connect(address) as fresh:
         fp = kv.register(MODEL)
         kv.write(fp, keys, [os.urandom(MODEL.block_bytes) for _ in keys])
         assert kv.lookup(fp, keys) == 4  # its data connection is open now
-        freeze(proc)
+        serving.freeze()
         try:
             # The data port (lookups go over it), gRPC, and a first data call's implicit
             # ServerInfo and Attach: each ends at the deadline, not at the client's 30 s.
@@ -71,7 +69,7 @@ def test_every_call_ends_at_its_deadline_on_a_hung_server(
             with kv.deadline(10.0):  # nested: the inner, earlier end wins
                 assert _times_out(kv, 0.2, lambda: kv.lookup(fp, keys)) < 0.2 + SLACK_S
         finally:
-            thaw(proc)
+            serving.thaw()
         # The timed-out data connection was dropped (its stream is mid-message); a new one works.
         with kv.deadline(5.0):
             assert kv.lookup(fp, keys) == 4

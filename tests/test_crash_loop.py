@@ -28,6 +28,6 @@ def test_acknowledged_blocks_survive_kill_9_under_load() -> None:
 def test_without_the_journal_a_kill_loses_the_arena() -> None:
     """The same loop with the journal off: the check above can fail."""
     result = kill_cycles(
-        1, 512 * MiB, max_load_s=0.8, rng=random.Random(7), max_blocks=400, settings=["dram.journal=false"]
+        1, 512 * MiB, max_load_s=0.8, rng=random.Random(7), max_blocks=400, settings={"dram.journal": "false"}
     )
     assert result.acked > 0 and result.served < 0.5 * result.acked and result.corrupt == 0

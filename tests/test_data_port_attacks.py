@@ -14,6 +14,7 @@ import pytest
 import kvstore.dataport as dataport
 from kvstore.client import connect
 from kvstore.dataport import MAGIC, OP_GET, read_status
+from kvstore.status import Status
 from tests.service_fixtures import BLOCK, MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 from tests.test_service import blocks_for, chain, put_header
@@ -28,7 +29,7 @@ def hello(served: Served, token: str, rcvbuf: int = 0) -> socket.socket:
     sock.settimeout(10)
     sock.connect((host, served.server.data_port.port))
     sock.sendall(MAGIC + struct.pack("<H", len(token)) + token.encode() + struct.pack("<H", 0))
-    assert read_status(sock)[0] == "OK"
+    assert read_status(sock)[0] == Status.OK
     return sock
 
 
@@ -47,7 +48,7 @@ def test_a_trickled_put_is_cut_and_touches_nothing(served: Served, monkeypatch: 
             cut = True
             break
         time.sleep(0.1)
-    assert cut or read_status(sock)[0] != "OK", "the server kept waiting for a trickle"
+    assert cut or read_status(sock)[0] != Status.OK, "the server kept waiting for a trickle"
     assert time.monotonic() - started < 3
     sock.close()
     alpha_keys = chain(8, salt="alpha")

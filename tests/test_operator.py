@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.datadir import ARENA_ID_FILE, remove_shm_files
 from kvstore.keys import block_keys
-from tests import sidecar_process
 from tests.service_fixtures import MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 
@@ -80,14 +79,14 @@ def arenas_of(data_dir: Path) -> list[str]:
     return [name for name in shm_files_of(data_dir) if "." not in name]
 
 
-def start_serve(data_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
-    settings = {"dram.capacity_bytes": "4MiB", "dram.page_bytes": "1MiB", "nvme.capacity_bytes": "64MiB"}
-    return sidecar_process.start_serve(data_dir, settings, extra, command=[KVSTORE])
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    return proc.wait(30)
+def start_serve(data_dir: Path, *extra: str) -> ServerProcess:
+    settings = {
+        "dram.capacity_bytes": "4MiB",
+        "dram.page_bytes": "1MiB",
+        "dram.prefault": "false",
+        "nvme.capacity_bytes": "64MiB",
+    }
+    return ServerProcess(settings, data_dir, extra_args=extra, command=[KVSTORE])
 
 
 # ----------------------------------------------------------------- the command itself
@@ -204,7 +203,7 @@ def test_ports_in_use_and_a_second_server_on_one_folder(folder: Path) -> None:
         with connect(f"unix://{folder / 'b' / 'kvstore.sock'}") as kv:  # the first is unharmed
             assert kv.stats()["tiers"]
     finally:
-        assert stop(first) == 0
+        assert first.stop() == 0
     assert shm_files_of(folder / "b") == []
 
 
@@ -217,11 +216,10 @@ def test_an_arena_larger_than_dev_shm_is_refused_before_anything_is_faulted(fold
 
 
 def test_a_killed_servers_arena_is_reclaimed_by_the_next_start(folder: Path) -> None:
-    proc = start_serve(folder)
+    server = start_serve(folder)
     leftover = arenas_of(folder)
     assert len(leftover) == 1
-    proc.kill()  # SIGKILL: nothing of ours runs
-    proc.wait(10)
+    server.kill()  # SIGKILL: nothing of ours runs
     assert arenas_of(folder) == leftover, "the kernel keeps a dead server's arena"
     restarted = start_serve(folder)
     try:
@@ -229,7 +227,7 @@ def test_a_killed_servers_arena_is_reclaimed_by_the_next_start(folder: Path) -> 
         assert len(now) == 1 and now != leftover
         assert not (SHM / leftover[0]).exists()
     finally:
-        assert stop(restarted) == 0
+        assert restarted.stop() == 0
     assert shm_files_of(folder) == [], "arena and journal go with a clean stop"
 
 
@@ -237,7 +235,7 @@ def test_a_killed_servers_arena_is_reclaimed_by_the_next_start(folder: Path) -> 
 
 
 def test_stats_shows_version_uptime_addresses_hit_ratio_and_models(folder: Path) -> None:
-    proc = start_serve(folder, "--tcp", "127.0.0.1:0")
+    server = start_serve(folder, "--tcp", "127.0.0.1:0")
     try:
         address = f"unix://{folder / 'kvstore.sock'}"
         with connect(address) as kv:
@@ -273,11 +271,11 @@ def test_stats_shows_version_uptime_addresses_hit_ratio_and_models(folder: Path)
             run("invalidate", "--address", address, "--fingerprint", "ab"), "`kvstore stats`"
         )
     finally:
-        assert stop(proc) == 0
+        assert server.stop() == 0
 
 
 def test_models_are_named_after_a_restart(folder: Path) -> None:
-    proc = start_serve(folder)
+    server = start_serve(folder)
     address = f"unix://{folder / 'kvstore.sock'}"
     try:
         with connect(address) as kv:
@@ -285,8 +283,8 @@ def test_models_are_named_after_a_restart(folder: Path) -> None:
             keys = block_keys(fp, list(range(2 * MODEL.tokens_per_block)), MODEL.tokens_per_block)
             kv.write(fp, keys, [b"y" * MODEL.block_bytes] * 2)
     finally:
-        assert stop(proc) == 0  # spills the blocks to nvme
-    proc = start_serve(folder)
+        assert server.stop() == 0  # spills the blocks to nvme
+    server = start_serve(folder)
     try:
         with connect(address) as kv:
             models = kv.stats()["fingerprints"]
@@ -295,7 +293,7 @@ def test_models_are_named_after_a_restart(folder: Path) -> None:
         ]
         assert (folder / "models.json").stat().st_mode & 0o777 == 0o600
     finally:
-        assert stop(proc) == 0
+        assert server.stop() == 0
 
 
 def test_tokens_come_from_a_private_file(folder: Path) -> None:
@@ -305,11 +303,11 @@ def test_tokens_come_from_a_private_file(folder: Path) -> None:
     refused = run("serve", "--data-dir", str(folder / "d"), *SMALL, "--set", f"server.tokens_file={tokens}")
     assert_one_clear_line(refused, "tokens_file", "chmod 600")
     tokens.chmod(0o600)
-    proc = start_serve(folder / "d", "--tcp", "127.0.0.1:0", "--set", f"server.tokens_file={tokens}")
+    server = start_serve(folder / "d", "--tcp", "127.0.0.1:0", "--set", f"server.tokens_file={tokens}")
     try:
         with connect(f"unix://{folder / 'd' / 'kvstore.sock'}") as kv:
             tcp = next(a for a in kv.stats()["addresses"] if a.startswith("127.0.0.1:"))
         ok = run("stats", "--address", tcp, "--json", env={"KVSTORE_TOKEN": "secret-a"})
         assert ok.returncode == 0 and '"tenant": "tenant-a"' in ok.stdout, ok.stderr
     finally:
-        assert stop(proc) == 0
+        assert server.stop() == 0

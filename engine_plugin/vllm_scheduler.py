@@ -1,0 +1,359 @@
+"""The connector's scheduler side: lookup, plan, pins, decision records, the step's metadata.
+
+One ``SchedulerSide`` per engine, in vLLM's scheduler process. vLLM calls it from its scheduler
+thread only (no locks), in this order for each request:
+
+    get_num_new_matched_tokens(request, local_tokens)  look up, plan: tokens the worker loads
+    update_state_after_alloc(request, blocks, tokens)  the engine's blocks for it
+    build_connector_meta(scheduler_output)             every step: loads, saves, the step's shape
+    update_connector_output(output)                    every step: the workers' measurements
+    request_finished(request)                          once, at the end
+
+Keys: a request's blocks are keyed per tensor-parallel rank (each rank's fingerprint; the
+prompt's token ids, ``cache_salt`` and LoRA adapter chain them). Only the blocks after those
+vLLM's own prefix cache holds (``local_tokens``, whole blocks) are looked up, planned, restored
+and counted; what vLLM held is counted apart (``local_tokens`` of the decision record).
+
+A tracked request's load (``_Load``, the hit blocks the plan restores) goes through
+
+    (none) --get_num_new_matched_tokens, the plan loads k > 0 blocks--> pinned
+    pinned --build_connector_meta schedules the request--> sent (the load is in that step's metadata)
+    sent   --update_connector_output (that step ran: the worker has copied)--> (none)
+    pinned --update_state_after_alloc with 0 external tokens (vLLM took none)--> (none)
+    pinned or sent --request_finished, or get_num_new_matched_tokens again--> (none)
+
+Pins: the lookup pins every hit block of every rank under a lease (``PIN_TTL_S``), so eviction
+cannot take a planned block before the worker copies it. The leases live on the ``_Load`` and
+are released on every arrow into ``(none)`` above; a plan that loads nothing releases them at
+once. A lease the sidecar no longer knows is no error, and one that cannot be released (the
+sidecar is out) expires on its own.
+
+A tracked request's decision record (``engine_plugin.vllm_decisions``): opened by the plan;
+marked prefilled by the ``build_connector_meta`` that schedules the prompt's last token; closed
+— logged and added to the stats with its measured time to first token — by the next
+``update_connector_output``, or by ``request_finished`` (unmeasured when its prefill never ran).
+A request asked about again (vLLM could not schedule it) starts over: its old record is dropped,
+not counted.
+
+Saves: each step, the prompt's full blocks computed by the end of the step that kvstore does not
+hold yet (neither vLLM's own nor hits) go into the metadata once, for the worker to save.
+
+The plan (``engine_plugin.cost_model.plan_restore``) uses the calibration's current costs
+(re-read when its file changes; updated from the workers' ``ObservedWork``), unless the
+policy — the connector's, or a request's ``kv_transfer_params["kvstore_policy"]`` — forces
+``restore`` or ``recompute``. Tensor parallel: a block is usable only when every rank holds its
+shard, so the plan takes the shortest hit over the ranks and, per block, the slowest tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from engine_plugin.calibration import Calibration
+from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
+from engine_plugin.sidecar import SidecarLink, load_deadline_s, lookup_deadline_s, save_deadline_s
+from engine_plugin.vllm_decisions import DecisionRecord
+from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
+from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
+from kvstore.client import Client
+from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under vLLM's logger tree, so that warnings show up in the engine's own log at its level.
+log = logging.getLogger(f"vllm.{__name__}")
+
+# Used until a calibration file says otherwise: restoring from dram beats recomputing.
+DEFAULT_TIERS = {
+    "hbm": TierCost(50e9, 0.0001),
+    "dram": TierCost(5e9, 0.0005),
+    "nvme": TierCost(1e9, 0.001),
+}
+DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
+PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
+
+Policy = Literal["auto", "restore", "recompute"]
+_TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2}
+
+
+def parse_policy(value: object) -> Policy:
+    policy = str(value)
+    if policy not in ("auto", "restore", "recompute"):
+        raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {policy!r}")
+    return cast(Policy, policy)
+
+
+@dataclass(frozen=True)
+class _RankHit:
+    hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
+    tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
+    lease_ids: tuple[int, ...]
+
+
+_NO_HIT = _RankHit(0, (), ())
+
+
+def _lookup_ranks(
+    kv: Client, fingerprints: Sequence[Fingerprint], rank_keys: Sequence[Sequence[BlockKey]]
+) -> _RankHit:
+    # A failure after some ranks answered leaves their pins to expire (PIN_TTL_S): releasing
+    # them would wait on the same sidecar that just failed.
+    lookups = [
+        kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S)
+        for fp, keys in zip(fingerprints, rank_keys, strict=True)
+    ]
+    hit = min(lookup.hit_blocks for lookup in lookups)
+    tiers = tuple(
+        max((lookup.tiers[i] for lookup in lookups), key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))
+        for i in range(hit)
+    )
+    return _RankHit(hit, tiers, tuple(lookup.lease_id for lookup in lookups if lookup.lease_id))
+
+
+@dataclass
+class _Load:
+    """The hit blocks a plan restores, pinned until the worker has copied them."""
+
+    first_block: int  # the request's first block after vLLM's own
+    tiers: tuple[str, ...]  # one per block to load
+    timeout_s: float
+    lease_ids: tuple[int, ...]
+    sent: bool = False  # in a step's metadata: that step's output releases the pins
+
+
+@dataclass
+class _Request:
+    req_id: str
+    rank_keys: list[list[BlockKey]]
+    block_ids: list[int]
+    saved_blocks: int  # blocks before this one are in kvstore (vLLM's own, hits, or saved)
+    load: _Load | None = None
+    decision: DecisionRecord | None = None
+
+
+class SchedulerSide:
+    """See the module docstring. ``link`` reports its failed calls into ``stats``."""
+
+    def __init__(
+        self,
+        link: SidecarLink,
+        stats: KvstoreConnectorStats,
+        identities: Sequence[ModelIdentity],
+        block_size: int,
+        calibration: Calibration,
+        policy: Policy,
+    ) -> None:
+        self.calibration = calibration
+        self.policy = policy
+        self._link = link
+        self._stats = stats
+        self._block_size = block_size
+        self._block_bytes = identities[0].block_bytes
+        self._fingerprints = [identity.fingerprint() for identity in identities]
+        self._requests: dict[str, _Request] = {}
+        self._calibration_changed = True  # report the start figures
+
+    def _request_keys(self, request: Request) -> list[list[BlockKey]]:
+        """The request's block keys under each rank's fingerprint."""
+        extra: list[bytes] = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            extra.append(f"lora:{lora.lora_name}:{lora.lora_int_id}".encode())
+        tokens = list(request.prompt_token_ids or [])
+        salt = getattr(request, "cache_salt", None)
+        return [
+            block_keys(fp, tokens, self._block_size, cache_salt=salt, extra_keys=extra)
+            for fp in self._fingerprints
+        ]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        rank_keys = self._request_keys(request)
+        previous = self._requests.get(request.request_id)
+        if previous is not None:  # asked again (it could not be scheduled): the old pin goes
+            self._unpin(previous)
+        tracked = _Request(request.request_id, rank_keys, [], saved_blocks=0)
+        self._requests[request.request_id] = tracked
+        # vLLM presents its local hit in whole blocks; anything else would not line up with ours.
+        if not rank_keys[0] or num_computed_tokens % self._block_size:
+            return 0, False
+        local = num_computed_tokens
+        local_blocks = local // self._block_size
+        prompt = len(request.prompt_token_ids or [])
+        self._calibration_changed |= self.calibration.reload_if_changed()
+        snap = self.calibration.snapshot()
+        hit = self._lookup(rank_keys, local_blocks, prompt, snap.prefill)
+        tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
+        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[self._policy_of(request)]
+        plan = plan_restore(
+            hit.tiers,
+            self._block_bytes,
+            self._block_size,
+            prompt,
+            tiers,
+            snap.prefill,
+            forced,
+            local_tokens=local,
+        )
+        further = max(0, len(rank_keys[0]) - local_blocks)
+        tracked.decision = DecisionRecord(
+            request.request_id, plan, hit.hit_blocks, further, prompt, time.perf_counter()
+        )
+        tracked.saved_blocks = local_blocks + hit.hit_blocks
+        load_blocks = plan.restore_blocks
+        if load_blocks:
+            timeout_s = load_deadline_s(plan.all_recompute_s)
+            tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids)
+        else:
+            self._link.release(hit.lease_ids)
+        return load_blocks * self._block_size, False
+
+    def _lookup(
+        self, rank_keys: list[list[BlockKey]], local_blocks: int, prompt_tokens: int, prefill: PrefillModel
+    ) -> _RankHit:
+        """The pinned hit after vLLM's own blocks; none when the sidecar cannot say in time."""
+        # Only blocks a restore could use (the prompt's last token is always computed) are worth
+        # a sidecar call; when vLLM holds all of them there is nothing to ask.
+        if (prompt_tokens - 1) // self._block_size <= local_blocks:
+            return _NO_HIT
+        local = local_blocks * self._block_size
+        further = [keys[local_blocks:] for keys in rank_keys]
+        found = self._link.call(
+            "lookup",
+            lookup_deadline_s(prefill.seconds(local, prompt_tokens - local)),
+            lambda kv: _lookup_ranks(kv, self._fingerprints, further),
+        )
+        return _NO_HIT if found is None else found
+
+    def _policy_of(self, request: Request) -> Policy:
+        policy = self.policy
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if "kvstore_policy" in params:  # one request's override (benchmarks, experiments)
+            try:
+                policy = parse_policy(params["kvstore_policy"])
+            except ValueError as exc:
+                log.warning("request %s: %s; using %s", request.request_id, exc, policy)
+        return policy
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0:
+            self._unpin(tracked)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvstoreConnectorMetadata:
+        meta = KvstoreConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            load = tracked.load
+            if load is not None and not load.sent:
+                last = load.first_block + len(load.tiers)
+                meta.loads.append(
+                    TransferJob(
+                        new.req_id,
+                        [keys[load.first_block : last] for keys in tracked.rank_keys],
+                        tracked.block_ids[load.first_block : last],
+                        load.timeout_s,
+                        tiers=load.tiers,
+                    )
+                )
+                load.sent = True
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._add_step(meta, tracked, new.num_computed_tokens, scheduled)
+            self._add_save(meta, tracked, new.num_computed_tokens + scheduled)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._add_step(meta, tracked, cached.num_computed_tokens[i], scheduled)
+            self._add_save(meta, tracked, cached.num_computed_tokens[i] + scheduled)
+        return meta
+
+    def _add_step(
+        self, meta: KvstoreConnectorMetadata, tracked: _Request, before: int, scheduled: int
+    ) -> None:
+        meta.steps.append((before, scheduled))
+        if tracked.decision is not None:
+            tracked.decision.note_step(before + scheduled)
+
+    def _add_save(self, meta: KvstoreConnectorMetadata, tracked: _Request, done_tokens: int) -> None:
+        """Save the prompt's full blocks computed by the end of this step that are not stored yet.
+        Those vLLM held itself were saved when it computed them (or restored from kvstore)."""
+        first = tracked.saved_blocks
+        last = min(done_tokens // self._block_size, len(tracked.rank_keys[0]), len(tracked.block_ids))
+        if last > first:
+            parents = [keys[first - 1] if first else None for keys in tracked.rank_keys]
+            rank_keys = [keys[first:last] for keys in tracked.rank_keys]
+            timeout_s = save_deadline_s((last - first) * self._block_bytes)
+            meta.saves.append(
+                TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents)
+            )
+            tracked.saved_blocks = last
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        observed = connector_output.kv_connector_worker_meta
+        if isinstance(observed, ObservedWork):
+            for tier, nbytes, seconds in observed.transfers:
+                self.calibration.observe_transfer(tier, nbytes, seconds)
+            for prefix, new, seconds in observed.prefills:
+                self.calibration.observe_prefill(prefix, new, seconds)
+            self._calibration_changed = True
+        for tracked in self._requests.values():
+            if tracked.load is not None and tracked.load.sent:
+                self._unpin(tracked)
+            if tracked.decision is not None and tracked.decision.prefilled:
+                self._close_decision(tracked)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None:
+            self._unpin(tracked)
+            self._close_decision(tracked)
+        return False, None
+
+    def _unpin(self, tracked: _Request) -> None:
+        load, tracked.load = tracked.load, None
+        if load is not None:
+            self._link.release(load.lease_ids)
+
+    def _close_decision(self, tracked: _Request) -> None:
+        """Record the decision (once per request)."""
+        decision, tracked.decision = tracked.decision, None
+        if decision is not None:
+            decision.close(self._stats, self._block_size)
+
+    def get_stats(self) -> KvstoreConnectorStats | None:
+        """The figures since the last call, with the cost model's inputs when they changed."""
+        if self._calibration_changed:
+            snap = self.calibration.snapshot()
+            self._stats.set_calibration(
+                {name: (cost.bandwidth_bytes_per_s, cost.latency_s) for name, cost in snap.tiers.items()},
+                (snap.prefill.fixed_s, snap.prefill.per_token_s, snap.prefill.per_token_context_s),
+            )
+            self._calibration_changed = False
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        self._link.close()

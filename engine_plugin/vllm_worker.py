@@ -1,0 +1,166 @@
+"""The connector's worker side: the engine's KV caches, loads and saves, timing observations.
+
+One ``WorkerSide`` per tensor-parallel rank, in that rank's worker process; vLLM calls it from
+its model-runner thread only (no locks), in this order:
+
+    register_kv_caches(kv_caches)       once, before any step
+    step_started()                      each step, as its metadata is bound (before the forward)
+    start_load_kv(meta)                 before the forward pass: the step's loads
+    wait_for_save(meta)                 after it: the step's saves and its prefill timing
+    build_connector_worker_meta()       the step's measurements, for the scheduler's calibration
+    get_block_ids_with_load_errors()    the blocks vLLM must recompute
+    get_stats()                         the figures since the last call, for vLLM's stat loggers
+
+Loads and saves move only this rank's shard (its keys in each ``TransferJob``), through one
+``engine_plugin.transfer.BlockTransfer`` (the arena on the same host, the data port otherwise),
+inside the link's deadline for each job. Every failure — sidecar down or hung, block missing,
+corrupt — leaves the blocks not loaded to vLLM's recompute (``get_block_ids_with_load_errors``),
+never wrong output; a save that fails is skipped and counted.
+
+Measurements (``ObservedWork``): every load whose blocks came from one tier (tier, bytes,
+seconds), and the forward pass of a step that prefills one request alone (prefix tokens, new
+tokens, seconds: the step's time from ``step_started`` to ``wait_for_save`` less its loads).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine_plugin import kv_layout
+from engine_plugin.sidecar import SidecarLink
+from engine_plugin.transfer import BlockTransfer
+from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
+from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
+from kvstore.client import Client
+from kvstore.keys import ModelIdentity
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+class WorkerSide:
+    """See the module docstring. ``link`` reports its failed calls into ``stats``."""
+
+    def __init__(
+        self,
+        link: SidecarLink,
+        stats: KvstoreConnectorStats,
+        identity: ModelIdentity,
+        rank: int,
+        same_host: bool,
+        num_blocks: int | None,
+    ) -> None:
+        self._link = link
+        self._stats = stats
+        self._identity = identity
+        self._rank = rank
+        self._same_host = same_host
+        self._num_blocks = num_blocks  # of the engine's KV cache config; else the caches' shape
+        self._transfer: BlockTransfer | None = None
+        self._load_errors: set[int] = set()
+        self._observed = ObservedWork()
+        self._step_started = 0.0  # when this step's metadata arrived (before its forward)
+        self._step_load_s = 0.0  # time this step spent restoring
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = list(kv_caches.values())
+        num_blocks = self._num_blocks or caches[0].shape[0]
+        layouts = [kv_layout.describe(cache, num_blocks) for cache in caches]
+        layer_bytes = sum(layout.block_bytes for layout in layouts)
+        if layer_bytes != self._identity.block_bytes:
+            raise ValueError(
+                f"registered KV caches hold {layer_bytes} B per block, the fingerprint's layout "
+                f"{self._identity.block_bytes} B: unsupported cache layout"
+            )
+        fingerprint = self._identity.fingerprint()
+        self._transfer = BlockTransfer(caches, layouts, fingerprint, layer_bytes, self._same_host)
+        log.info(
+            "kvstore connector: %d layers (%s) on %s, %d B per block",
+            len(caches),
+            ", ".join(sorted({layout.kind for layout in layouts})),
+            caches[0].device,
+            layer_bytes,
+        )
+
+    def step_started(self) -> None:
+        # vLLM binds the step's metadata before the forward pass, while start_load_kv runs
+        # after it when nothing is to be loaded: the step's clock starts here.
+        self._step_started, self._step_load_s = time.perf_counter(), 0.0
+
+    def start_load_kv(self, meta: KvstoreConnectorMetadata) -> None:
+        started = time.perf_counter()
+        for load in meta.loads:
+            start = time.perf_counter()
+            loaded = self._load(load)
+            seconds = time.perf_counter() - start
+            if loaded < len(load.block_ids):
+                self._load_errors.update(load.block_ids[loaded:])
+                self._stats.add_failed(len(load.block_ids) - loaded)
+            if loaded:
+                tier = load.tiers[0] if len(set(load.tiers[:loaded])) == 1 else "mixed"
+                nbytes = loaded * self._identity.block_bytes
+                self._stats.add_restore(tier, nbytes, seconds)
+                if tier != "mixed":  # one source tier: a clean measurement of it
+                    self._observed.transfers.append((tier, nbytes, seconds))
+            log.debug(
+                "request %s: loaded %d of %d blocks in %.2f ms",
+                load.req_id,
+                loaded,
+                len(load.block_ids),
+                seconds * 1e3,
+            )
+        self._step_load_s += time.perf_counter() - started
+
+    def _load(self, load: TransferJob) -> int:
+        """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them in time."""
+        transfer = self._registered()
+        keys = load.rank_keys[self._rank]
+        loaded = self._link.call("load", load.timeout_s, lambda kv: transfer.fetch(kv, keys, load.block_ids))
+        return loaded or 0
+
+    def wait_for_save(self, meta: KvstoreConnectorMetadata) -> None:
+        if len(meta.steps) == 1 and meta.steps[0][1] > 1 and self._step_started:
+            # One request prefilling alone: the forward pass is its prefill, cleanly timed.
+            before, new = meta.steps[0]
+            forward_s = time.perf_counter() - self._step_started - self._step_load_s
+            self._observed.prefills.append((before, new, forward_s))
+        self._step_started = 0.0
+        for save in meta.saves:
+            if self._save(save):
+                self._stats.add_saved(len(save.block_ids))
+            else:  # failed, refused, or the breaker is open: these blocks stay unsaved
+                self._stats.add_failed_save(len(save.block_ids))
+
+    def _save(self, save: TransferJob) -> bool:
+        """True once the blocks are stored (or were already)."""
+        transfer = self._registered()
+        keys, parent = save.rank_keys[self._rank], save.parents[self._rank]
+
+        def store(kv: Client) -> bool:
+            transfer.store(kv, keys, save.block_ids, parent)
+            return True
+
+        return bool(self._link.call("save", save.timeout_s, store))
+
+    def _registered(self) -> BlockTransfer:
+        if self._transfer is None:
+            raise RuntimeError("the kvstore connector moves blocks only after register_kv_caches")
+        return self._transfer
+
+    def build_connector_worker_meta(self) -> ObservedWork | None:
+        if not (self._observed.transfers or self._observed.prefills):
+            return None
+        observed, self._observed = self._observed, ObservedWork()
+        return observed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> KvstoreConnectorStats | None:
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        self._link.close()

@@ -1,0 +1,314 @@
+"""The connector's scheduler side, step by step, without an engine: a real ``TieredStore`` behind
+a thin in-process client, fake vLLM requests and scheduler outputs, a calibration the test picks.
+
+Each test walks vLLM's order of calls — get_num_new_matched_tokens, update_state_after_alloc,
+build_connector_meta, update_connector_output, request_finished — and checks what the plan
+loads, what the metadata carries and how many leases the store holds after each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler side builds vLLM's connector metadata")
+
+from engine_plugin.breaker import CircuitBreaker
+from engine_plugin.calibration import Calibration
+from engine_plugin.cost_model import PrefillModel, TierCost
+from engine_plugin.sidecar import SidecarLink
+from engine_plugin.vllm_scheduler import Policy, SchedulerSide
+from engine_plugin.vllm_stats import KvstoreConnectorStats
+from kvstore.client import Lookup
+from kvstore.errors import Unavailable
+from kvstore.keys import BlockKey, Fingerprint, block_keys
+from kvstore.store import Scope, TieredStore
+from tests.service_fixtures import MODEL
+from tiers.dram import DramConfig, DramTier
+from tiers.hbm import HbmConfig, HbmTier
+
+BLOCK_SIZE = MODEL.tokens_per_block  # 16 tokens
+FP = MODEL.fingerprint()
+SCOPE = Scope("default", FP)
+PROMPT = list(range(3, 3 + 8 * BLOCK_SIZE + 5))  # 8 full blocks and 5 tokens: 8 usable blocks
+PAGE = 1 << 16
+
+FAST = TierCost(50e9, 0.0)
+SLOW = TierCost(1e3, 0.0)  # 8 s a block: recomputing always wins
+PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004)  # 53 ms for the prompt
+
+
+class StoreClient:
+    """The calls the scheduler side and its link make of a ``kvstore.client.Client``, answered
+    by an in-process store; ``down`` makes every call fail as a sidecar that is not there."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.down = False
+        self.lookups = 0
+
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float) -> Iterator[None]:
+        yield
+
+    def register(self, identity: object) -> None:
+        self._check()
+
+    def lookup_tiers(self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0) -> Lookup:
+        self._check()
+        self.lookups += 1
+        scope = Scope(SCOPE.namespace, Fingerprint(fingerprint))
+        found = self.store.lookup(scope, [BlockKey(k) for k in keys], pin_ttl_s or None)
+        return Lookup(found.hit_blocks, found.tiers, found.lease.lease_id if found.lease else 0)
+
+    def release(self, lease_id: int) -> None:
+        self._check()
+        self.store.release(lease_id)
+
+    def close(self) -> None:
+        pass
+
+    def _check(self) -> None:
+        if self.down:
+            raise Unavailable("connection refused")
+
+
+class Harness:
+    """One scheduler side on a two-tier store (``hbm`` on the CPU above ``dram``)."""
+
+    def __init__(self, tiers: dict[str, TierCost], policy: Policy = "auto") -> None:
+        self.store = TieredStore(
+            [
+                HbmTier(HbmConfig(capacity_bytes=32 * PAGE, page_bytes=PAGE, device="cpu")),
+                DramTier(DramConfig(capacity_bytes=32 * PAGE, page_bytes=PAGE, prefault=False)),
+            ]
+        )
+        self.client = StoreClient(self.store)
+        self.stats = KvstoreConnectorStats()
+        link = SidecarLink(
+            "unix:///fake.sock", lambda: self.client, [MODEL], self.stats.add_unreachable, CircuitBreaker()
+        )
+        calibration = Calibration(tiers, PREFILL)
+        self.side = SchedulerSide(link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy)
+
+    def put(self, blocks: int, tier: str = "hbm", fast_head: int = 0) -> list[BlockKey]:
+        """Store the prompt's first ``blocks`` blocks in ``tier``, but the first ``fast_head``
+        in hbm (the tail goes first and down to dram, then the head is stored above it)."""
+        keys = block_keys(FP, PROMPT, BLOCK_SIZE)[:blocks]
+        tail = keys[fast_head:]
+        self.store.put(
+            SCOPE,
+            tail,
+            [bytes(MODEL.block_bytes)] * len(tail),
+            parent=keys[fast_head - 1] if fast_head else None,
+        )
+        if tier == "dram":
+            self.store.demote("hbm")
+        self.store.put(SCOPE, keys[:fast_head], [bytes(MODEL.block_bytes)] * fast_head)
+        return keys
+
+    def leases(self) -> int:
+        return self.store.stats().leases
+
+    def ask(self, request: SimpleNamespace, local_tokens: int = 0) -> int:
+        tokens, asynchronous = self.side.get_num_new_matched_tokens(request, local_tokens)
+        assert asynchronous is False
+        return tokens
+
+    def alloc(self, request: SimpleNamespace, external_tokens: int) -> None:
+        blocks = SimpleNamespace(get_block_ids=lambda: (list(range(9)),))
+        self.side.update_state_after_alloc(request, blocks, external_tokens)
+
+    def schedule(self, request: SimpleNamespace, computed: int, scheduled: int) -> Any:
+        """The step that first schedules ``request``: its metadata."""
+        new = SimpleNamespace(
+            req_id=request.request_id, block_ids=(list(range(9)),), num_computed_tokens=computed
+        )
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+        output = SimpleNamespace(
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={request.request_id: scheduled},
+        )
+        return self.side.build_connector_meta(output)
+
+    def step_done(self) -> None:
+        self.side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+
+    def finish(self, request: SimpleNamespace) -> None:
+        assert self.side.request_finished(request) == (False, None)
+
+    def decisions(self) -> list[dict[str, Any]]:
+        stats = self.side.get_stats()
+        return stats.decisions if isinstance(stats, KvstoreConnectorStats) else []
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def request(req_id: str = "r1", policy: str | None = None) -> SimpleNamespace:
+    params = {"kvstore_policy": policy} if policy else None
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=PROMPT,
+        lora_request=None,
+        cache_salt=None,
+        kv_transfer_params=params,
+    )
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness({"hbm": FAST, "dram": SLOW})
+    yield h
+    h.close()
+
+
+def test_a_hit_is_restored_when_restoring_is_cheaper(harness: Harness) -> None:
+    keys = harness.put(8)  # every usable block, in the fast tier
+    r = request()
+    assert harness.ask(r) == 8 * BLOCK_SIZE
+    assert harness.leases() == 1  # pinned between the plan and the load
+    harness.alloc(r, 8 * BLOCK_SIZE)
+    meta = harness.schedule(r, computed=8 * BLOCK_SIZE, scheduled=5)
+    [load] = meta.loads
+    assert load.rank_keys == [keys] and load.block_ids == list(range(8))
+    assert load.tiers == ("hbm",) * 8
+    assert meta.saves == []  # kvstore holds every full block already
+    assert harness.leases() == 1  # the step has not run yet
+    harness.step_done()  # the worker has copied: the pin goes, the prefill is measured
+    assert harness.leases() == 0
+    [decision] = harness.decisions()
+    assert decision["decision"] == "restore" and decision["restored_tokens"] == 8 * BLOCK_SIZE
+    assert decision["hit_tokens"] == 8 * BLOCK_SIZE and decision["actual_ttft_s"] > 0
+    harness.finish(r)
+    assert harness.decisions() == []  # recorded once
+
+
+def test_recompute_when_the_cost_model_says_so(harness: Harness) -> None:
+    harness.put(8, tier="dram")  # 8 s a block: the prompt's 53 ms of prefill wins
+    r = request()
+    assert harness.ask(r) == 0
+    assert harness.leases() == 0  # the plan loads nothing: the pin went at once
+    harness.alloc(r, 0)
+    meta = harness.schedule(r, computed=0, scheduled=len(PROMPT))
+    assert meta.loads == [] and meta.saves == []  # the hits are stored: nothing to save
+    harness.step_done()
+    [decision] = harness.decisions()
+    assert decision["decision"] == "recompute" and decision["restored_tokens"] == 0
+    assert decision["hit_tokens"] == 8 * BLOCK_SIZE
+
+
+def test_a_partial_restore_loads_the_fast_head_and_recomputes_the_slow_tail(harness: Harness) -> None:
+    keys = harness.put(8, tier="dram", fast_head=3)
+    r = request()
+    assert harness.ask(r) == 3 * BLOCK_SIZE
+    harness.alloc(r, 3 * BLOCK_SIZE)
+    [load] = harness.schedule(r, computed=3 * BLOCK_SIZE, scheduled=len(PROMPT) - 3 * BLOCK_SIZE).loads
+    assert load.rank_keys == [keys[:3]] and load.block_ids == [0, 1, 2] and load.tiers == ("hbm",) * 3
+    harness.step_done()
+    assert harness.leases() == 0
+    [decision] = harness.decisions()
+    assert decision["decision"] == "partial" and decision["restored_tokens"] == 3 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize(
+    ("tier", "policy", "tokens", "decision"),
+    [("hbm", "recompute", 0, "recompute"), ("dram", "restore", 8 * BLOCK_SIZE, "restore")],
+)
+def test_a_request_overrides_the_policy(
+    harness: Harness, tier: str, policy: str, tokens: int, decision: str
+) -> None:
+    harness.put(8, tier=tier)  # the plan would do the opposite of what the request asks
+    r = request(policy=policy)
+    assert harness.ask(r) == tokens
+    assert harness.leases() == (1 if tokens else 0)
+    harness.finish(r)
+    assert harness.leases() == 0
+    [record] = harness.decisions()
+    assert record["decision"] == decision and record["actual_ttft_s"] is None  # never prefilled
+
+
+def test_an_unknown_request_policy_falls_back_to_the_connectors(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.put(8)
+    assert harness.ask(request(policy="sometimes")) == 8 * BLOCK_SIZE  # auto: restoring wins
+    assert "policy is 'auto', 'restore' or 'recompute', got 'sometimes'; using auto" in caplog.text
+
+
+def test_what_vllm_holds_is_neither_looked_up_nor_restored_nor_saved(harness: Harness) -> None:
+    keys = harness.put(8)
+    r = request()
+    assert harness.ask(r, local_tokens=3 * BLOCK_SIZE) == 5 * BLOCK_SIZE  # only the 5 after vLLM's
+    harness.alloc(r, 5 * BLOCK_SIZE)
+    meta = harness.schedule(r, computed=8 * BLOCK_SIZE, scheduled=5)
+    [load] = meta.loads
+    assert load.rank_keys == [keys[3:8]] and load.block_ids == [3, 4, 5, 6, 7]
+    assert meta.saves == []
+    harness.step_done()
+    [decision] = harness.decisions()
+    assert decision["local_tokens"] == 3 * BLOCK_SIZE
+    assert decision["hit_tokens"] == decision["restored_tokens"] == 5 * BLOCK_SIZE
+    # vLLM holds every usable block: there is nothing to ask kvstore.
+    lookups = harness.client.lookups
+    assert harness.ask(request("r2"), local_tokens=8 * BLOCK_SIZE) == 0
+    assert harness.client.lookups == lookups
+    # A local hit that is not whole blocks would not line up with kvstore's: nothing either.
+    assert harness.ask(request("r3"), local_tokens=BLOCK_SIZE + 1) == 0
+    assert harness.client.lookups == lookups
+
+
+def test_blocks_computed_after_a_hit_are_saved_once(harness: Harness) -> None:
+    keys = block_keys(FP, PROMPT, BLOCK_SIZE)
+    harness.put(2)  # kvstore holds the first two blocks
+    r = request()
+    assert harness.ask(r) == 2 * BLOCK_SIZE
+    harness.alloc(r, 2 * BLOCK_SIZE)
+    meta = harness.schedule(r, computed=2 * BLOCK_SIZE, scheduled=len(PROMPT) - 2 * BLOCK_SIZE)
+    [save] = meta.saves
+    assert save.rank_keys == [keys[2:8]] and save.block_ids == [2, 3, 4, 5, 6, 7]
+    assert save.parents == [keys[1]]  # the chain continues after the restored blocks
+
+
+def test_pins_are_released_on_every_path(harness: Harness) -> None:
+    harness.put(8)
+    # vLLM allocates none of the planned tokens: the pin goes.
+    harness.ask(request("allocated-none"))
+    harness.alloc(request("allocated-none"), 0)
+    assert harness.leases() == 0
+    # The request finishes before its load is sent.
+    harness.ask(request("finished-early"))
+    assert harness.leases() == 1
+    harness.finish(request("finished-early"))
+    assert harness.leases() == 0
+    # The request finishes while its load is in flight.
+    harness.ask(request("in-flight"))
+    harness.alloc(request("in-flight"), 8 * BLOCK_SIZE)
+    harness.schedule(request("in-flight"), computed=8 * BLOCK_SIZE, scheduled=5)
+    harness.finish(request("in-flight"))
+    assert harness.leases() == 0
+    # Asked again (it could not be scheduled): the old pin goes, the new one stays.
+    harness.ask(request("asked-twice"))
+    harness.ask(request("asked-twice"))
+    assert harness.leases() == 1
+    harness.finish(request("asked-twice"))
+    assert harness.leases() == 0
+    assert harness.stats.unreachable == {}
+
+
+def test_a_sidecar_that_is_down_gives_no_external_tokens(harness: Harness) -> None:
+    harness.put(8)
+    harness.client.down = True
+    r = request()
+    assert harness.ask(r) == 0  # the call failed twice (one reconnect): the breaker opens
+    assert harness.ask(request("r2")) == 0  # refused by the open breaker, no call made
+    assert harness.stats.unreachable == {"lookup": 2}
+    assert harness.leases() == 0
+    harness.finish(r)
+    [decision] = harness.decisions()
+    assert decision["decision"] == "recompute" and decision["hit_tokens"] == 0
