@@ -1,4 +1,4 @@
-"""The nvme tier (tiers/nvme.py): LMDB layout, the writer queue, durability and crash policy.
+"""The nvme tier (tiers/nvme*.py): LMDB layout, the writer queue, durability and crash policy.
 
 The contract every tier keeps is in test_tier_contract.py; this file covers what only the
 nvme tier does. A "gate" holds the writer thread before it commits, so a test can look at
@@ -66,13 +66,13 @@ class WriterGate:
 
     def __init__(self, tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened = threading.Event()
-        commit: Callable[[object], None] = tier._commit  # type: ignore[assignment]
+        commit: Callable[[object], None] = tier._writer._commit  # type: ignore[assignment]
 
         def gated(batch: object) -> None:
             assert self.opened.wait(30), "gate never opened"
             commit(batch)
 
-        monkeypatch.setattr(tier, "_commit", gated)
+        monkeypatch.setattr(tier._writer, "_commit", gated)
 
     def open(self) -> None:
         self.opened.set()
@@ -202,13 +202,13 @@ def test_put_waits_while_too_many_bytes_are_queued(
 def test_writer_syncs_on_its_own_in_cache_mode(config: NvmeConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = NvmeTier(replace(config, sync_interval_s=0.05))
     synced = threading.Event()
-    sync = tier._sync
+    sync = tier._writer._sync
 
     def counting_sync() -> None:
         sync()
         synced.set()
 
-    monkeypatch.setattr(tier, "_sync", counting_sync)
+    monkeypatch.setattr(tier._writer, "_sync", counting_sync)
     tier.put(key(1), b"x" * 1000, FP)
     assert synced.wait(10)  # no flush() called
     marker = json.loads((Path(config.path) / nvme_folder.MARKER_FILE).read_text())

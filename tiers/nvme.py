@@ -9,44 +9,21 @@ owner process per folder) and ``kvstore-nvme.unclean`` (present while a process 
 folder open; records the boot id and whether committed writes may be unsynced).
 
 Writes: put() encodes or copies the payload (copies go into buffers recycled from committed
-blocks: fresh memory faults in at a fraction of memcpy speed), records it in the index and a
-pending map, and queues it; the writer thread commits queued operations in batches
-(``batch_max_blocks`` / ``batch_max_bytes`` per transaction). A read of a queued key is served
-from the pending copy (read-your-writes); delete() and overwriting puts cancel a queued put.
-put() blocks while more than ``max_pending_bytes`` wait for the writer. flush() returns once
-everything queued before it is committed and ``env.sync(True)`` has run; close() drains the
-queue, syncs and closes.
+blocks: fresh memory faults in at a fraction of memcpy speed), records it in the index and
+hands it to the writer (``tiers.nvme_writer``: the queue, the pending map, batching, the sync
+schedule and the marker), whose thread commits queued operations in batches. A read of a
+queued key is served from the pending copy (read-your-writes); delete() and overwriting puts
+cancel a queued put. put() blocks while more than ``max_pending_bytes`` wait for the writer.
+flush() returns once everything queued before it is committed and ``env.sync(True)`` has run;
+close() drains the queue, syncs and closes.
 
 Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case,
 2 MiB blocks, 384 MiB): write incl. the final sync 0.79-0.83x; warm read 0.66-0.72x, which is
 the price of the xxh3 check on every read (~27 GB/s here against ~11 GB/s for the copy).
 
-Flags, measured on this 2-core machine with a throwaway script (2 MiB values, 16 per write
-transaction, 512 MiB per run, two runs): default flags 385-404 MB/s; writemap + map_async +
-sync=False + metasync=False 1.82-1.84 GB/s into the page cache (780-830 MB/s counting a final
-sync); sync=True + metasync=True 590-675 MB/s with writemap, 490-530 MB/s without. So both
-modes use writemap; they differ in when data reaches the disk:
-
-    "cache"    writemap, map_async, sync=False, metasync=False; the writer calls
-               env.sync(True) every ``sync_interval_s`` while there are unsynced commits.
-    "durable"  writemap, sync=True, metasync=True: every commit is on disk when it returns.
-
-What a crash loses:
-
-    process crash (SIGKILL), either mode: only the puts still queued. Committed pages live in
-        the kernel's page cache (a shared file mapping) and reach the disk without us.
-    power loss or kernel crash, "durable": only the puts still queued (given a disk that
-        honours flushes).
-    power loss or kernel crash, "cache": every commit since the last sync, and possibly the
-        whole B-tree: without sync the disk may keep pages of later transactions but not the
-        meta page, or the reverse. The marker guards this: the writer marks it dirty (fsynced)
-        before the first commit after a sync and clean after the sync. An open that finds a
-        dirty marker from an earlier boot discards the environment and starts empty (the
-        folder is a cache); a clean marker means the last sync covered every commit.
-
-After an unclean shutdown (the marker is present) an environment LMDB cannot open is
-discarded with a warning in "cache" mode; in "durable" mode, or after a clean close, it raises
-TierCorrupt: an operator should look before data is thrown away.
+Durability: in "cache" mode (the default) the writer syncs every ``sync_interval_s`` while
+commits are unsynced; in "durable" mode every commit is on disk when it returns. The LMDB flags
+of each (measured), what a crash loses in each and what an open does after one: ``tiers.nvme_env``.
 
 No torn block is ever readable: a transaction is atomic (header and payload appear together;
 a transaction killed half-way never becomes visible), and every read verifies the xxh3-64
@@ -62,8 +39,9 @@ still hits MapFullError drops its blocks from the index (``write_failures``); th
 keeps running. Under writemap a full file system turns a page write into SIGBUS, so the
 folder needs room for the whole map; open() warns when it has not.
 
-Threads: every method may be called from any thread. One lock guards the index, the pending
-map and the queue; only the writer thread opens write transactions or syncs. Reads open their
+Threads: every method may be called from any thread. One lock (a Condition the tier makes and
+shares with its writer) guards the index, the counts, the buffer pool, and the writer's queue
+and pending map; only the writer thread opens write transactions or syncs. Reads open their
 own read transactions and never hold the lock while copying.
 
 Buffers: put() keeps ``payload`` when it is ``bytes`` and copies anything else before it
@@ -73,17 +51,14 @@ transaction) into ``out`` and keeps nothing; after a miss ``out`` may hold parti
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-import lmdb
 import numpy as np
 import xxhash
 
@@ -103,6 +78,8 @@ from tiers.base import (
 from tiers.cipher import OVERHEAD_BYTES, BlockCipher
 from tiers.codec import DEFAULT_ZSTD_LEVEL, CodecError, byte_view, decode_into, encode
 from tiers.errors import BlockTooLarge, TierClosed, TierCorrupt, TierFull
+from tiers.nvme_env import open_env
+from tiers.nvme_writer import BufferPool, NvmeWriter
 
 log = logging.getLogger(__name__)
 
@@ -157,28 +134,6 @@ class _Entry(NamedTuple):
     checksum: int
 
 
-@dataclass(eq=False)
-class _PutOp:
-    key: TierKey
-    header: BlockHeader
-    stored: bytes | bytearray  # a bytearray comes from the pool and goes back to it
-    seq: int
-    live: bool = True  # False once cancelled or committed: its bytes left the pending count
-    refs: int = 1  # the queue's (then the writer's) reference, plus readers copying from it
-
-
-@dataclass(frozen=True)
-class _DeleteOp:
-    key: TierKey
-    seq: int
-
-
-_Op = _PutOp | _DeleteOp
-# Each operation of one transaction with the bytes it writes, captured under the lock.
-_Batch = list[tuple[_Op, bytes | bytearray]]
-_Found = tuple[TierKey, BlockHeader | None]  # a key in the header database; None: unreadable
-
-
 @dataclass(frozen=True)
 class _Corrupt:
     """A committed block whose stored bytes fail their header."""
@@ -187,36 +142,9 @@ class _Corrupt:
 @dataclass
 class _Counters:
     checksum_failures: int = 0
-    write_failures: int = 0
     stored_total: int = 0
     payload_total: int = 0
     fingerprints: dict[bytes, bytes] = field(default_factory=dict)  # interned: few models, many blocks
-
-
-class _BufferPool:
-    """Recycled payload copies, by exact size (a deployment stores one or two block sizes).
-
-    Fresh memory faults in at ~2 GB/s on these machines against ~11 GB/s for a copy into warm
-    memory, so put() copies into a buffer an earlier block has released. Holds at most
-    ``max_bytes``; the tier's lock guards it.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max_bytes = max_bytes
-        self._held_bytes = 0
-        self._free: dict[int, list[bytearray]] = {}
-
-    def take(self, size: int) -> bytearray:
-        free = self._free.get(size)
-        if not free:
-            return bytearray(size)
-        self._held_bytes -= size
-        return free.pop()
-
-    def give(self, buffer: bytearray) -> None:
-        if self._held_bytes + len(buffer) <= self._max_bytes:
-            self._free.setdefault(len(buffer), []).append(buffer)
-            self._held_bytes += len(buffer)
 
 
 class NvmeTier(Tier):
@@ -234,7 +162,7 @@ class NvmeTier(Tier):
         self._owner = nvme_folder.lock_folder(self._folder)
         opened = False
         try:
-            self._env, self._headers, self._payloads, found = self._open_env()
+            self._env, headers, self._payloads, found = open_env(self._folder, config)
             opened = True
         finally:
             if not opened:
@@ -245,90 +173,30 @@ class NvmeTier(Tier):
         # only close() waits for readers to drain.
         self._readers_gone = threading.Condition(lock)
         self._index: dict[TierKey, _Entry] = {}
-        self._pending: dict[TierKey, _PutOp] = {}
-        self._queue: collections.deque[_Op] = collections.deque()
         self._counts = _Counters()
-        self._pool = _BufferPool(config.max_pending_bytes)
-        self._pending_bytes = 0
-        self._next_seq = 1
-        self._committed_seq = 0
-        self._synced_seq = 0
-        self._sync_target = 0
-        self._dirty = False  # commits since the last sync (cache mode)
-        self._marker_dirty = False
-        self._last_sync = time.monotonic()
+        self._pool = BufferPool(config.max_pending_bytes)
         self._readers = 0
         self._closed = False
-        self._stopping = False
-        self._failure: str | None = None
+        self._writer = NvmeWriter(
+            config,
+            self._folder,
+            self._env,
+            headers,
+            self._payloads,
+            self._cond,
+            self._pool,
+            self._forget_locked,
+        )
         with self._cond:
             for key, header in found:
                 if header is None:  # unreadable header: the block is gone, clear it from disk
-                    self._enqueue_locked(_DeleteOp(key, self._take_seq_locked()))
+                    self._writer.delete_locked(key)
                 else:
                     self._index_add_locked(key, header)
         log.info(
             "nvme tier %s: %d blocks, %d bytes", self._folder, len(self._index), self._counts.stored_total
         )
-        self._writer = threading.Thread(target=self._writer_main, name="kvstore-nvme-writer", daemon=True)
         self._writer.start()
-
-    # ---- opening -------------------------------------------------------------------------
-
-    def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, list[_Found]]:
-        """Open the environment and read every header, applying the crash policy."""
-        cache_mode = self._config.durability == "cache"
-        marker = nvme_folder.read_marker(self._folder)
-        this_boot = nvme_folder.boot_id()
-        rebooted = marker is not None and (not this_boot or marker.get("boot_id") != this_boot)
-        if cache_mode and marker is not None and marker.get("dirty") and rebooted:
-            log.warning(
-                "nvme tier %s: unsynced writes before a power loss or OS crash; discarding the cache",
-                self._folder,
-            )
-            nvme_folder.wipe_environment(self._folder)
-        try:
-            return self._open_lmdb()
-        except lmdb.Error as exc:
-            if marker is None or not cache_mode:
-                raise TierCorrupt(f"nvme tier {self._folder} cannot be opened: {exc}") from exc
-            log.warning(
-                "nvme tier %s: unreadable after an unclean shutdown (%s); starting empty", self._folder, exc
-            )
-            nvme_folder.wipe_environment(self._folder)
-        try:
-            return self._open_lmdb()
-        except lmdb.Error as exc:
-            raise TierCorrupt(f"nvme tier {self._folder} cannot be opened: {exc}") from exc
-
-    def _open_lmdb(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, list[_Found]]:
-        durable = self._config.durability == "durable"
-        map_size = self._config.effective_map_size_bytes
-        nvme_folder.warn_if_disk_short(self._folder, map_size)
-        env = lmdb.open(
-            str(self._folder),
-            map_size=map_size,
-            max_dbs=2,
-            writemap=True,
-            map_async=not durable,
-            sync=durable,
-            metasync=durable,
-            max_readers=512,
-            max_spare_txns=16,
-            mode=0o600,
-        )
-        try:
-            headers = env.open_db(b"headers")
-            payloads = env.open_db(b"payloads")
-            found = _scan_headers(env, headers)
-            # A killed owner may have left its commits only in the page cache: sync them
-            # before the marker calls the folder clean.
-            env.sync(True)
-            nvme_folder.write_marker(self._folder, dirty=False)
-        except BaseException:
-            env.close()
-            raise
-        return env, headers, payloads, found
 
     # ---- the Tier contract ---------------------------------------------------------------
 
@@ -379,9 +247,7 @@ class NvmeTier(Tier):
             try:
                 self._check_open_locked()
                 self._check_room_locked(key, len(stored))
-                while (
-                    self._pending_bytes and self._pending_bytes + len(stored) > self._config.max_pending_bytes
-                ):
+                while self._writer.queue_full_locked(len(stored)):
                     self._cond.wait()  # back-pressure: the writer notifies after each commit
                     self._check_open_locked()
                 self._check_room_locked(key, len(stored))
@@ -391,10 +257,7 @@ class NvmeTier(Tier):
                 raise
             self._forget_locked(key)
             self._index_add_locked(key, header)
-            op = _PutOp(key, header, stored, self._take_seq_locked())
-            self._pending[key] = op
-            self._pending_bytes += len(stored)
-            self._enqueue_locked(op)
+            self._writer.put_locked(key, header, stored)
 
     def _copy(self, view: memoryview) -> bytearray:
         """A private copy of the payload, in a recycled buffer where one is free."""
@@ -413,11 +276,9 @@ class NvmeTier(Tier):
                 return None
             if len(dst) < entry.payload_len:
                 raise ValueError(f"output buffer holds {len(dst)} bytes, block needs {entry.payload_len}")
-            op = self._pending.get(key)
+            op = self._writer.pin_pending_locked(key)  # its buffer stays out of the pool meanwhile
             if op is None:
                 self._readers += 1
-            else:
-                op.refs += 1  # its buffer stays out of the pool until this copy is done
         if op is not None:
             # Queued bytes are private to this tier and were made by put(): nothing to verify.
             try:
@@ -426,7 +287,7 @@ class NvmeTier(Tier):
                 return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
             finally:
                 with self._cond:
-                    self._unref_locked(op)
+                    self._writer.release_locked(op)
         try:
             result = self._read_committed(key, dst, entry)
         finally:
@@ -450,7 +311,7 @@ class NvmeTier(Tier):
             self._check_open_locked()
             if not self._forget_locked(key):
                 return False
-            self._enqueue_locked(_DeleteOp(key, self._take_seq_locked()))
+            self._writer.delete_locked(key)
             return True
 
     def scan(self) -> Iterator[StoredBlock]:
@@ -477,17 +338,13 @@ class NvmeTier(Tier):
     def write_failures(self) -> int:
         """Blocks dropped because their commit failed (MapFullError or another LMDB error)."""
         with self._cond:
-            return self._counts.write_failures
+            return self._writer.write_failures
 
     def flush(self) -> None:
         with self._cond:
             self._check_open_locked()
-            target = self._next_seq - 1
-            if target <= self._synced_seq:
-                return
-            self._sync_target = max(self._sync_target, target)
-            self._cond.notify_all()
-            while self._synced_seq < target:
+            target = self._writer.request_sync_locked()
+            while not self._writer.synced_locked(target):
                 self._check_open_locked()
                 self._cond.wait()
 
@@ -497,13 +354,12 @@ class NvmeTier(Tier):
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
-            self._cond.notify_all()
+            self._writer.stop_locked()
             while self._readers:
                 self._readers_gone.wait()
         self._writer.join()
         self._env.close()
-        if self._failure is None:
+        if self._writer.failure is None:
             nvme_folder.remove_marker(self._folder)
         self._owner.close()
 
@@ -554,12 +410,12 @@ class NvmeTier(Tier):
         with self._cond:
             # A put that replaced the block since the index lookup explains the mismatch: the
             # bytes read were the newer block's. Not corruption, and not ours to delete.
-            if self._closed or self._index.get(key) is not seen or key in self._pending:
+            if self._closed or self._index.get(key) is not seen or self._writer.is_pending_locked(key):
                 return
             self._counts.checksum_failures += 1
             log.warning("nvme tier: block %s failed its checksum; deleting it", key.hex())
             self._forget_locked(key)
-            self._enqueue_locked(_DeleteOp(key, self._take_seq_locked()))
+            self._writer.delete_locked(key)
 
     # ---- bookkeeping (caller holds self._cond) --------------------------------------------
 
@@ -570,8 +426,9 @@ class NvmeTier(Tier):
     def _check_open_locked(self) -> None:
         if self._closed:
             raise TierClosed("nvme tier is closed")
-        if self._failure is not None:
-            raise TierCorrupt(f"nvme tier writer failed: {self._failure}")
+        failure = self._writer.failure
+        if failure is not None:
+            raise TierCorrupt(f"nvme tier writer failed: {failure}")
 
     def _check_room_locked(self, key: TierKey, stored_len: int) -> None:
         old = self._index.get(key)
@@ -596,167 +453,5 @@ class NvmeTier(Tier):
             return False
         self._counts.stored_total -= entry.stored_len
         self._counts.payload_total -= entry.payload_len
-        op = self._pending.pop(key, None)
-        if op is not None:
-            self._release_locked(op)  # the writer skips it, or writes it and its successor follows
+        self._writer.cancel_locked(key)
         return True
-
-    def _release_locked(self, op: _PutOp) -> None:
-        """The op's bytes stop counting against ``max_pending_bytes``."""
-        if op.live:
-            op.live = False
-            self._pending_bytes -= op.header.stored_len
-            self._cond.notify_all()
-
-    def _unref_locked(self, op: _PutOp) -> None:
-        """Drop one reference; the last one returns a pooled buffer to the pool."""
-        op.refs -= 1
-        if op.refs < 0:
-            raise AssertionError("nvme tier: put operation released twice")
-        if not op.refs and isinstance(op.stored, bytearray):
-            self._pool.give(op.stored)
-            op.stored = b""
-
-    def _take_seq_locked(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
-
-    def _enqueue_locked(self, op: _Op) -> None:
-        self._queue.append(op)
-        self._cond.notify_all()
-
-    # ---- the writer thread ---------------------------------------------------------------
-
-    def _writer_main(self) -> None:
-        finished = False
-        try:
-            self._writer_loop()
-            finished = True
-        except (lmdb.Error, OSError) as exc:  # a failed sync or marker write: the medium is unusable
-            log.error("nvme tier %s: writer failed: %s", self._folder, exc)
-            with self._cond:
-                self._failure = str(exc)
-                self._cond.notify_all()
-        finally:
-            if not finished:
-                with self._cond:
-                    self._failure = self._failure or "writer thread stopped unexpectedly"
-                    self._cond.notify_all()
-
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping and not self._sync_due_locked():
-                    self._cond.wait(self._wait_timeout_locked())
-                batch = self._take_batch_locked()
-                last_seq = self._queue[0].seq - 1 if self._queue else self._next_seq - 1
-                done = self._stopping and not self._queue
-            if batch:
-                self._commit(batch)
-            with self._cond:
-                self._committed_seq = max(self._committed_seq, last_seq)
-                self._cond.notify_all()
-                sync = self._sync_due_locked() or (
-                    done and (self._dirty or self._synced_seq < self._committed_seq)
-                )
-            if sync:
-                self._sync()
-            if done:
-                return
-
-    def _take_batch_locked(self) -> _Batch:
-        """Pop up to one transaction's worth of operations, capturing each put's bytes."""
-        batch: _Batch = []
-        size = 0
-        while (
-            self._queue and len(batch) < self._config.batch_max_blocks and size < self._config.batch_max_bytes
-        ):
-            op = self._queue.popleft()
-            if isinstance(op, _PutOp):
-                if not op.live:
-                    self._unref_locked(op)
-                    continue  # cancelled by a delete or a newer put
-                size += len(op.stored)
-                batch.append((op, op.stored))
-            else:
-                batch.append((op, b""))
-        return batch
-
-    def _commit(self, batch: _Batch) -> None:
-        if self._config.durability == "cache" and not self._marker_dirty:
-            # Dirty before any page of this commit can reach the disk.
-            nvme_folder.write_marker(self._folder, dirty=True)
-            self._marker_dirty = True
-        try:
-            self._write_txn(batch)
-            failed: _Batch = []
-        except lmdb.MapFullError:
-            failed = []
-            for item in batch:  # commit one by one: only the blocks that do not fit are dropped
-                try:
-                    self._write_txn([item])
-                except lmdb.MapFullError:
-                    failed.append(item)
-        except lmdb.Error as exc:
-            log.error("nvme tier %s: commit of %d operations failed: %s", self._folder, len(batch), exc)
-            failed = batch
-        failed_ops = {id(op) for op, _ in failed}
-        with self._cond:
-            self._dirty = self._config.durability == "cache"
-            self._counts.write_failures += len(failed)
-            for op, _ in batch:
-                if not isinstance(op, _PutOp):
-                    continue
-                if self._pending.get(op.key) is not op:
-                    pass  # superseded while in flight: its successor decides what the index holds
-                elif id(op) in failed_ops:
-                    self._forget_locked(op.key)  # still the current version: the index must not keep it
-                else:
-                    del self._pending[op.key]
-                    self._release_locked(op)
-                self._unref_locked(op)
-            if failed:
-                log.warning(
-                    "nvme tier %s: %d operations dropped (map full or LMDB error)", self._folder, len(failed)
-                )
-
-    def _write_txn(self, batch: _Batch) -> None:
-        with self._env.begin(write=True) as txn:
-            for op, stored in batch:
-                if isinstance(op, _PutOp):
-                    txn.put(op.key, op.header.pack(), db=self._headers)
-                    txn.put(op.key, stored, db=self._payloads)
-                else:
-                    txn.delete(op.key, db=self._headers)
-                    txn.delete(op.key, db=self._payloads)
-
-    def _sync_due_locked(self) -> bool:
-        if self._synced_seq < self._sync_target <= self._committed_seq:
-            return True
-        interval = self._config.sync_interval_s
-        return self._dirty and time.monotonic() - self._last_sync >= interval
-
-    def _wait_timeout_locked(self) -> float | None:
-        if not self._dirty:
-            return None
-        return max(0.0, self._last_sync + self._config.sync_interval_s - time.monotonic())
-
-    def _sync(self) -> None:
-        with self._cond:
-            seq = self._committed_seq  # only this thread advances it
-        self._env.sync(True)
-        if self._marker_dirty:
-            nvme_folder.write_marker(self._folder, dirty=False)
-            self._marker_dirty = False
-        with self._cond:
-            self._synced_seq = max(self._synced_seq, seq)
-            self._dirty = False
-            self._last_sync = time.monotonic()
-            self._cond.notify_all()
-
-
-def _scan_headers(env: lmdb.Environment, headers: lmdb._Database) -> list[_Found]:
-    """Every key of the header database with its parsed header; payload pages stay cold."""
-    with env.begin(db=headers, buffers=True) as txn:
-        return [(TierKey(bytes(key)), BlockHeader.unpack(raw)) for key, raw in txn.cursor()]
