@@ -28,9 +28,9 @@ from rich.progress import Progress
 from benchmarks.common import Result, print_results, write_json
 from benchmarks.service import bench_server
 from kvstore.client import Client, connect
-from kvstore.config import DramSettings
 from kvstore.errors import KvStoreError
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
+from kvstore.server.config import DramSettings
 
 MiB = 1 << 20
 MODEL = ModelIdentity(

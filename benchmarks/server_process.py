@@ -33,12 +33,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvstore.client import connect
-from kvstore.datadir import remove_shm_files
 from kvstore.errors import Unavailable
+from kvstore.server.datadir import remove_shm_files
 
 START_S = 60.0  # until the server answers on its Unix socket
 STOP_S = 60.0  # for a drain, before the server is killed
-KVSTORE = (sys.executable, "-m", "kvstore.cli")
+KVSTORE = (sys.executable, "-m", "kvstore")
 
 
 class ServerProcess:

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ them as one byte. Beside its code and message a status carries a *detail*: the n
 error's class (its nearest class in ``kvstore.errors``), so classes that share a code come back
 as the class the server raised (``LeaseNotFound`` and ``LeaseExpired`` are both NOT_FOUND).
 gRPC carries it as trailing metadata ``kvstore-error: <name>`` (``DETAIL_METADATA``); the data
-port in its status frame (see ``kvstore.dataport``). A detail that is missing, unknown, or names
+port in its status frame (see ``kvstore.server.dataport``). A detail that is missing, unknown, or names
 a class of another code is ignored: it refines the code, never contradicts it.
 
 Pure functions of their arguments; no import of gRPC or of the transports.

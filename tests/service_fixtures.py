@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvstore.config import load_settings
 from kvstore.keys import ModelIdentity
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
 
 TOKENS = {"tok-a": "tenant-a", "tok-b": "tenant-b", "tok-c": "tenant-c", "tok-ops": "ops"}
 MODEL = ModelIdentity("test/tiny", "aa" * 32, num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.builder import open_store
-from kvstore.config import load_settings
+from kvstore.server.builder import open_store
+from kvstore.server.config import load_settings
 
 
 def test_default_tiers_are_dram_then_nvme(tmp_path: Path) -> None:

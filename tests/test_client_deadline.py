@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
-from kvstore.dataport import DataPortClient
+from kvstore.client.dataport import DataPortClient
 from kvstore.errors import DeadlineExceeded
 from kvstore.keys import block_keys
 from tests.service_fixtures import MODEL

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import GiB, MiB, Settings, load_settings, parse_size
 from kvstore.errors import InvalidArgument
+from kvstore.server.config import GiB, MiB, Settings, load_settings, parse_size
 
 
 def test_defaults_make_a_useful_sidecar() -> None:

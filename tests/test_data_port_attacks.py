@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-import kvstore.dataport as dataport
+import kvstore.server.dataport as dataport
 from kvstore.client import connect
-from kvstore.dataport import MAGIC, OP_GET, read_status
 from kvstore.status import Status
+from kvstore.wire import MAGIC, OP_GET, read_status
 from tests.service_fixtures import BLOCK, MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 from tests.test_service import blocks_for, chain, put_header

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvstore.dataport as dataport
+import kvstore.server.dataport as dataport
 from kvstore.client import connect
-from kvstore.config import load_settings
-from kvstore.dataport import MAGIC, OP_GET, OP_LOOKUP, OP_PUT, OP_RELEASE, OP_RESOLVE
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
 from kvstore.status import Status
+from kvstore.wire import MAGIC, OP_GET, OP_LOOKUP, OP_PUT, OP_RELEASE, OP_RESOLVE
 from tests.service_fixtures import MODEL, settings_for
 from tests.test_service import blocks_for, chain
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.builder import open_store
-from kvstore.config import load_settings
 from kvstore.keys import Fingerprint, block_keys
+from kvstore.server.builder import open_store
+from kvstore.server.config import load_settings
 from kvstore.store import Scope
 
 FP = Fingerprint(b"\x09" * 32)

@@ -17,12 +17,12 @@ import pytest
 
 from kvstore import errors
 from kvstore.client import Client, connect
-from kvstore.config import load_settings
-from kvstore.dataport import MAGIC, OP_RELEASE, read_status
 from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired, LeaseNotFound, Unavailable
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
 from kvstore.status import Status, error_for, status_of
 from kvstore.tls import ClientTls
+from kvstore.wire import MAGIC, OP_RELEASE, read_status
 from tests.service_fixtures import BLOCK, MODEL, Served, settings_for
 from tests.service_fixtures import served as served  # the fixture
 from tests.test_service import blocks_for, chain

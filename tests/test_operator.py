@@ -18,8 +18,8 @@ import pytest
 
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
-from kvstore.datadir import ARENA_ID_FILE, remove_shm_files
 from kvstore.keys import block_keys
+from kvstore.server.datadir import ARENA_ID_FILE, remove_shm_files
 from tests.service_fixtures import MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 

@@ -41,7 +41,7 @@ def data_dir() -> Iterator[str]:
 
 def _cli(data_dir: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args, "--data-dir", data_dir],
+        [sys.executable, "-m", "kvstore", *args, "--data-dir", data_dir],
         input=stdin,
         capture_output=True,
         text=True,

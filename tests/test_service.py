@@ -257,8 +257,9 @@ def test_metrics_count_tokens_by_tenant_and_tier(served: Served) -> None:
 def test_data_port_refuses_strangers_and_bad_tokens(served: Served) -> None:
     import socket
 
-    from kvstore.dataport import DataPortClient, read_status
+    from kvstore.client.dataport import DataPortClient
     from kvstore.status import Status
+    from kvstore.wire import read_status
 
     port = served.server.service.data_port
     assert port > 0
@@ -285,9 +286,9 @@ def test_the_service_demo_runs_against_a_live_server() -> None:
     import shutil
     import tempfile
 
-    from kvstore.config import load_settings
-    from kvstore.demo_service import run_service_demo
-    from kvstore.server import start_server
+    from kvstore.cli.demo_service import run_service_demo
+    from kvstore.server.config import load_settings
+    from kvstore.server.serve import start_server
     from tests.service_fixtures import settings_for
 
     data_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
@@ -312,9 +313,9 @@ def test_a_client_survives_a_server_restart_without_reading_a_stale_arena(data_p
     import shutil
     import tempfile
 
-    from kvstore.config import load_settings
     from kvstore.errors import KvStoreError
-    from kvstore.server import start_server
+    from kvstore.server.config import load_settings
+    from kvstore.server.serve import start_server
     from tests.service_fixtures import settings_for
 
     data_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
@@ -351,9 +352,9 @@ def test_idle_data_connections_live_on_and_do_not_hold_up_a_drain(monkeypatch: p
     import tempfile
     import time
 
-    from kvstore import dataport
-    from kvstore.config import load_settings
-    from kvstore.server import start_server
+    from kvstore.client import dataport
+    from kvstore.server.config import load_settings
+    from kvstore.server.serve import start_server
     from tests.service_fixtures import settings_for
 
     monkeypatch.setattr(dataport, "IO_TIMEOUT_S", 0.3)  # the per-request deadline, shortened
@@ -427,8 +428,8 @@ def _announce(served: Served, size: int) -> None:
     import socket
     import struct
 
-    from kvstore.dataport import MAGIC, read_status, status_error
     from kvstore.status import Status
+    from kvstore.wire import MAGIC, read_status, status_error
 
     host = served.tcp.rpartition(":")[0]
     data_port = served.server.data_port
@@ -446,7 +447,7 @@ def put_header(key: bytes, size: int) -> bytes:
     """A one-block data-port put, up to where its payload begins."""
     import struct
 
-    from kvstore.dataport import OP_PUT
+    from kvstore.wire import OP_PUT
 
     head = struct.pack("<B", OP_PUT) + MODEL.fingerprint() + struct.pack("<B32s", 0, b"\0" * 32)
     return head + struct.pack("<I", 1) + key + struct.pack("<Q", size)
@@ -495,7 +496,7 @@ def test_removals_and_admin_actions_are_audited_without_secrets(served: Served) 
 def test_one_tenant_cannot_fill_the_model_registry(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    import kvstore.models as models
+    import kvstore.server.models as models
     from kvstore.errors import ResourceExhausted
 
     monkeypatch.setattr(models, "MAX_MODELS_PER_TENANT", 3)

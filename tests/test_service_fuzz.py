@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.client import connect
-from kvstore.config import load_settings
 from kvstore.frames import encode_frame
 from kvstore.keys import block_keys
-from kvstore.server import start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import start_server
 from proto import kvstore_pb2 as pb
 from tests.service_fixtures import BLOCK, MODEL, settings_for
 

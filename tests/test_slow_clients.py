@@ -14,10 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import connect
-from kvstore.config import load_settings
 from kvstore.errors import ResourceExhausted
 from kvstore.frames import encode_frame
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
 from tests.service_fixtures import MODEL, settings_for
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.builder import open_store
-from kvstore.config import load_settings
-from kvstore.demo import run_demo
+from kvstore.cli.demo import run_demo
 from kvstore.keys import BlockKey, Fingerprint, block_keys
+from kvstore.server.builder import open_store
+from kvstore.server.config import load_settings
 from kvstore.store import Scope, StoreConfig, TieredStore, tier_key
 from tiers.dram import DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier

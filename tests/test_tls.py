@@ -12,9 +12,9 @@ import pytest
 
 from benchmarks.tls_certs import Certs, make_certs
 from kvstore.client import connect
-from kvstore.config import load_settings
 from kvstore.errors import Unavailable
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
 from kvstore.tls import ClientTls
 from tests.service_fixtures import MODEL, settings_for
 from tests.test_service import blocks_for, chain

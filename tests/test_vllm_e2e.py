@@ -26,9 +26,9 @@ from benchmarks.server_process import ServerProcess
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from kvstore.client import connect
-from kvstore.config import load_settings
-from kvstore.datadir import remove_shm_files
-from kvstore.server import RunningServer, start_server
+from kvstore.server.config import load_settings
+from kvstore.server.datadir import remove_shm_files
+from kvstore.server.serve import RunningServer, start_server
 
 PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks of 32
 

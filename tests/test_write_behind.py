@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from kvstore.store import StoreConfig, TieredStore, tier_key
-from kvstore.write_behind import WriteBehind
+from kvstore.store.write_behind import WriteBehind
 from tests.test_store_restart import BLOCK, A, chain, data
 from tiers.dram import DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier

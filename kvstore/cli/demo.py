@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.builder import open_store
-from kvstore.config import Settings
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
+from kvstore.server.builder import open_store
+from kvstore.server.config import Settings
 from kvstore.store import Scope, TieredStore
 
 MODEL = ModelIdentity(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from kvstore.cli.demo import MODEL, synthetic_kv
 from kvstore.client import connect
-from kvstore.demo import MODEL, synthetic_kv
 from kvstore.errors import KvStoreError, StoreFull
 from kvstore.keys import block_keys
 

@@ -12,7 +12,7 @@
     kvstore bench decisions        the connector's plan against all-restore and all-recompute
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
-``KVSTORE_*`` environment variables sit between the two (see ``kvstore.config``). Benchmarks
+``KVSTORE_*`` environment variables sit between the two (see ``kvstore.server.config``). Benchmarks
 are imported lazily: only this dispatcher reaches up into ``benchmarks/``.
 
 An operator's mistake (a bad setting, a port in use, a server that is not running) ends with
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import __version__
-from kvstore.config import Settings, load_settings
 from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
+from kvstore.server.config import Settings, load_settings
 
 log = logging.getLogger("kvstore.cli")
 
@@ -50,7 +50,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvstore.server import serve
+    from kvstore.server.serve import serve
 
     overrides = []
     if args.tcp:
@@ -219,11 +219,11 @@ def _size(n: int) -> str:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.service:
-        from kvstore.demo_service import run_service_demo
+        from kvstore.cli.demo_service import run_service_demo
 
         run_service_demo(args.service, args.tcp, args.token or os.environ.get("KVSTORE_TOKEN", ""))
         return 0
-    from kvstore.demo import run_demo
+    from kvstore.cli.demo import run_demo
 
     run_demo(_settings(args))
     return 0

@@ -21,7 +21,7 @@ is dropped: its stream stopped mid-message; the next call opens another.
 Fingerprints and keys are 32-byte ``bytes``. Every failure raises a ``kvstore.errors`` class:
 the server's own class for a status it sent (``kvstore.status``), ``InvalidArgument`` for bad
 arguments, ``Unavailable`` (``DeadlineExceeded`` for a timeout) for whatever the layers below
-raise (gRPC, sockets, the arena's mapping), translated in ``_translated`` and nowhere else; no
+raise (gRPC, sockets, the arena's mapping), translated in ``kvstore.client.translate`` and nowhere else; no
 ``OSError`` or ``grpc.RpcError`` leaves a public method. A Client is safe to share between threads.
 
 Control calls go through the generated ``KvStoreStub``; the Get and Put streams are wired by
@@ -34,56 +34,29 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvstore.dataport import IDLE_S, DataPortClient
+from kvstore.client.connections import DataConnections
+from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
+from kvstore.client.translate import translated
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    KvStoreError,
     StoreFull,
-    Unavailable,
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
-from kvstore.status import DETAIL_METADATA, error_for
 from kvstore.tls import ClientTls
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.dram import Arena
 
-_TIER_NAME = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
 _MAX_MESSAGE_BYTES = 256 << 20
 _SERVICE = pb.DESCRIPTOR.services_by_name["KvStore"]
-
-
-@dataclass(frozen=True)
-class Lookup:
-    hit_blocks: int
-    tiers: tuple[str, ...]
-    lease_id: int
-
-
-@dataclass(frozen=True)
-class ResolvedBlocks:
-    """Arena views of the present prefix; valid until ``release(lease_id)``."""
-
-    views: list[memoryview]
-    tiers: tuple[str, ...]
-    lease_id: int
-
-
-@dataclass(frozen=True)
-class PendingWrite:
-    """Arena views to fill (None: nothing to write for that key), then ``commit``."""
-
-    views: list[memoryview | None]
-    reservation_id: int
 
 
 class Client:
@@ -100,15 +73,13 @@ class Client:
         if tls is not None and address.startswith("unix:"):
             raise InvalidArgument("TLS is for TCP addresses; the Unix socket is local and plain")
         self.address = address
-        self._tls = tls
-        self._ssl_context = tls.ssl_context() if tls is not None else None
         self.timeout_s = timeout_s
-        self._token = token
-        self._data_plane = data_plane
-        self._data_port: int | None = None  # None: not asked yet; 0: the server has none
-        self._data_socket = ""
-        self._local = threading.local()  # per thread: its data connections, its deadline
-        self._data_conns: list[DataPortClient] = []
+        self._local = threading.local()  # per thread: its deadline
+        self._data = (
+            DataConnections(address, token, tls, self._data_deadline, self.server_info)
+            if data_plane == "auto"
+            else None
+        )
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -162,9 +133,13 @@ class Client:
             return None
         return time.monotonic() + self._timeout_s()
 
+    def _data_port(self) -> DataConnections | None:
+        """The data-port connections when the server offers one to this client, else None: gRPC."""
+        return self._data if self._data is not None and self._data.available() else None
+
     def _call(self, rpc: Any, request: Any) -> Any:
         """One unary call of the stub, ``rpc`` being its method (``self._stub.Lookup``)."""
-        with _translated("the call"):
+        with translated("the call"):
             return rpc(request, metadata=self._metadata, timeout=self._timeout_s())
 
     # ----------------------------------------------------------------- control
@@ -184,14 +159,14 @@ class Client:
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0, scope: str = ""
     ) -> Lookup:
         """The present prefix with the tier of each hit; ``pin_ttl_s`` > 0 pins it under a lease."""
-        if self._data_connection(scope) is not None:
-            hit, tiers, lease_id = self._on_data(scope, lambda c: c.lookup(fingerprint, keys, pin_ttl_s))
+        if (data := self._data_port()) is not None:
+            hit, tiers, lease_id = data.call(scope, lambda c: c.lookup(fingerprint, keys, pin_ttl_s))
             return Lookup(hit, tiers, lease_id)
         r: pb.LookupResponse = self._call(
             self._stub.Lookup,
             pb.LookupRequest(fingerprint=fingerprint, keys=list(keys), pin_ttl_s=pin_ttl_s, scope=scope),
         )
-        return Lookup(r.hit_blocks, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
+        return Lookup(r.hit_blocks, tuple(TIER_NAME[t] for t in r.tiers), r.lease_id)
 
     def exists(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bool]:
         r: pb.ExistsResponse = self._call(
@@ -226,108 +201,15 @@ class Client:
         return int(self._call(self._stub.Demote, request).moved)
 
     def stats(self) -> dict[str, Any]:
-        r: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
-        return {
-            "tenant": r.tenant,
-            "tiers": [
-                {
-                    "name": t.name,
-                    "capacity_bytes": t.capacity_bytes,
-                    "used_bytes": t.used_bytes,
-                    "blocks": t.blocks,
-                    "checksum_failures": t.checksum_failures,
-                    "stored_bytes": t.stored_bytes,
-                }
-                for t in r.tiers
-            ],
-            "counters": dict(r.counters),
-            "tenant_bytes": dict(r.tenant_bytes),
-            "absent_tiers": list(r.absent_tiers),
-            "blocks": r.blocks,
-            "leases": r.leases,
-            "version": r.version,
-            "uptime_s": r.uptime_s,
-            "addresses": list(r.addresses),
-            "lookup_tokens": r.lookup_tokens,
-            "hit_tokens": r.hit_tokens,
-            "fingerprints": [
-                {
-                    "fingerprint": f.fingerprint.hex(),
-                    "model_id": f.model_id,
-                    "blocks": f.blocks,
-                    "bytes": f.bytes,
-                    "tp_rank": f.tp_rank,
-                    "tp_world_size": f.tp_world_size,
-                }
-                for f in r.fingerprints
-            ],
-        }
+        return stats_dict(self._call(self._stub.Stats, pb.StatsRequest()))
 
     def server_info(self) -> dict[str, Any]:
         r: pb.ServerInfoResponse = self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
         return {"data_port": r.data_port, "data_socket": r.data_socket, "tiers": list(r.tiers)}
 
-    def _data_connection(self, scope: str) -> DataPortClient | None:
-        """This thread's connection to the raw data port (its Unix twin on the same host), or
-        None to use gRPC."""
-        if self._data_plane == "grpc":
-            return None
-        unix = self.address.startswith("unix:")
-        if self._data_port is None:
-            info = self.server_info()
-            self._data_port, self._data_socket = int(info["data_port"]), str(info["data_socket"])
-        if not (self._data_socket if unix else self._data_port):
-            return None
-        conns: dict[str, DataPortClient] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(scope)
-        if conn is not None and time.monotonic() - conn.last_used > IDLE_S - 30.0:
-            # The server closes connections idle for IDLE_S: open a fresh one rather than
-            # find out mid-request.
-            conns.pop(scope, None)
-            conn.close()
-            conn = None
-        if conn is None:
-            deadline = self._data_deadline()
-            connect_s = None if deadline is None else deadline - time.monotonic()
-            with _translated("connecting to the data port"):
-                if unix:
-                    conn = DataPortClient(
-                        "", 0, self._token, scope, unix_path=self._data_socket, connect_timeout_s=connect_s
-                    )
-                else:
-                    host = self.address.rpartition(":")[0].strip("[]")
-                    conn = DataPortClient(
-                        host,
-                        self._data_port,
-                        self._token,
-                        scope,
-                        connect_timeout_s=connect_s,
-                        ssl_context=self._ssl_context,
-                        server_name=self._tls.server_name if self._tls is not None else "",
-                    )
-            conns[scope] = conn
-            with self._arena_lock:
-                self._data_conns.append(conn)
-        return conn
-
-    def _on_data(self, scope: str, call: Any) -> Any:
-        """Run ``call(conn)`` on the data port. A failed call drops its connection (the server
-        closed it, or it stopped mid-message); the next call reconnects."""
-        conn = self._data_connection(scope)
-        assert conn is not None
-        conn.deadline = self._data_deadline()
-        conn.last_used = time.monotonic()
-        try:
-            with _translated("the data port call"):
-                return call(conn)
-        except KvStoreError:
-            self._local.__dict__.get("conns", {}).pop(scope, None)
-            conn.close()
-            raise
-
     def release(self, lease_id: int) -> None:
-        if self._data_connection("") is not None:
-            self._on_data("", lambda c: c.release(lease_id))
+        if (data := self._data_port()) is not None:
+            data.call("", lambda c: c.release(lease_id))
             return
         self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
 
@@ -346,8 +228,8 @@ class Client:
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
             return 0
-        if self._data_connection(scope) is not None:
-            stored: int = self._on_data(scope, lambda c: c.put(fingerprint, keys, blocks, parent))
+        if (data := self._data_port()) is not None:
+            stored = data.call(scope, lambda c: c.put(fingerprint, keys, blocks, parent))
             return stored
 
         def frames() -> Iterator[bytes]:
@@ -357,20 +239,20 @@ class Client:
                 else:
                     yield encode_frame(key, block)
 
-        with _translated("the Put stream"):
+        with translated("the Put stream"):
             response = self._put(frames(), metadata=self._metadata, timeout=self._timeout_s())
         return int(response.stored)
 
     def _stream(self, fingerprint: bytes, keys: Sequence[bytes], scope: str) -> Iterator[memoryview]:
         request = pb.GetRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
-        with _translated("the Get stream"):
+        with translated("the Get stream"):
             for message in self._get(request, metadata=self._metadata, timeout=self._timeout_s()):
                 yield decode_frame(message).payload
 
     def get(self, fingerprint: bytes, keys: Sequence[bytes], scope: str = "") -> list[bytes]:
         """The bytes of the present prefix of ``keys`` (shorter than ``keys`` at the first miss)."""
-        if self._data_connection(scope) is not None:
-            blocks: list[bytes] = self._on_data(scope, lambda c: c.get(fingerprint, keys))
+        if (data := self._data_port()) is not None:
+            blocks = data.call(scope, lambda c: c.get(fingerprint, keys))
             return blocks
         return [bytes(payload) for payload in self._stream(fingerprint, keys, scope)]
 
@@ -378,8 +260,8 @@ class Client:
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
     ) -> int:
         """Copy the present prefix into ``outs``; how many blocks were copied."""
-        if self._data_connection(scope) is not None:
-            copied: int = self._on_data(scope, lambda c: c.get_into(fingerprint, keys, outs))
+        if (data := self._data_port()) is not None:
+            copied = data.call(scope, lambda c: c.get_into(fingerprint, keys, outs))
             return copied
         n = 0
         for payload, out in zip(self._stream(fingerprint, keys, scope), outs, strict=False):
@@ -414,8 +296,8 @@ class Client:
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float = 30.0, scope: str = ""
     ) -> ResolvedBlocks:
         arena = self.attach()
-        if self._data_connection(scope) is not None:
-            name, slots, tiers, lease_id = self._on_data(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
+        if (data := self._data_port()) is not None:
+            name, slots, tiers, lease_id = data.call(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
             arena = self._arena_named(name)
             return ResolvedBlocks([arena.view[o : o + n] for o, n in slots], tiers, lease_id)
         r: pb.ResolveResponse = self._call(
@@ -424,7 +306,7 @@ class Client:
         )
         arena = self._arena_named(r.arena_name)
         views = [arena.view[s.offset : s.offset + s.size_bytes] for s in r.slots]
-        return ResolvedBlocks(views, tuple(_TIER_NAME[t] for t in r.tiers), r.lease_id)
+        return ResolvedBlocks(views, tuple(TIER_NAME[t] for t in r.tiers), r.lease_id)
 
     def read_into(
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
@@ -508,9 +390,8 @@ class Client:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-            for conn in self._data_conns:
-                conn.close()
-            self._data_conns.clear()
+        if self._data is not None:
+            self._data.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -545,28 +426,5 @@ def _method_path(name: str) -> str:
 
 
 def _map_arena(name: str) -> Arena:
-    with _translated(f"mapping the server's arena {name}"):
+    with translated(f"mapping the server's arena {name}"):
         return Arena.attach(name)
-
-
-@contextlib.contextmanager
-def _translated(what: str) -> Iterator[None]:
-    """The client's one translation of what the layers below raise into ``kvstore.errors``: a
-    gRPC status into the server's class (the detail from its trailing metadata), a timeout into
-    DeadlineExceeded, any other socket or file failure into Unavailable."""
-    try:
-        yield
-    except grpc.RpcError as exc:
-        raise _rpc_error(exc) from None
-    except TimeoutError as exc:
-        raise DeadlineExceeded(f"{what} timed out: {exc}") from None
-    except OSError as exc:
-        raise Unavailable(f"{what} failed: {exc}") from None
-
-
-def _rpc_error(exc: grpc.RpcError) -> KvStoreError:
-    if not isinstance(exc, grpc.Call):  # no status at all: the channel itself failed
-        return Unavailable(str(exc))
-    code = exc.code()
-    detail = dict(exc.trailing_metadata() or ()).get(DETAIL_METADATA, "")
-    return error_for(code.value[0], exc.details() or code.name, detail)

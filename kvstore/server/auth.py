@@ -15,8 +15,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.config import ServerSettings
 from kvstore.errors import FailedPrecondition, PermissionDenied, Unauthenticated
+from kvstore.server.config import ServerSettings
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Assemble a tiered store from ``Settings``: the one place that knows the tier order.
 
-``open_store`` locks the data folder (``kvstore.datadir``: one process per folder), salvages a
+``open_store`` locks the data folder (``kvstore.server.datadir``: one process per folder), salvages a
 dead predecessor's arena into `nvme` and removes it, builds the tiers and hands the store the
 lock to release when it closes. A failure part way closes what was already built, arena included.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from kvstore.config import CODECS, Settings
-from kvstore.datadir import DataDir
 from kvstore.errors import FailedPrecondition
+from kvstore.server.config import CODECS, Settings
+from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
 from tiers import Tier, TierError, TierKey, TierUnavailable
 from tiers.cipher import BlockCipher

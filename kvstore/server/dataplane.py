@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from kvstore.auth import Caller
 from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
+from kvstore.server.auth import Caller
 from kvstore.store import LookupResult, Resolved, Scope, TieredStore
 from tiers import InPlaceTier
 

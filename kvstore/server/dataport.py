@@ -8,26 +8,10 @@ Lookups, the hottest control call, can go over it too: a gRPC round trip in Pyth
 a millisecond on a busy small host, a framed socket round trip a tenth of that. The TCP port and
 the Unix-socket twin of the sidecar are announced by the ServerInfo RPC.
 
-Framing (little-endian), one request at a time per connection:
-
-    hello    client: b"KVD1" u16 len + bearer token, u16 len + scope   server: status
-    resolve  client: u8 4, fingerprint[32], u32 n, n x key[32], f64 ttl_s      (Unix socket only)
-             server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
-                     u64 lease id
-    release  client: u8 5, u64 lease id                                       server: status
-    lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
-             server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme), u64 lease id
-    get      client: u8 1, fingerprint[32], u32 n, n x key[32]
-             server: status; per block of the present prefix: u64 size + bytes; u64 END; status
-    put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
-                     then the n payloads back to back
-             server: status, u32 stored
-    status   u8 gRPC status code (0 = OK, ``kvstore.status.Status``), u32 len + UTF-8 message
-
-A request that fails is answered with its status and the connection closes. The message of a
-failure starts with its detail in brackets, ``[LeaseExpired] lease 7 expired ...``: the name of
-the error class the server raised (``kvstore.status``), which the client raises again. A client
-that knows no details reads the code alone, as before, and shows the bracket as part of the text.
+The protocol itself (framing, opcodes, status frames) is ``kvstore.wire``; the client end is
+``kvstore.client.dataport``. Here: accepting connections within limits (MAX_CONNECTIONS,
+MAX_CONNECTIONS_PER_TENANT), the hello within HELLO_S, every request within REQUEST_S however
+its bytes trickle, and each request handed to the data plane.
 """
 
 from __future__ import annotations
@@ -40,111 +24,42 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.auth import Authenticator, Caller
-from kvstore.dataplane import DataPlane
-from kvstore.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    KvStoreError,
-    ResourceExhausted,
-)
+from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.status import Status, error_for, status_of
+from kvstore.server.auth import Authenticator, Caller
+from kvstore.server.dataplane import DataPlane
+from kvstore.status import Status
 from kvstore.store import Scope
+from kvstore.wire import (
+    END,
+    IDLE_S,
+    MAGIC,
+    OP_GET,
+    OP_LOOKUP,
+    OP_NAMES,
+    OP_PUT,
+    OP_RELEASE,
+    OP_RESOLVE,
+    TIER_CODES,
+    recv_exact,
+    recv_into_exact,
+    send_error,
+    send_parts,
+    time_left_s,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVD1"
-OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
-OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Resolve", OP_RELEASE: "Release"}
-TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
-TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
-END = (1 << 64) - 1
 _OK = struct.pack("<BI", Status.OK, 0)
-IO_TIMEOUT_S = 30.0  # the client's per-operation default
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
-IDLE_S = 600.0  # a connection idle between requests longer than this is closed
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_TENANT = 256
 MAX_BLOCKS_PER_REQUEST = 65536
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf), deadline)
-    return bytes(buf)
-
-
-REARM_S = 0.25
-
-
-def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill ``view``; ``deadline`` (``time.monotonic()``) bounds the whole read, not each recv,
-    so a peer trickling bytes cannot stretch it. Without one the socket's own timeout applies."""
-    got = 0
-    armed_at = -REARM_S
-    while got < len(view):
-        if deadline is not None:
-            # A timeout armed at ``armed_at`` can end a recv at most (now - armed_at) past the
-            # deadline: re-arm once that passes REARM_S, not per recv (a TLS socket returns
-            # one 16 KiB record per recv, and a settimeout per record costs).
-            now = time.monotonic()
-            if now - armed_at > REARM_S:
-                sock.settimeout(time_left_s(deadline))
-                armed_at = now
-        n = sock.recv_into(view[got:], len(view) - got)
-        if not n:
-            raise ConnectionError("peer closed the data connection mid-message")
-        got += n
-
-
-def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:
-    """Header and payload in one gathered send (fewer syscalls than two sendall calls)."""
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS: two records
-        sock.sendall(head)
-        sock.sendall(body)
-        return
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(body):
-        sock.sendall(body[sent - len(head) :])
-
-
-def send_error(sock: socket.socket, error: KvStoreError) -> None:
-    """The status frame of a failure: its code and, before its message, its detail."""
-    code, detail = status_of(error)
-    body = f"[{detail}] {error}".encode()
-    sock.sendall(struct.pack("<BI", code, len(body)) + body)
-
-
-def read_status(sock: socket.socket, deadline: float | None = None) -> tuple[int, str]:
-    """The code (a ``Status`` number) and message of a status frame, the detail left in."""
-    code, length = struct.unpack("<BI", recv_exact(sock, 5, deadline))
-    return code, recv_exact(sock, length, deadline).decode(errors="replace")
-
-
-def status_error(code: int, message: str) -> KvStoreError:
-    """The exception for a failed status frame: the detail taken off the message."""
-    detail, sep, rest = message[1:].partition("] ") if message.startswith("[") else ("", "", "")
-    if sep and detail.isidentifier():
-        return error_for(code, rest, detail)
-    return error_for(code, message)
-
-
-def time_left_s(deadline: float) -> float:
-    """Seconds until ``deadline``; TimeoutError once it has passed (a zero socket timeout would
-    mean non-blocking, not "no time left")."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the call's deadline passed")
-    return left
 
 
 @dataclass
@@ -448,195 +363,3 @@ def _refuse(conn: socket.socket, message: str) -> None:
         conn.settimeout(1.0)
         send_error(conn, ResourceExhausted(message))
     conn.close()
-
-
-class DataPortClient:
-    """One connection to a data port; not for use from several threads at once.
-
-    Timeouts: connecting and the hello take at most ``connect_timeout_s`` (default IO_TIMEOUT_S)
-    together. Each operation then ends by ``deadline`` (a ``time.monotonic()`` value the caller
-    sets before it, or None: IO_TIMEOUT_S per socket operation). A timeout raises TimeoutError
-    and leaves the stream mid-message: the connection must be closed, never reused.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        token: str | None,
-        scope: str = "",
-        unix_path: str = "",
-        connect_timeout_s: float | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        server_name: str = "",
-    ) -> None:
-        timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
-        self.deadline: float | None = time.monotonic() + timeout_s  # the hello's, until it is done
-        self.last_used = time.monotonic()  # the owner's note, against the server's IDLE_S
-        self._default_timeout = False  # the socket's timeout is IO_TIMEOUT_S
-        if unix_path:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout_s)
-            try:
-                self.sock.connect(unix_path)
-            except OSError:
-                self.sock.close()
-                raise
-        else:
-            self.sock = socket.create_connection((host, port), timeout=timeout_s)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if ssl_context is not None:
-                try:
-                    self.sock = ssl_context.wrap_socket(self.sock, server_hostname=server_name or host)
-                except OSError:
-                    self.sock.close()
-                    raise
-        token_b, scope_b = (token or "").encode(), scope.encode()
-        try:
-            self._arm()
-            self.sock.sendall(
-                MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
-            )
-            self._check()
-        except OSError:
-            self.sock.close()
-            raise
-        self.deadline = None
-
-    def _arm(self) -> None:
-        """Bound the next send by the deadline (sendall's timeout covers the whole send); without
-        one, put back IO_TIMEOUT_S if a deadline changed it (a syscall saved on the hot path)."""
-        if self.deadline is not None:
-            self.sock.settimeout(time_left_s(self.deadline))
-            self._default_timeout = False
-        elif not self._default_timeout:
-            self.sock.settimeout(IO_TIMEOUT_S)
-            self._default_timeout = True
-
-    def _recv(self, n: int) -> bytes:
-        return recv_exact(self.sock, n, self.deadline)
-
-    def _check(self) -> None:
-        code, message = read_status(self.sock, self.deadline)
-        if code != Status.OK:
-            self.sock.close()
-            raise status_error(code, message)
-
-    def resolve(
-        self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float
-    ) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
-        """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_RESOLVE)
-            + fingerprint
-            + struct.pack("<I", len(keys))
-            + b"".join(keys)
-            + struct.pack("<d", ttl_s)
-        )
-        self._check()
-        (name_len,) = struct.unpack("<H", self._recv(2))
-        arena_name = self._recv(name_len).decode()
-        (hit,) = struct.unpack("<I", self._recv(4))
-        raw = self._recv(17 * hit + 8)
-        slots, tiers = [], []
-        for i in range(hit):
-            offset, size, tier = struct.unpack_from("<QQB", raw, 17 * i)
-            slots.append((offset, size))
-            tiers.append(TIER_NAMES.get(tier, "unknown"))
-        (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
-        return arena_name, slots, tuple(tiers), int(lease_id)
-
-    def release(self, lease_id: int) -> None:
-        self._arm()
-        self.sock.sendall(struct.pack("<BQ", OP_RELEASE, lease_id))
-        self._check()
-
-    def lookup(
-        self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0
-    ) -> tuple[int, tuple[str, ...], int]:
-        """(hit blocks, tier of each hit, lease id or 0)."""
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_LOOKUP)
-            + fingerprint
-            + struct.pack("<I", len(keys))
-            + b"".join(keys)
-            + struct.pack("<d", pin_ttl_s)
-        )
-        self._check()
-        (hit,) = struct.unpack("<I", self._recv(4))
-        tiers = tuple(TIER_NAMES.get(code, "unknown") for code in self._recv(hit))
-        (lease_id,) = struct.unpack("<Q", self._recv(8))
-        return hit, tiers, lease_id
-
-    def _request_get(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_GET) + fingerprint + struct.pack("<I", len(keys)) + b"".join(keys)
-        )
-        self._check()
-
-    def get_into(self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
-        """Copy the present prefix into ``outs`` (each at least as long as its block)."""
-        self._request_get(fingerprint, keys)
-        n = 0
-        while True:
-            (size,) = struct.unpack("<Q", self._recv(8))
-            if size == END:
-                break
-            if n >= len(outs) or len(outs[n]) < size:
-                raise InvalidArgument(f"block {n} of {size} B does not fit its buffer")
-            recv_into_exact(self.sock, outs[n][:size], self.deadline)
-            n += 1
-        self._check()
-        return n
-
-    def get(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bytes]:
-        self._request_get(fingerprint, keys)
-        blocks: list[bytes] = []
-        while True:
-            (size,) = struct.unpack("<Q", self._recv(8))
-            if size == END:
-                break
-            blocks.append(self._recv(size))
-        self._check()
-        return blocks
-
-    def put(
-        self,
-        fingerprint: bytes,
-        keys: Sequence[bytes],
-        blocks: Sequence[bytes | bytearray | memoryview],
-        parent: bytes | None = None,
-    ) -> int:
-        _check_ids(fingerprint, keys if parent is None else [*keys, parent])
-        head = [
-            struct.pack("<B", OP_PUT),
-            fingerprint,
-            struct.pack("<B32s", parent is not None, parent or b""),
-        ]
-        head.append(struct.pack("<I", len(keys)))
-        head.extend(key + struct.pack("<Q", len(block)) for key, block in zip(keys, blocks, strict=True))
-        self._arm()
-        try:
-            self.sock.sendall(b"".join(head))
-            for block in blocks:
-                self.sock.sendall(block)
-        except OSError:
-            pass  # the server refused early and closed: its status says why
-        self._check()
-        (stored,) = struct.unpack("<I", self._recv(4))
-        return int(stored)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
-    """The framing has no lengths for ids: refuse a wrong one before it desynchronizes the stream."""
-    if len(fingerprint) != 32 or any(len(k) != 32 for k in keys):
-        raise InvalidArgument("keys and fingerprints are 32 bytes")

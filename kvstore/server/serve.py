@@ -26,16 +26,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.audit import AuditLog
-from kvstore.auth import Authenticator, tenant_namespace
-from kvstore.builder import open_store
-from kvstore.config import Settings
-from kvstore.dataport import DataPort
 from kvstore.errors import FailedPrecondition, InvalidArgument
-from kvstore.metrics import Metrics
-from kvstore.models import FILE_NAME as MODELS_FILE
-from kvstore.models import ModelRegistry
-from kvstore.service import SERVICE_NAME, KvStoreService
+from kvstore.server.audit import AuditLog
+from kvstore.server.auth import Authenticator, tenant_namespace
+from kvstore.server.builder import open_store
+from kvstore.server.config import Settings
+from kvstore.server.dataport import DataPort
+from kvstore.server.handlers import SERVICE_NAME
+from kvstore.server.metrics import Metrics
+from kvstore.server.models import FILE_NAME as MODELS_FILE
+from kvstore.server.models import ModelRegistry
+from kvstore.server.service import KvStoreService
 from kvstore.store import TieredStore
 from kvstore.tls import ServerTls
 

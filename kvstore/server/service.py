@@ -1,19 +1,19 @@
 """The gRPC servicer of ``kvstore.v1.KvStore`` over a tiered store.
 
 Every RPC goes through ``_serve``: refuse while draining (UNAVAILABLE), authenticate the caller,
-time the call, and send a ``KvStoreError`` as its status (``_abort``: the code and detail of
-``kvstore.status``, the detail as trailing metadata) — the one place errors become gRPC statuses.
-Any other exception is a bug: gRPC logs it and answers UNKNOWN. A request can only reach its own
-tenant's namespace or a shared scope granted to it (``kvstore.auth``); lease and reservation ids
+take one of its tenant's in-flight places, time the call, and send a ``KvStoreError`` as its
+status (``kvstore.server.handlers.abort``, the one place errors become gRPC statuses). Any other
+exception is a bug: gRPC logs it and answers UNKNOWN. A request can only reach its own tenant's
+namespace or a shared scope granted to it (``kvstore.server.auth``); lease and reservation ids
 are owned by the tenant that got them.
 
-The servicer implements the generated ``KvStoreServicer`` and is registered through the
-generated ``add_KvStoreServicer_to_server`` (``add_to``), so the proto names every method; a
-method renamed there fails the type check here (``@override``). Two things the generated
-handlers cannot say are changed on them: a request protobuf cannot parse is refused as
-INVALID_ARGUMENT (gRPC would answer INTERNAL), and the Get and Put streams carry hand-written
-frames (``kvstore.frames``) that no protobuf serializer touches: Get serves blocks straight out
-of the arena slots it pinned, Put hands received payloads to the store without decoding them.
+The servicer implements the generated ``KvStoreServicer`` (a method renamed in the proto fails
+the type check here: ``@override``) and is registered by ``kvstore.server.handlers.register``.
+The Get and Put streams carry hand-written frames (``kvstore.frames``) that no protobuf
+serializer touches: Get serves blocks straight out of the arena slots it pinned, Put hands
+received payloads to the store without decoding them; both go through the data plane
+(``kvstore.server.dataplane``), as the raw data port does. Stats is built in
+``kvstore.server.stats``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from kvstore import __version__
-from kvstore.audit import AuditLog
-from kvstore.auth import Authenticator, Caller
-from kvstore.dataplane import BATCH_BLOCKS, DataPlane
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -43,13 +38,16 @@ from kvstore.errors import (
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
-from kvstore.metrics import Metrics
-from kvstore.models import ModelRegistry
-from kvstore.status import DETAIL_METADATA, status_of
+from kvstore.server.audit import AuditLog
+from kvstore.server.auth import Authenticator, Caller
+from kvstore.server.dataplane import BATCH_BLOCKS, DataPlane
+from kvstore.server.handlers import abort, register
+from kvstore.server.metrics import Metrics
+from kvstore.server.models import ModelRegistry
+from kvstore.server.stats import TokenCounts, stats_response
 from kvstore.store import Scope, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
-from tiers import TierUsage
 
 if TYPE_CHECKING:
     from typing_extensions import override
@@ -61,19 +59,10 @@ else:
 
 log = logging.getLogger(__name__)
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["KvStore"]
-SERVICE_NAME = _SERVICE.full_name
 TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME}
 PUT_BUFFER_BYTES = 32 << 20  # a Put stream's frames buffered before they go to the data plane
 
 R = TypeVar("R")
-
-
-def _abort(context: grpc.ServicerContext, error: KvStoreError) -> NoReturn:
-    code, detail = status_of(error)
-    context.set_trailing_metadata(((DETAIL_METADATA, detail),))
-    context.abort(grpc.StatusCode[code.name], str(error))
-    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
 class KvStoreService(pb_grpc.KvStoreServicer):
@@ -97,9 +86,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         self.addresses: list[str] = []  # set by the server once it listens (for Stats)
         self._started = time.monotonic()
         self._models = models or ModelRegistry()
-        self._tokens_lock = threading.Lock()
-        self._lookup_tokens: Counter[str] = Counter()  # per tenant: tokens asked for / found
-        self._hit_tokens: Counter[str] = Counter()
+        self._tokens = TokenCounts()
+        self._in_flight_lock = threading.Lock()
         self._max_in_flight = max_requests_per_tenant
         self._stream_timeout_s = stream_timeout_s
         self._in_flight: Counter[str] = Counter()  # per tenant
@@ -118,7 +106,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             with self._slot(caller.tenant) if slot else contextlib.nullcontext():
                 return body(caller)
         except KvStoreError as exc:
-            _abort(context, exc)
+            abort(context, exc)
         finally:
             if self.metrics is not None and method:
                 self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
@@ -127,7 +115,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     def _slot(self, tenant: str) -> Iterator[None]:
         """One of the tenant's ``max_requests_per_tenant`` in-flight places: the workers are
         shared, so one tenant's stalled calls must not take them all."""
-        with self._tokens_lock:
+        with self._in_flight_lock:
             if self._in_flight[tenant] >= self._max_in_flight:
                 raise ResourceExhausted(
                     f"tenant {tenant} has {self._max_in_flight} requests in flight already "
@@ -137,7 +125,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         try:
             yield
         finally:
-            with self._tokens_lock:
+            with self._in_flight_lock:
                 self._in_flight[tenant] -= 1
 
     def _audit(
@@ -187,9 +175,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     def record_hits(self, caller: Caller, fingerprint: bytes, asked: int, tiers: Sequence[str]) -> None:
         tpb = self._tokens_per_block(fingerprint)
         if tpb:
-            with self._tokens_lock:
-                self._lookup_tokens[caller.tenant] += asked * tpb
-                self._hit_tokens[caller.tenant] += len(tiers) * tpb
+            self._tokens.add(caller.tenant, asked * tpb, len(tiers) * tpb)
         if self.metrics is not None:
             self.metrics.record_lookup(caller.tenant, len(tiers), asked - len(tiers), tiers, tpb)
 
@@ -296,63 +282,10 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     @override
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         def body(caller: Caller) -> pb.StatsResponse:
-            stats = self.store.stats()
-            if caller.admin:
-                counters = dict(stats.counters)
-                tenant_bytes = dict(stats.namespace_bytes)
-                blocks = stats.blocks
-                tiers = [_tier_stats(u, u.used_bytes, u.blocks, u.stored_bytes) for u in stats.tiers]
-            else:
-                # A tenant sees its own figures only: how full the tiers are with other tenants'
-                # blocks is theirs to know, not its.
-                counters = dict(stats.namespace_counters.get(caller.namespace, {}))
-                tenant_bytes = {caller.namespace: stats.namespace_bytes.get(caller.namespace, 0)}
-                own = self.store.tier_usage_of(caller.namespace)
-                tiers = [_tier_stats(u, own[u.name][1], own[u.name][0], own[u.name][1]) for u in stats.tiers]
-            usage = self.store.fingerprint_usage(None if caller.admin else caller.namespace)
-            if not caller.admin:
-                blocks = sum(n for n, _ in usage.values())
-            return pb.StatsResponse(
-                tiers=tiers,
-                counters={k: v for k, v in counters.items() if v >= 0},
-                tenant_bytes=tenant_bytes,
-                absent_tiers=list(stats.absent_tiers),
-                blocks=blocks,
-                leases=stats.leases,
-                tenant=caller.tenant,
-                version=__version__,
-                uptime_s=time.monotonic() - self._started,
-                addresses=self.addresses,
-                **self._token_figures(caller),
-                fingerprints=self._fingerprint_stats(usage),
-            )
+            uptime_s = time.monotonic() - self._started
+            return stats_response(self.store, caller, self._models, self._tokens, uptime_s, self.addresses)
 
         return self._serve("Stats", context, body)
-
-    def _token_figures(self, caller: Caller) -> dict[str, int]:
-        with self._tokens_lock:
-            if caller.admin:
-                return {"lookup_tokens": self._lookup_tokens.total(), "hit_tokens": self._hit_tokens.total()}
-            return {
-                "lookup_tokens": self._lookup_tokens[caller.tenant],
-                "hit_tokens": self._hit_tokens[caller.tenant],
-            }
-
-    def _fingerprint_stats(self, usage: Mapping[Fingerprint, tuple[int, int]]) -> list[pb.FingerprintStats]:
-        out = []
-        for fingerprint, (blocks, nbytes) in sorted(usage.items()):
-            identity = self._models.get(fingerprint)
-            out.append(
-                pb.FingerprintStats(
-                    fingerprint=fingerprint,
-                    model_id=identity.model_id if identity else "",
-                    blocks=blocks,
-                    bytes=nbytes,
-                    tp_rank=identity.tp_rank if identity else 0,
-                    tp_world_size=identity.tp_world_size if identity else 0,
-                )
-            )
-        return out
 
     @override
     def ServerInfo(
@@ -471,7 +404,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         try:
             slot.__enter__()  # the whole stream holds one: a slow reader keeps its worker
         except KvStoreError as exc:
-            _abort(context, exc)
+            abort(context, exc)
         watchdog = self._watchdog(context)
         try:
             yield from self._get(caller, request, context)
@@ -488,7 +421,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             for frames in self.plane.read(caller, scope, [BlockKey(k) for k in request.keys], encode_frame):
                 yield from frames
         except KvStoreError as exc:
-            _abort(context, exc)
+            abort(context, exc)
         finally:
             if self.metrics is not None:
                 seconds = time.perf_counter() - start_s
@@ -544,79 +477,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
         return self._serve("Put", context, body)
 
-    # ----------------------------------------------------------------- registration
-
     def add_to(self, server: grpc.Server) -> None:
-        """Register every RPC on ``server``: the generated handlers, changed by ``_tuned``."""
-        registrar = _Registrar(server)
-        pb_grpc.add_KvStoreServicer_to_server(self, registrar)
-        if not registrar.registered:
-            raise RuntimeError("add_KvStoreServicer_to_server registered no method handlers")
-
-
-class _Registrar:
-    """The server the generated ``add_KvStoreServicer_to_server`` registers on: it hands the
-    real one the generated handlers changed by ``_tuned``, as generic and as registered method
-    handlers, as the generated code itself does."""
-
-    def __init__(self, server: grpc.Server) -> None:
-        self._server = server
-        self.registered = False
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # built from the same handlers as the call below, which registers both kinds
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        tuned = {method: _tuned(method, handler) for method, handler in handlers.items()}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tuned),))
-        self._server.add_registered_method_handlers(service, tuned)
-        self.registered = True
-
-
-def _tuned(method: str, handler: Any) -> Any:
-    """A generated handler changed where the generated code cannot say what we need: streams of
-    ``BlockFrame`` carry frames encoded and decoded by hand (``kvstore.frames``: no protobuf
-    serializer copies block payloads), and a request that does not parse is refused as
-    INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
-    declared = _SERVICE.methods_by_name[method]
-    changes: dict[str, Any] = {}
-    if declared.output_type is pb.BlockFrame.DESCRIPTOR:
-        changes["response_serializer"] = None  # Get yields frames already encoded
-    if declared.input_type is pb.BlockFrame.DESCRIPTOR:
-        changes["request_deserializer"] = None  # Put decodes its frames itself
-    elif not handler.request_streaming:
-        behaviour = "unary_stream" if handler.response_streaming else "unary_unary"
-        changes["request_deserializer"] = _parser(method, handler.request_deserializer)
-        changes[behaviour] = _refuse_malformed(getattr(handler, behaviour))
-    return handler._replace(**changes)
-
-
-class _Malformed:
-    """Stands in for a request protobuf could not parse, so that it is refused."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _parser(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def tolerant(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except DecodeError as exc:
-            return _Malformed(f"malformed {method} request: {exc}")
-
-    return tolerant
-
-
-def _refuse_malformed(
-    fn: Callable[[Any, grpc.ServicerContext], R],
-) -> Callable[[Any, grpc.ServicerContext], R]:
-    def handle(request: Any, context: grpc.ServicerContext) -> R:
-        if isinstance(request, _Malformed):
-            _abort(context, InvalidArgument(request.reason))
-        return fn(request, context)
-
-    return handle
+        """Register every RPC on ``server`` (``kvstore.server.handlers``)."""
+        register(self, server)
 
 
 def _target_namespace(caller: Caller, tenant: str, verb: str) -> str | None:
@@ -627,17 +490,6 @@ def _target_namespace(caller: Caller, tenant: str, verb: str) -> str | None:
     if tenant == "*":
         return None
     return Caller(tenant or caller.tenant, False).namespace
-
-
-def _tier_stats(usage: TierUsage, used_bytes: int, blocks: int, stored_bytes: int) -> pb.TierStats:
-    return pb.TierStats(
-        name=usage.name,
-        capacity_bytes=usage.capacity_bytes,
-        used_bytes=used_bytes,
-        blocks=blocks,
-        checksum_failures=usage.checksum_failures,
-        stored_bytes=stored_bytes,
-    )
 
 
 def _fill(view: memoryview, payload: memoryview) -> None:

@@ -52,7 +52,7 @@ from kvstore.store.model import (
 )
 from kvstore.store.parts import StoreParts, translated
 from kvstore.store.rebuild import rebuild
-from kvstore.write_behind import WriteBehind
+from kvstore.store.write_behind import WriteBehind
 from tiers import BytesLike, InPlaceTier, Tier, TierError
 
 log = logging.getLogger("kvstore.store")
