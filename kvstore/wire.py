@@ -10,7 +10,7 @@ Framing (little-endian), one request at a time per connection:
                      u64 lease id
     release  client: u8 5, u64 lease id                                       server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
-             server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme), u64 lease id
+             server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme, 4 remote), u64 lease id
     get      client: u8 1, fingerprint[32], u32 n, n x key[32]
              server: status; per block of the present prefix: u64 size + bytes; u64 END; status
     put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
@@ -37,7 +37,7 @@ from kvstore.status import error_for, status_of
 MAGIC = b"KVD1"
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Resolve", OP_RELEASE: "Release"}
-TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3}  # the Tier enum of the proto
+TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3, "remote": 4}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1  # the size that ends a get's blocks
 IDLE_S = 600.0  # the server closes a connection idle between requests longer than this

@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HBM: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_NVME: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
+TIER_REMOTE: Tier
 
 class ModelIdentity(_message.Message):
     __slots__ = ("model_id", "weights_digest", "num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "kv_dtype", "kv_quantization", "memory_layout", "adapter_id", "adapter_digest", "tokenizer_digest", "chat_template_version", "rope_theta", "rope_scaling", "tp_rank", "tp_world_size")

@@ -4,6 +4,7 @@ stored, bounded, and a full queue drops instead of blocking a put."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.store import StoreConfig, TieredStore, tier_key
@@ -17,9 +18,9 @@ def test_a_full_queue_drops_and_never_blocks() -> None:
     gate = threading.Event()
     copied: list[int] = []
 
-    def slow_copy(item: int) -> None:
+    def slow_copy(items: Sequence[int]) -> None:
         gate.wait(10)
-        copied.append(item)
+        copied.extend(items)
 
     wb: WriteBehind[int] = WriteBehind(slow_copy, max_bytes=3 * 100)
     try:
@@ -28,6 +29,26 @@ def test_a_full_queue_drops_and_never_blocks() -> None:
         gate.set()
         assert wb.drain(10)
         assert copied == [i for i, ok in enumerate(accepted) if ok]
+    finally:
+        gate.set()
+        wb.close()
+
+
+def test_batches_take_what_is_queued_up_to_the_batch_size() -> None:
+    gate = threading.Event()
+    batches: list[list[int]] = []
+
+    def copy(items: Sequence[int]) -> None:
+        gate.wait(10)
+        batches.append(list(items))
+
+    wb: WriteBehind[int] = WriteBehind(copy, max_bytes=100 * 10, batch=4)
+    try:
+        assert all(wb.offer(i, 10) for i in range(10))  # 0 is taken alone, 1..9 wait
+        gate.set()
+        assert wb.drain(10)
+        assert [x for b in batches for x in b] == list(range(10))  # in order, each once
+        assert max(len(b) for b in batches) == 4 and len(batches) <= 4
     finally:
         gate.set()
         wb.close()

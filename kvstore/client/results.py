@@ -11,7 +11,7 @@ from typing import Any
 
 from proto import kvstore_pb2 as pb
 
-TIER_NAME = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme"}
+TIER_NAME = {pb.TIER_HBM: "hbm", pb.TIER_DRAM: "dram", pb.TIER_NVME: "nvme", pb.TIER_REMOTE: "remote"}
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 from kvstore.errors import FailedPrecondition
 from kvstore.server.config import CODECS, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
+from kvstore.store.model import shared_key_name
 from tiers import Tier, TierError, TierKey, TierUnavailable
 from tiers.cipher import BlockCipher
 from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom
+from tiers.remote import RemoteTier
 from tiers.throttle import Throttled
 
 log = logging.getLogger(__name__)
@@ -155,6 +158,56 @@ def _salvage(arena_name: str, nvme: Tier | None) -> None:
         )
 
 
+def build_remote(settings: Settings) -> RemoteTier | None:
+    """The fleet's shared tier under the local ones (``[remote]``), or None when there is none.
+    Nothing is contacted here: a shared store that is down at start reads as misses."""
+    r = settings.remote
+    if not r.backend:
+        return None
+    if not r.nodes:
+        raise FailedPrecondition(f"remote.backend = {r.backend} needs remote.nodes (host:port, ...)")
+    try:
+        if r.backend == "redis":
+            from tiers.redis_cluster import RedisClusterTier, RedisConfig
+
+            password = _secret(r.password_file, "remote.password_file") if r.password_file else ""
+            return RedisClusterTier(
+                RedisConfig(
+                    nodes=r.nodes,
+                    username=r.username,
+                    password=password,
+                    key_prefix=r.key_prefix.encode(),
+                    timeout_s=r.timeout_s,
+                    ttl_s=r.ttl_s,
+                    backoff_s=r.backoff_s,
+                    max_backoff_s=r.max_backoff_s,
+                    key_name=shared_key_name,
+                )
+            )
+        from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+        from kvstore.tls import ClientTls
+
+        tls = ClientTls(ca_file=r.tls_ca_file) if r.tls_ca_file else None
+        return KvStoreNodesTier(
+            NodesConfig(r.nodes, dict(r.tokens), r.timeout_s, r.backoff_s, r.max_backoff_s, tls)
+        )
+    except ValueError as exc:
+        raise FailedPrecondition(f"[remote]: {exc}") from None
+
+
+def _secret(path: str, setting: str) -> str:
+    """The one line of a secret file only its owner can read (a readable one is a leak)."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as exc:
+        raise FailedPrecondition(f"{setting} {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise FailedPrecondition(f"{setting} {path} is readable by group or others: chmod 600 it")
+    return text
+
+
 def open_store(settings: Settings) -> TieredStore:
     """A store over the configured tiers; the persistent ones are indexed from disk. The data
     folder stays locked until the store closes."""
@@ -165,7 +218,15 @@ def open_store(settings: Settings) -> TieredStore:
         data_dir.close()
         raise
     try:
-        return TieredStore(tiers, settings.store, absent_tiers=absent, on_close=data_dir.close)
+        remote = build_remote(settings)
+        return TieredStore(
+            tiers,
+            settings.store,
+            absent_tiers=absent,
+            on_close=data_dir.close,
+            remote=remote,
+            remote_queue_bytes=settings.remote.queue_bytes,
+        )
     except BaseException:
         for tier in tiers:
             with contextlib.suppress(Exception):

@@ -9,6 +9,7 @@ section below; an unknown section or field is an error, never silently ignored.
     [nvme]    NvmeSettings (LMDB folder, size, durability) KVSTORE_NVME_DURABILITY=durable
     [hbm]     HbmSettings (GPU pool; off unless enabled)   KVSTORE_HBM_ENABLED=true
     [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
+    [remote]  RemoteSettings (the fleet's shared tier)      KVSTORE_REMOTE_BACKEND=redis
     data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
 
 Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``); durations (fields
@@ -84,6 +85,22 @@ class HbmSettings:
 
 
 @dataclass(frozen=True)
+class RemoteSettings:
+    backend: Literal["", "kvstore", "redis"] = ""  # the fleet's shared tier; "": none
+    nodes: tuple[str, ...] = ()  # host:port of the shared kvstore servers, or of Redis Cluster nodes
+    timeout_s: float = 1.0  # every remote call; a node past it reads as misses and backs off
+    backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
+    max_backoff_s: float = 30.0
+    queue_bytes: int = 256 * MiB  # new blocks waiting to be sent (write-behind); beyond: dropped, counted
+    tokens: Mapping[str, str] = field(default_factory=dict)  # kvstore: namespace (t/<tenant>) -> token
+    tls_ca_file: str = ""  # kvstore: PEM CA to verify nodes that serve TLS
+    key_prefix: str = "kvs:"  # redis: every key starts with it
+    username: str = ""  # redis: an ACL user (limit it to ~<key_prefix><namespace>* per tenant)
+    password_file: str = ""  # redis: a file holding its password (mode 0600)
+    ttl_s: float = 0.0  # redis: expiry of each remote copy; 0 = none
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     socket_path: str = ""  # default: <data_dir>/kvstore.sock, mode 0600
     tcp_address: str = ""  # host:port for the shared store; empty: no TCP listener
@@ -118,6 +135,7 @@ class Settings:
     nvme: NvmeSettings = field(default_factory=NvmeSettings)
     hbm: HbmSettings = field(default_factory=HbmSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
 
     @property
     def nvme_path(self) -> Path:
@@ -131,7 +149,7 @@ class Settings:
 
 
 CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_BYTEPLANE}
-_SECTIONS = ("store", "dram", "nvme", "hbm", "server")
+_SECTIONS = ("store", "dram", "nvme", "hbm", "server", "remote")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _DURATIONS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}

@@ -59,7 +59,7 @@ else:
 
 log = logging.getLogger(__name__)
 
-TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME}
+TIER_ENUM = {"hbm": pb.TIER_HBM, "dram": pb.TIER_DRAM, "nvme": pb.TIER_NVME, "remote": pb.TIER_REMOTE}
 PUT_BUFFER_BYTES = 32 << 20  # a Put stream's frames buffered before they go to the data plane
 
 R = TypeVar("R")

@@ -37,9 +37,9 @@ from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.leases import Lease, LeaseTable
 from kvstore.store.arena import ArenaCalls
+from kvstore.store.behind import PersistBehind
 from kvstore.store.model import (
     Block,
-    BlockId,
     LookupResult,
     Reservation,
     Resolved,
@@ -52,10 +52,12 @@ from kvstore.store.model import (
 )
 from kvstore.store.parts import StoreParts, translated
 from kvstore.store.rebuild import rebuild
-from kvstore.store.write_behind import WriteBehind
-from tiers import BytesLike, InPlaceTier, Tier, TierError
+from kvstore.store.remote import RemoteCalls
+from tiers import BytesLike, InPlaceTier, Tier
+from tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore.store")
+REMOTE = "remote"  # the tier name lookups report for blocks found only in the remote tier
 
 
 class TieredStore:
@@ -70,6 +72,8 @@ class TieredStore:
         absent_tiers: Sequence[str] = (),
         on_close: Callable[[], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        remote: RemoteTier | None = None,
+        remote_queue_bytes: int = 256 << 20,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -82,9 +86,14 @@ class TieredStore:
         self._closed = False
         rebuild(self._p)
         self._persistent_index = next((t for t, p in enumerate(self._p.persistent) if p), None)
-        self._write_behind: WriteBehind[BlockId] | None = None
+        self._write_behind: PersistBehind | None = None
         if self.config.write_behind and not self.config.write_through and self._persistent_index is not None:
-            self._write_behind = WriteBehind(self._copy_behind, self.config.write_behind_max_bytes)
+            self._write_behind = PersistBehind(
+                self._p, self._persistent_index, self.config.write_behind_max_bytes, lambda: self._closed
+            )
+        self._remote = (
+            None if remote is None else RemoteCalls(remote, self._p, self._put_local, remote_queue_bytes)
+        )
 
     @property
     def leases(self) -> LeaseTable[Block]:
@@ -115,7 +124,10 @@ class TieredStore:
             if pin_ttl_s is not None and hits:
                 p.expire()  # a lookup that pins must not let expired pins pile up
                 lease = p.pins.grant(hits, pin_ttl_s, owner)
-            return LookupResult(len(hits), tuple(tiers), lease)
+        # Past the local prefix, the fleet's remote tier (outside the lock; it is not pinned:
+        # a restore that finds a block gone there gets a shorter prefix)
+        more = self._remote.more(scope, keys[len(hits) :]) if self._remote is not None else 0
+        return LookupResult(len(hits) + more, (*tiers, *(REMOTE,) * more), lease)
 
     def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
         check_keys(keys)
@@ -139,6 +151,8 @@ class TieredStore:
         check_keys(keys)
         if len(keys) != len(outs):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} buffers")
+        if self._remote is not None:  # remote blocks continuing the local prefix come here first
+            self._remote.read_through(scope, keys)
         plan: list[tuple[Block, int] | None] = []
         with p.locked():
             scope = p.index.intern(scope)
@@ -188,6 +202,8 @@ class TieredStore:
 
     def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Convenience for scripts and tests: each block's bytes, or None for a miss."""
+        if self._remote is not None:
+            self._remote.read_through(scope, keys)
         out: list[bytes | None] = []
         for key in keys:
             with self._p.locked():
@@ -207,6 +223,28 @@ class TieredStore:
         blocks: Sequence[BytesLike],
         parent: BlockKey | None = None,
         first_depth: int | None = None,
+    ) -> int:
+        return self._put(scope, keys, blocks, parent, first_depth, to_remote=True)
+
+    def _put_local(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[BytesLike],
+        parent: BlockKey | None,
+        depth: int,
+    ) -> int:
+        """A chain read through from the remote tier: stored here, not sent back there."""
+        return self._put(scope, keys, blocks, parent, depth, to_remote=False)
+
+    def _put(
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[BytesLike],
+        parent: BlockKey | None,
+        first_depth: int | None,
+        to_remote: bool,
     ) -> int:
         """Store a chain of blocks; ``keys[i-1]`` (or ``parent`` for i=0) is each one's parent.
 
@@ -232,16 +270,15 @@ class TieredStore:
                     # released; a new copy under the same key waits until then.
                     p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
                 else:
-                    self._put_one(
-                        new_block(self.config, scope, key, len(data), prev, depth), data, stored, len(keys)
-                    )
+                    block = new_block(self.config, scope, key, len(data), prev, depth)
+                    self._put_one(block, data, stored, len(keys), to_remote)
                     stored += 1
                     p.count(scope, "put_blocks")
                 prev = key
                 depth += 1
         return stored
 
-    def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int) -> None:
+    def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int, to_remote: bool) -> None:
         p = self._p
         # Hold the parent while the child finds room: evicting it now would make the child
         # unreachable dead weight.
@@ -264,15 +301,19 @@ class TieredStore:
             )
         p.index.admit(block)
         p.eviction.touch(block)
-        self._stored_new(block, data)
+        self._stored_new(block, data, to_remote)
 
-    def _stored_new(self, block: Block, data: BytesLike) -> None:
-        """A new block is in the index (under the lock): write-through or write-behind."""
+    def _stored_new(self, block: Block, data: BytesLike, to_remote: bool = True) -> None:
+        """A new block is in the index (under the lock): write-through or write-behind, and
+        write-behind to the remote tier unless it came from there."""
         if self.config.write_through:
             for t, persistent in enumerate(self._p.persistent):
                 if persistent and t not in block.tiers:
                     self._p.placement.place(block, data, lowest=t, highest=t)
-        self._behind(block)
+        if self._write_behind is not None:
+            self._write_behind.offer(block)
+        if self._remote is not None and to_remote:
+            self._remote.offer(block)
 
     def delete(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         """Remove blocks; pinned ones vanish now and are freed on their last release."""
@@ -287,7 +328,9 @@ class TieredStore:
                     p.pins.doom(block)
                     removed += 1
             p.counters["deleted_blocks"] += removed
-            return removed
+        if self._remote is not None:
+            self._remote.forget(scope, keys)
+        return removed
 
     def invalidate(self, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
         """Remove every block of a namespace, of a fingerprint, of both, or (neither) everything."""
@@ -307,7 +350,12 @@ class TieredStore:
                 namespace or "*",
                 fingerprint.hex() if fingerprint else "*",
             )
-            return len(victims)
+            known = {b.scope.namespace for b in p.index.pool(None)} if namespace is None else set()
+        if self._remote is not None:
+            self._remote.forget_namespace(
+                namespace, fingerprint, known | {b.scope.namespace for b in victims}
+            )
+        return len(victims)
 
     def demote(self, tier: str, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
         """Move every unpinned block of ``tier`` (of a namespace, a fingerprint, both, or all)
@@ -365,6 +413,8 @@ class TieredStore:
     def resolve(
         self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
     ) -> Resolved:
+        if self._remote is not None:  # remote blocks continuing the local prefix come here first
+            self._remote.read_through(scope, keys)
         return self._arena.resolve(scope, keys, ttl_s, owner)
 
     def reserve(
@@ -389,9 +439,13 @@ class TieredStore:
     def stats(self) -> StoreStats:
         p = self._p
         with p.locked():
+            counters = dict(p.counters)
+            if self._remote is not None:  # the backend's own figures, as remote_<what>
+                usage = self._remote.usage()
+                counters.update({f"remote_{k}": v for k, v in vars(usage).items() if isinstance(v, int)})
             return StoreStats(
                 tiers=tuple(tier.usage() for tier in p.tiers),
-                counters=dict(p.counters),
+                counters=counters,
                 namespace_bytes=dict(p.index.namespace_bytes),
                 namespace_counters={ns: dict(c) for ns, c in p.namespace_counters.items()},
                 blocks=p.index.live_count(),
@@ -432,6 +486,8 @@ class TieredStore:
         """Spill volatile-only blocks to the persistent tier (``persist_on_close``), then close."""
         if self._write_behind is not None:
             self._write_behind.close()  # before the lock: its thread takes it for every block
+        if self._remote is not None:
+            self._remote.close()  # likewise: what is queued for the remote goes first (bounded)
         with self._p.locked():
             if self._closed:
                 return
@@ -450,48 +506,3 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- write-behind
-
-    def _behind(self, block: Block) -> None:
-        """Queue a new block for the write-behind copy (under the lock; never blocks)."""
-        wb, t = self._write_behind, self._persistent_index
-        if wb is None or t is None or t in block.tiers:
-            return
-        if wb.offer(block.ident, block.size_bytes):
-            self._p.counters["write_behind_queued_blocks"] += 1
-        else:
-            self._p.counters["write_behind_dropped_blocks"] += 1
-
-    def _copy_behind(self, ident: BlockId) -> None:
-        """The write-behind thread's step: copy one block to the persistent tier, held for the
-        copy, which runs outside the lock (the tier's put may wait for its writer)."""
-        p, t = self._p, self._persistent_index
-        assert t is not None
-        with p.locked():
-            block = p.index.visible(ident)
-            if (
-                self._closed
-                or block is None
-                or t in block.tiers
-                or not p.placement.make_room(t, block.size_bytes)
-            ):
-                return
-            view = p.placement.bytes_of(block, block.fastest)
-            if view is None:
-                return
-            p.pins.hold(block)  # its slot stays put (and allocated) until the copy is done
-        copied = False
-        try:
-            p.tiers[t].put(block.tkey, view, block.scope.fingerprint, block.meta)
-            copied = True
-        except TierError as exc:  # full after all, or closing: the block stays volatile
-            log.debug("write-behind of a %d B block: %s", block.size_bytes, exc)
-        finally:
-            with p.locked():
-                if copied and block.doomed:
-                    p.tiers[t].delete(block.tkey)  # deleted while copying: the copy goes too
-                elif copied:
-                    p.placement.added(block, t)
-                    p.counters["write_behind_blocks"] += 1
-                p.pins.unhold(block)

@@ -58,6 +58,22 @@ def namespace_of_tier_key(raw: bytes) -> str:
     return bytes(raw[1 : 1 + raw[0]]).decode(errors="replace") if raw else ""
 
 
+_PLAIN = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-")
+
+
+def shared_key_name(raw: bytes) -> bytes:
+    """A tier key, or the start of one that ends with its namespace, as a shared store names it:
+    the namespace percent-encoded (letters, digits and ``/._-`` stay), ``:``, then the rest. A
+    namespace never contains an unescaped ``:``, so ``t/tenant-a:`` begins the keys of that
+    namespace alone: what an invalidation scans for, and what a Redis ACL pattern can confine a
+    tenant to (``~kvs:t/tenant-a:*``)."""
+    if not raw:
+        return b""
+    n = raw[0]
+    name = b"".join(bytes([c]) if c in _PLAIN else b"%%%02X" % c for c in raw[1 : 1 + n])
+    return name + b":" + bytes(raw[1 + n :])
+
+
 def parse_tier_key(raw: bytes) -> BlockId | None:
     """The block id encoded in a tier key, or None for a key the store did not write."""
     if not raw:

@@ -12,9 +12,11 @@ Contract:
     drain(timeout_s) -> bool           wait until everything offered so far was handled
     close()                            stop the thread after the queue is empty (or abandoned)
 
-``copy(item)`` runs on the thread, one item at a time, outside any lock of the caller's; it
-must not raise for an ordinary failure (a block deleted meanwhile, a full tier): it decides and
-counts. An exception is logged and the item dropped, so one bad block cannot stop the thread.
+``copy(items)`` runs on the thread, outside any lock of the caller's, with up to ``batch``
+items queued at once (oldest first: a batch lets a remote tier send many blocks in one round
+trip); it must not raise for an ordinary failure (a block deleted meanwhile, a full tier): it
+decides and counts. An exception is logged and the batch dropped, so one bad block cannot stop
+the thread.
 
 Thread-safe: ``offer`` from any thread.
 """
@@ -25,7 +27,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -34,10 +36,19 @@ T = TypeVar("T")
 
 
 class WriteBehind(Generic[T]):
-    def __init__(self, copy: Callable[[T], None], max_bytes: int, name: str = "kvstore-write-behind") -> None:
+    def __init__(
+        self,
+        copy: Callable[[Sequence[T]], None],
+        max_bytes: int,
+        name: str = "kvstore-write-behind",
+        batch: int = 1,
+    ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
         self._copy = copy
+        self._batch = batch
         self._max_bytes = max_bytes
         self._queue: collections.deque[tuple[T, int]] = collections.deque()
         self._queued_bytes = 0
@@ -88,14 +99,14 @@ class WriteBehind(Generic[T]):
                     self._cond.wait()
                 if self._closing and not self._queue:
                     return
-                item, size_bytes = self._queue.popleft()
+                taken = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
                 self._busy = True
             try:
-                self._copy(item)
+                self._copy([item for item, _ in taken])
             except Exception:  # one bad block must not stop every later copy
-                log.exception("write-behind copy failed; the block stays only in its volatile tier")
+                log.exception("write-behind copy failed; the blocks stay only where they are")
             finally:
                 with self._cond:
-                    self._queued_bytes -= size_bytes
+                    self._queued_bytes -= sum(size for _, size in taken)
                     self._busy = False
                     self._cond.notify_all()

@@ -1,0 +1,166 @@
+"""The store's remote tier (``tiers/remote.py``): a store the whole fleet shares, under the
+local tiers. Every remote call runs outside the store lock, bounded by the backend's timeout,
+and a failing remote reads as misses: a dead shared store costs recomputation, never an error.
+
+Calls (from the facade):
+    more(scope, keys)        -> how many leading ``keys`` the remote holds (asked after the local
+                                prefix ends; ``lookup`` reports them as tier ``remote``)
+    read_through(scope, keys)
+                             before a restore: fetch the remote blocks that continue the local
+                                prefix and store them locally (``put``, into the first tier
+                                with room, as any new block), so the restore reads them like
+                                any other; they are not written back to the remote
+    offer(block)             under the lock: queue a new local block for the remote
+                                (write-behind, bounded by ``max_queue_bytes``: a full queue drops
+                                and counts, never blocks a put or the engine)
+    forget(scope, keys) / forget_namespace(namespace, fingerprint)
+                             deletion and invalidation reach the remote too
+    close()                  drain the queue (bounded), stop its thread, close the backend
+
+Counters: ``remote_lookup_hit_blocks``, ``remote_filled_blocks``, ``remote_queued_blocks``,
+``remote_dropped_blocks`` (queue full), ``remote_stored_blocks``; the backend's own figures are
+in ``usage()``.
+
+Remote copies carry no pin: a block a lookup reported as ``remote`` may be gone when the restore
+asks for it, and the restore then gets a shorter prefix (and recomputes the rest), as a
+client's contract already allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+from kvstore.errors import StoreFull
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.model import Block, BlockId, Scope, tier_key
+from kvstore.store.parts import StoreParts
+from kvstore.store.write_behind import WriteBehind
+from tiers import BytesLike
+from tiers.remote import RemoteBlock, RemoteTier, RemoteUsage
+
+log = logging.getLogger("kvstore.store")
+
+Put = Callable[[Scope, Sequence[BlockKey], Sequence[BytesLike], BlockKey | None, int], int]
+
+
+class RemoteCalls:
+    def __init__(self, remote: RemoteTier, parts: StoreParts, put: Put, max_queue_bytes: int) -> None:
+        self.tier = remote
+        self._p = parts
+        self._put = put  # the store's put, not written back to the remote
+        self._queue: WriteBehind[BlockId] = WriteBehind(
+            self._copy, max_queue_bytes, name="kvstore-remote-behind"
+        )
+
+    def more(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
+        if not keys:
+            return 0
+        present = self.tier.contains([tier_key(scope, k) for k in keys])
+        n = _leading(present)
+        if n:
+            with self._p.locked():
+                self._p.count(scope, "remote_lookup_hit_blocks", n)
+        return n
+
+    def read_through(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
+        """Before a restore: the remote blocks that continue the local prefix of ``keys`` are
+        stored here (none when there is no local room for them: the restore gets the local
+        prefix). Returns how many."""
+        p = self._p
+        with p.locked():
+            scope = p.index.intern(scope)
+            local = 0
+            while local < len(keys) and p.index.visible((scope, keys[local])) is not None:
+                local += 1
+        try:
+            return self.fill(scope, keys, local)
+        except StoreFull as exc:
+            log.debug("read-through from the remote tier: %s", exc)
+            return 0
+
+    def fill(self, scope: Scope, keys: Sequence[BlockKey], start: int) -> int:
+        """Store locally the remote blocks continuing the local prefix ``keys[:start]``."""
+        rest = keys[start:]
+        if not rest:
+            return 0
+        payloads = self.tier.get_many([tier_key(scope, k) for k in rest], scope.fingerprint)
+        n = _leading([b is not None for b in payloads])
+        if not n:
+            return 0
+        blocks = [b for b in payloads[:n] if b is not None]
+        parent = keys[start - 1] if start else None
+        stored = self._put(scope, rest[:n], blocks, parent, start)
+        with self._p.locked():
+            self._p.count(scope, "remote_filled_blocks", stored)
+        return stored
+
+    def offer(self, block: Block) -> None:
+        """Queue a new block for the remote (under the lock; never blocks)."""
+        if self._queue.offer(block.ident, block.size_bytes):
+            self._p.counters["remote_queued_blocks"] += 1
+        else:
+            self._p.counters["remote_dropped_blocks"] += 1
+
+    def forget(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
+        return self.tier.delete_many([tier_key(scope, k) for k in keys]) if keys else 0
+
+    def forget_namespace(
+        self, namespace: str | None, fingerprint: Fingerprint | None, known: Iterable[str]
+    ) -> int:
+        """Invalidation: a namespace (all of it, or one fingerprint in it), one fingerprint in
+        every namespace (those in ``known``: a remote key begins with its namespace), or, with
+        neither, everything under this store's remote keys."""
+        if namespace is None and fingerprint is None:
+            return self.tier.delete_matching(b"")
+        namespaces = [namespace] if namespace is not None else sorted(known)
+        return sum(self.tier.delete_matching(_prefix(ns) + (fingerprint or b"")) for ns in namespaces)
+
+    def usage(self) -> RemoteUsage:
+        return self.tier.usage()
+
+    def drain(self, timeout_s: float) -> bool:
+        return self._queue.drain(timeout_s)
+
+    def close(self) -> None:
+        self._queue.close()
+        self.tier.close()
+
+    def _copy(self, idents: Sequence[BlockId]) -> None:
+        """The queue's thread: send a batch of new blocks, each held for the send."""
+        p = self._p
+        held: list[tuple[Block, memoryview]] = []
+        with p.locked():
+            for ident in idents:
+                block = p.index.visible(ident)
+                if block is None:
+                    continue  # deleted or evicted meanwhile: nothing to send
+                view = p.placement.bytes_of(block, block.fastest)
+                if view is not None:
+                    p.pins.hold(block)
+                    held.append((block, view))
+        try:
+            stored = self.tier.put_many(
+                [RemoteBlock(block.tkey, block.scope.fingerprint, view) for block, view in held]
+            )
+        finally:
+            with p.locked():
+                for block, _ in held:
+                    p.pins.unhold(block)
+        with p.locked():
+            p.counters["remote_stored_blocks"] += stored
+
+
+def _prefix(namespace: str) -> bytes:
+    """How the tier keys of a namespace begin (``kvstore.store.model.tier_key``)."""
+    ns = namespace.encode()
+    return bytes([len(ns)]) + ns
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

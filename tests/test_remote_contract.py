@@ -1,0 +1,223 @@
+"""The remote tier contract (``tiers/remote.py``), run on every backend against the real thing:
+a three-master Redis Cluster started on 127.0.0.1 for the module."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from benchmarks.redis_cluster import RedisClusterProcess
+from kvstore.store.model import shared_key_name
+from tiers import TierKey
+from tiers.redis_cluster import RedisClusterTier, RedisConfig
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, frame, unframe
+
+FP = bytes(range(32))
+OTHER_FP = bytes(reversed(range(32)))
+
+
+def key(namespace: str, n: int) -> TierKey:
+    """A key shaped as the store's: namespace length, namespace, fingerprint, block key."""
+    ns = namespace.encode()
+    return TierKey(bytes([len(ns)]) + ns + FP + n.to_bytes(32, "big"))
+
+
+def block(k: TierKey, size: int = 4096) -> RemoteBlock:
+    return RemoteBlock(k, FP, os.urandom(size))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterProcess]:
+    with RedisClusterProcess(masters=3) as c:
+        yield c
+
+
+@pytest.fixture
+def make_tier(cluster: RedisClusterProcess) -> Iterator[Callable[..., RemoteTier]]:
+    made: list[RemoteTier] = []
+    prefix = f"t{time.monotonic_ns()}:".encode()  # each test its own keys on the shared cluster
+
+    def make(**overrides: object) -> RemoteTier:
+        overrides.setdefault("key_name", shared_key_name)  # as the builder configures it
+        config = RedisConfig(nodes=cluster.nodes, key_prefix=prefix, **overrides)  # type: ignore[arg-type]
+        tier = RedisClusterTier(config)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+def test_frames_round_trip_and_refuse_what_is_not_an_intact_block() -> None:
+    b = block(key("a", 1))
+    value = frame(b)
+    assert unframe(value, FP) == bytes(b.payload)
+    assert unframe(value, OTHER_FP) is None  # another model's block is never served
+    assert unframe(value[:-1], FP) is None  # torn
+    flipped = bytearray(value)
+    flipped[-1] ^= 1
+    assert unframe(bytes(flipped), FP) is None  # checksum
+    assert unframe(b"\xff\xff junk", FP) is None  # a header that lies about its size
+    assert unframe(b"", FP) is None
+
+
+def test_put_then_contains_and_get_many_in_order(make_tier: Callable[..., RemoteTier]) -> None:
+    tier = make_tier()
+    blocks = [block(key("a", i), size=1000 + i) for i in range(40)]
+    # put 40 blocks -> all stored; they spread over the three masters
+    assert tier.put_many(blocks) == 40
+    absent = key("a", 999)
+    asked = [blocks[3].key, absent, blocks[39].key, blocks[0].key]
+    assert tier.contains(asked) == [True, False, True, True]
+    got = tier.get_many(asked, FP)
+    assert got == [bytes(blocks[3].payload), None, bytes(blocks[39].payload), bytes(blocks[0].payload)]
+    usage = tier.usage()
+    assert (usage.gets, usage.hits, usage.puts, usage.failures) == (4, 3, 40, 0)
+
+
+def test_a_corrupt_or_foreign_value_is_a_counted_miss_and_deleted(
+    make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess
+) -> None:
+    tier = make_tier()
+    good, bad = block(key("a", 1)), block(key("a", 2))
+    assert tier.put_many([good, bad]) == 2
+    raw = redis.cluster.RedisCluster(host="127.0.0.1", port=int(cluster.nodes[0].rsplit(":", 1)[1]))
+    try:
+        redis_key = tier._key(bad.key)  # type: ignore[attr-defined]
+        value = bytearray(raw.get(redis_key))
+        value[-5] ^= 0xFF  # a flipped bit on the medium
+        raw.set(redis_key, bytes(value))
+        assert tier.get_many([good.key, bad.key], FP) == [bytes(good.payload), None]
+        assert tier.usage().checksum_failures == 1
+        assert raw.exists(redis_key) == 0  # deleted, not served again
+        # asked under another fingerprint: a miss, never the other model's bytes
+        assert tier.get_many([good.key], OTHER_FP) == [None]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["shared-names", "raw-keys"])
+def test_delete_many_and_delete_matching_reach_only_their_keys(
+    make_tier: Callable[..., RemoteTier], named: bool
+) -> None:
+    tier = make_tier() if named else make_tier(key_name=None)
+    # namespaces whose bytes are Redis glob characters must match only themselves
+    a = [block(key("t*", i)) for i in range(30)]
+    b = [block(key("t?", i)) for i in range(30)]
+    c = [block(key("t", i)) for i in range(5)]
+    assert tier.put_many(a + b + c) == 65
+    assert tier.delete_many([a[0].key, a[0].key, key("t*", 500)]) == 1
+    # invalidate namespace "t*" -> its 29 remaining blocks go, "t?" and "t" stay
+    prefix = bytes([2]) + b"t*"
+    assert tier.delete_matching(prefix) == 29
+    assert tier.contains([x.key for x in a]) == [False] * 30
+    assert tier.contains([x.key for x in b + c]) == [True] * 35
+
+
+def test_shared_names_keep_namespaces_apart_and_plain() -> None:
+    a, ab = key("t/a", 1), key("t/a:b", 1)
+    assert shared_key_name(a).startswith(b"t/a:") and shared_key_name(ab).startswith(b"t/a%3Ab:")
+    assert not shared_key_name(ab).startswith(shared_key_name(a)[:4])  # no namespace begins another's
+    assert shared_key_name(a)[4:] == FP + (1).to_bytes(32, "big")
+
+
+def test_ttl_expires_remote_copies(make_tier: Callable[..., RemoteTier]) -> None:
+    tier = make_tier(ttl_s=1.0)
+    b = block(key("a", 1))
+    assert tier.put_many([b]) == 1
+    assert tier.contains([b.key]) == [True]
+    deadline = time.monotonic() + 5
+    while tier.contains([b.key]) == [True] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tier.contains([b.key]) == [False]
+
+
+def test_a_tenant_user_cannot_read_another_tenants_keys(
+    make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess
+) -> None:
+    admin = make_tier()
+    prefix = admin.config.key_prefix  # type: ignore[attr-defined]
+    theirs = block(key("t/tenant-b", 1))
+    assert admin.put_many([theirs]) == 1
+    pattern = prefix + b"t/tenant-a:*"  # the README's pattern: the namespace in plain text
+    for node in cluster.nodes:  # ACLs are per node in a cluster
+        host, _, port = node.rpartition(":")
+        with redis.Redis(host=host, port=int(port)) as r:
+            r.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw-a", b"~" + pattern, "+@all")
+    mine = make_tier(username="tenant-a", password="pw-a")
+    own = block(key("t/tenant-a", 1))
+    assert mine.put_many([own]) == 1
+    assert mine.get_many([own.key], FP) == [bytes(own.payload)]
+    # tenant-b's block, asked by tenant-a's user: refused by the cluster, so a miss
+    assert mine.get_many([theirs.key], FP) == [None]
+    assert mine.put_many([block(key("t/tenant-b", 2))]) == 0
+    # a namespace that merely begins like tenant-a's is not tenant-a's
+    assert mine.put_many([block(key("t/tenant-ab", 1))]) == 0
+    assert mine.usage().failures >= 1
+
+
+def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
+    make_tier: Callable[..., RemoteTier],
+) -> None:
+    with RedisClusterProcess(masters=3) as doomed:
+        tier = RedisClusterTier(RedisConfig(nodes=doomed.nodes, timeout_s=0.5, backoff_s=30.0))
+        try:
+            b = block(key("a", 1))
+            assert tier.put_many([b]) == 1
+            doomed.stop_all()
+            started = time.monotonic()
+            assert tier.get_many([b.key], FP) == [None]  # one bounded failure
+            first_s = time.monotonic() - started
+            started = time.monotonic()
+            for _ in range(100):  # then backoff: nothing is tried, nothing waits
+                assert tier.contains([b.key]) == [False]
+                assert tier.put_many([b]) == 0
+            assert time.monotonic() - started < first_s + 0.5
+            usage = tier.usage()
+            assert usage.failures == 1
+            assert usage.nodes_down == 1
+        finally:
+            tier.close()
+
+
+def test_a_cluster_that_is_down_at_start_is_not_an_error() -> None:
+    tier = RedisClusterTier(RedisConfig(nodes=("127.0.0.1:1",), timeout_s=0.2))
+    try:
+        assert tier.contains([key("a", 1)]) == [False]
+        assert tier.get_many([key("a", 1)], FP) == [None]
+        assert tier.put_many([block(key("a", 1))]) == 0
+        assert tier.usage().failures == 1  # the rest were skipped by the backoff
+    finally:
+        tier.close()
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
+    backoff = Backoff(base_s=0.05, max_s=0.2)
+    assert backoff.ready()
+    waits = []
+    for _ in range(4):
+        backoff.failed()
+        assert not backoff.ready()
+        started = time.monotonic()
+        while not backoff.ready():
+            time.sleep(0.005)
+        waits.append(time.monotonic() - started)
+    assert waits[0] < waits[1] < waits[2]  # 0.05, 0.1, 0.2
+    assert waits[3] < 0.3  # capped at 0.2
+    backoff.failed()
+    backoff.succeeded()
+    assert backoff.ready()
+
+
+def test_config_refuses_what_cannot_work() -> None:
+    with pytest.raises(ValueError, match="at least one node"):
+        RedisConfig(nodes=())
+    with pytest.raises(ValueError, match="host:port"):
+        RedisConfig(nodes=("localhost",))
+    with pytest.raises(ValueError, match="timeout_s"):
+        RedisConfig(nodes=("127.0.0.1:7000",), timeout_s=0)

@@ -1,0 +1,253 @@
+"""The ``redis`` remote tier: blocks in a Redis Cluster (or Valkey) the user already runs.
+
+Keys are ``key_prefix`` + ``key_name(tier key)``: the store passes a name that begins with the
+tenant namespace in plain text (``kvs:t/tenant-a:<fingerprint and key bytes>``), so a Redis ACL
+user limited to ``~kvs:t/tenant-a:*`` confines a tenant's sidecar to its own blocks; without a
+``key_name`` the tier key's bytes are used as they are. Values are ``tiers.remote.frame`` output: header, then
+payload. A batch is one redis-py cluster pipeline: the client groups its commands by the node
+owning each key's slot and sends every node its share before reading any reply, so a batch
+costs one round trip per node, the nodes in parallel. ``ttl_s`` > 0 sets an expiry on every
+put (the store's retention for the remote copy).
+
+Failure (see ``tiers.remote``): a cluster that cannot be reached or answers an error makes the
+batch read as misses (or writes dropped), counted, and the whole cluster is skipped for the
+backoff; the client connects lazily and is rebuilt after a failure, so a sidecar starts, and
+serves from its local tiers, while the cluster is down. Each socket operation is bounded by
+``timeout_s``.
+
+``delete_matching`` scans every primary (SCAN MATCH, the prefix's glob characters escaped) and
+deletes in pipelined batches: invalidation is rare and may take a while on a big cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisClusterException, RedisError
+
+from tiers.base import TierKey
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, unframe
+
+log = logging.getLogger(__name__)
+
+_FAILURES = (RedisError, RedisClusterException, OSError)  # what redis-py raises for a failed call
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+_DELETE_BATCH = 512
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    nodes: tuple[str, ...]  # "host:port" of one or more cluster nodes, to discover the rest
+    username: str = ""
+    password: str = ""
+    key_prefix: bytes = b"kvs:"
+    timeout_s: float = 1.0
+    ttl_s: float = 0.0  # 0: keys never expire
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    key_name: Callable[[bytes], bytes] | None = None  # tier key (or a prefix of one) -> its name
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("the redis tier needs at least one node (host:port)")
+        for node in self.nodes:
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"a redis node is host:port, got {node!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+class RedisClusterTier(RemoteTier):
+    name = "redis"
+
+    def __init__(self, config: RedisConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._client: Any = None  # redis.cluster.RedisCluster, built on first use
+        self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
+        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0}
+        self._closed = False
+
+    # ----------------------------------------------------------------- the contract
+
+    def contains(self, keys: Sequence[TierKey]) -> list[bool]:
+        replies = self._pipelined([("EXISTS", self._key(k)) for k in keys])
+        return [False] * len(keys) if replies is None else [bool(r) for r in replies]
+
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[bytes | None]:
+        self._count("gets", len(keys))
+        replies = self._pipelined([("GET", self._key(k)) for k in keys])
+        if replies is None:
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        corrupt: list[TierKey] = []
+        for key, value in zip(keys, replies, strict=True):
+            payload = unframe(value, fingerprint) if isinstance(value, bytes) else None
+            if payload is None and isinstance(value, bytes):
+                corrupt.append(key)
+            out.append(payload)
+        if corrupt:
+            log.warning("redis tier: %d blocks failed their header check; deleted", len(corrupt))
+            self._count("checksum_failures", len(corrupt))
+            self.delete_many(corrupt)
+        self._count("hits", sum(p is not None for p in out))
+        return out
+
+    def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
+        ex = {"ex": max(1, round(self.config.ttl_s))} if self.config.ttl_s > 0 else {}
+        commands = [("SET", self._key(b.key), frame(b), ex) for b in blocks]
+        replies = self._pipelined(commands)
+        stored = 0 if replies is None else sum(r is True for r in replies)
+        self._count("puts", stored)
+        return stored
+
+    def delete_many(self, keys: Sequence[TierKey]) -> int:
+        replies = self._pipelined([("DELETE", self._key(k)) for k in keys])
+        return 0 if replies is None else sum(int(r) for r in replies if isinstance(r, int))
+
+    def delete_matching(self, prefix: bytes) -> int:
+        client = self._connected()
+        if client is None:
+            return 0
+        pattern = _escape(self._key(prefix)) + b"*"
+        removed = 0
+        try:
+            batch: list[bytes] = []
+            for key in client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= _DELETE_BATCH:
+                    removed += self._delete_raw(client, batch)
+                    batch = []
+            if batch:
+                removed += self._delete_raw(client, batch)
+        except _FAILURES as exc:
+            self._failed(exc)
+        return removed
+
+    def usage(self) -> RemoteUsage:
+        with self._lock:
+            counts = dict(self._counts)
+        return RemoteUsage(
+            self.name, nodes=len(self.config.nodes), nodes_down=int(not self._backoff.ready()), **counts
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _key(self, key: bytes) -> bytes:
+        name = self.config.key_name
+        return self.config.key_prefix + (name(key) if name is not None else key)
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _connected(self) -> Any:
+        """The cluster client, built on first use; None while the cluster is in backoff."""
+        if not self._backoff.ready():
+            return None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the redis tier is closed")
+            if self._client is not None:
+                return self._client
+        try:
+            client = _build_client(self.config)
+        except _FAILURES as exc:
+            self._failed(exc)
+            return None
+        with self._lock:
+            if self._client is None:
+                self._client = client
+                return client
+        client.close()  # another thread built one meanwhile
+        return self._client
+
+    def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+        """The replies of one pipelined batch, or None when the cluster failed it."""
+        if not commands:
+            return []
+        client = self._connected()
+        if client is None:
+            return None
+        try:
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                verb, key, *rest = command
+                if verb == "EXISTS":
+                    pipe.exists(key)
+                elif verb == "GET":
+                    pipe.get(key)
+                elif verb == "SET":
+                    value, options = rest
+                    pipe.set(key, value, **options)
+                else:
+                    pipe.delete(key)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        except _FAILURES as exc:
+            self._failed(exc)
+            return None
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            self._failed(errors[0])
+            return [None if isinstance(r, Exception) else r for r in replies]
+        self._backoff.succeeded()
+        return replies
+
+    def _delete_raw(self, client: Any, keys: list[bytes]) -> int:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(key)
+        return sum(int(r) for r in pipe.execute(raise_on_error=False) if isinstance(r, int))
+
+    def _failed(self, exc: BaseException) -> None:
+        """Count it, back off, and drop the client: the next try rebuilds it (the topology
+        may have changed, or every connection in it may be dead)."""
+        log.warning("redis tier: %s: %s; backing off", type(exc).__name__, exc)
+        self._count("failures", 1)
+        self._backoff.failed()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except _FAILURES:  # closing a broken client may fail too; it is gone either way
+                log.debug("redis tier: closing the failed client failed", exc_info=True)
+
+
+def _build_client(config: RedisConfig) -> Any:
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    nodes = [ClusterNode(host, int(port)) for host, _, port in (n.rpartition(":") for n in config.nodes)]
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=config.username or None,
+        password=config.password or None,
+        socket_timeout=config.timeout_s,
+        socket_connect_timeout=config.timeout_s,
+        retry=Retry(NoBackoff(), 0),  # our own backoff decides when to try again
+        require_full_coverage=False,
+    )
+
+
+def _escape(pattern: bytes) -> bytes:
+    """``pattern`` with Redis glob characters escaped, to match itself only."""
+    out = bytearray()
+    for byte in pattern:
+        if byte in _GLOB_SPECIAL:
+            out.append(ord("\\"))
+        out.append(byte)
+    return bytes(out)

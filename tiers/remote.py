@@ -1,0 +1,149 @@
+"""The remote tier's contract: a store shared by many sidecars, under each one's local tiers.
+
+A local tier holds only what its own store put there, so the store indexes it in memory. A
+remote tier is written by every sidecar of the fleet: no sidecar can index it, so the store asks
+it, in batches, what it holds. Its calls therefore take many keys at once, and each backend
+answers a batch in one round trip per node it spans (pipelined, nodes in parallel).
+
+Calls (keys are ``TierKey``s: the store's keys, which carry the tenant namespace and the model
+fingerprint, so two tenants' blocks never share a remote key):
+
+    contains(keys)          -> per key, whether it is held (no payload moves)
+    get_many(keys)          -> per key, the payload (its header checked), or None for a miss
+    put_many(blocks)        -> how many of ``blocks`` (RemoteBlock) were stored
+    delete_many(keys)       -> how many were present
+    delete_matching(prefix) -> how many keys starting with ``prefix`` were removed: the store's
+                               invalidation of a namespace, or of one fingerprint in it
+    usage()                 -> RemoteUsage: counters of what the tier saw
+    close()
+
+Failure: a remote tier is a cache, and the engine can always recompute. An unreachable node, a
+timeout (every call is bounded by the backend's ``timeout_s``) or a refused call is never raised
+from ``contains``/``get_many``: that node's keys read as misses, the failure is counted, and the
+node is left alone for a backoff (doubling up to a cap) so that a dead store costs one timeout,
+not one per request. Writes to it are dropped and counted. Only programming errors raise.
+
+Integrity: every value on the medium is a ``BlockHeader`` (fingerprint, length, xxh3-64 of the
+payload) framed before the payload (``frame``/``unframe``). A read whose header does not parse,
+names another fingerprint, or whose checksum fails is a miss: the value is deleted and counted
+in ``usage().checksum_failures``.
+
+Threads: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from tiers.base import BlockHeader, BytesLike, Codec, TierKey, check_fingerprint, check_key
+
+_HEADER_LEN = struct.Struct("<H")
+
+
+@dataclass(frozen=True)
+class RemoteBlock:
+    """One block to store remotely: its key, the fingerprint it belongs to, its bytes."""
+
+    key: TierKey
+    fingerprint: bytes
+    payload: BytesLike
+
+
+@dataclass(frozen=True)
+class RemoteUsage:
+    name: str
+    gets: int = 0  # keys asked for by get_many
+    hits: int = 0  # of them, served
+    puts: int = 0  # blocks stored
+    failures: int = 0  # calls (or a node's share of one) that failed: timeouts, refusals
+    checksum_failures: int = 0
+    nodes: int = 0
+    nodes_down: int = 0  # nodes in backoff now
+
+
+class RemoteTier(ABC):
+    """A tier many sidecars share. See the module docstring for the contract."""
+
+    name = "remote"
+
+    @abstractmethod
+    def contains(self, keys: Sequence[TierKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[bytes | None]:
+        """Each key's payload, or None; a value stored under another ``fingerprint`` is a miss."""
+
+    @abstractmethod
+    def put_many(self, blocks: Sequence[RemoteBlock]) -> int: ...
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[TierKey]) -> int: ...
+
+    @abstractmethod
+    def delete_matching(self, prefix: bytes) -> int: ...
+
+    @abstractmethod
+    def usage(self) -> RemoteUsage: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Backoff:
+    """When a node may be tried again: after a failure it is skipped for ``base_s``, doubling
+    with each failure in a row up to ``max_s``; a success resets it. Thread-safe."""
+
+    def __init__(self, base_s: float, max_s: float) -> None:
+        self._base_s = base_s
+        self._max_s = max_s
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._until = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._until
+
+    def failed(self) -> None:
+        with self._lock:
+            self._failures += 1
+            wait_s = min(self._max_s, self._base_s * 2 ** (self._failures - 1))
+            self._until = time.monotonic() + wait_s
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._until = 0.0
+
+
+def frame(block: RemoteBlock) -> bytes:
+    """The value stored for ``block``: u16 header length, the header, the payload."""
+    check_key(block.key)
+    check_fingerprint(block.fingerprint)
+    payload = bytes(block.payload)
+    n = len(payload)
+    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, xxhash.xxh3_64_intdigest(payload)).pack()
+    return _HEADER_LEN.pack(len(header)) + header + payload
+
+
+def unframe(value: BytesLike, fingerprint: bytes) -> bytes | None:
+    """The payload of a stored value, or None when it is not a whole, intact block of
+    ``fingerprint`` (the caller deletes it and counts a checksum failure)."""
+    view = memoryview(value)
+    if len(view) < _HEADER_LEN.size:
+        return None
+    (header_len,) = _HEADER_LEN.unpack_from(view)
+    start = _HEADER_LEN.size + header_len
+    header = BlockHeader.unpack(view[_HEADER_LEN.size : start]) if start <= len(view) else None
+    if header is None or header.fingerprint != fingerprint or header.codec is not Codec.NONE:
+        return None
+    payload = view[start:]
+    if len(payload) != header.stored_len or xxhash.xxh3_64_intdigest(payload) != header.checksum:
+        return None
+    return bytes(payload)
