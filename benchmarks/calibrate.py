@@ -6,7 +6,9 @@ On the real model and hardware:
   fixed + per_token * s + per_token_context * s^2 / 2 (``engine_plugin.calibration.fit_prefill``);
 - each tier's restore cost as the connector sees it: same-host restores of 1 and of many blocks
   of the model's block size through a private ``kvstore serve`` (blocks found in `nvme` right after
-  a restart, then in `dram`), fitted to latency + bytes / bandwidth.
+  a restart, then in `dram`), fitted to latency + bytes / bandwidth;
+- the remote tier's, the same way: blocks held only by a shared kvstore server, restored through
+  a sidecar whose ``[remote]`` tier is that server (each restore reads them through first).
 
 The file is what ``kv_connector_extra_config["calibration"]`` loads; the connector keeps the tier
 figures current online from the restores it performs.
@@ -24,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, machine_info, print_results
-from benchmarks.service import bench_server
+from benchmarks.service import TOKEN, bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
-from engine_plugin.cost_model import TierCost
+from kvstore.cost_model import TierCost
 
 SEED_TOKENS = 3
 BLOCK_SIZE = 32  # tokens per block of the engine the benchmarks start
@@ -121,6 +123,50 @@ def measure_tiers(
     return costs
 
 
+def measure_remote(block_bytes: int, many: int, reps: int) -> TierCost:
+    """Same-host restore cost of blocks only the fleet's remote tier holds: written to a shared
+    kvstore server, restored through a sidecar over it (read through into its arena, then
+    copied out), each group once, as a replica meets a prefix another one computed."""
+    from kvstore.client import connect
+    from kvstore.keys import Fingerprint, block_keys
+
+    fp = Fingerprint(b"\xcb" * 32)
+    arena = max(4 * many * block_bytes, 64 << 20) + (64 << 20)
+    shared = bench_server(arena_bytes=arena)
+    timings: dict[int, list[float]] = {}
+    try:
+        # the sidecar's Unix callers are tenant "local"; its remote files them under the
+        # shared server's tenant of the bench token, where the blocks below are written
+        remote = {
+            "remote.backend": "kvstore",
+            "remote.nodes": shared.tcp,
+            "remote.tokens": f"t/local={TOKEN}",
+        }
+        sidecar = bench_server(arena_bytes=arena, settings=remote)
+        try:
+            groups = []
+            for rep in range(reps):
+                for count in (1, many):
+                    first = rep * 100_000 + count * 1000
+                    groups.append(block_keys(fp, list(range(first, first + count)), 1))
+            with connect(shared.tcp, token=TOKEN) as kv:
+                for keys in groups:
+                    kv.put(fp, keys, [np.random.default_rng(len(keys)).bytes(block_bytes) for _ in keys])
+            with connect(sidecar.unix) as kv:
+                outs = [memoryview(bytearray(block_bytes)) for _ in range(many)]
+                for keys in groups:
+                    start = time.perf_counter()
+                    if kv.read_into(fp, keys, outs[: len(keys)]) != len(keys):
+                        raise RuntimeError("remote calibration blocks went missing")
+                    timings.setdefault(len(keys) * block_bytes, []).append(time.perf_counter() - start)
+        finally:
+            sidecar.stop()
+    finally:
+        shared.stop()
+    sizes = sorted(timings)
+    return _fit_line(sizes, [statistics.median(timings[s]) for s in sizes])
+
+
 def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
     from benchmarks.tiny_model import build_tiny_llama
 
@@ -138,6 +184,7 @@ def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
     # Enough blocks that the large restore moves at least 32 MiB: bandwidth, not latency, shows.
     many = max(16, (32 << 20) // block_bytes)
     tiers = measure_tiers(block_bytes, many=many, reps=2 if quick else 4)
+    tiers["remote"] = measure_remote(block_bytes, many=many, reps=2 if quick else 4)
     calibration = Calibration(tiers, prefill, points)
     calibration.save(
         out_path, {"model": str(model_dir), "block_bytes": block_bytes, "machine": machine_info()}
@@ -159,7 +206,8 @@ def run_calibrate(model: str | None, out_path: str, quick: bool) -> int:
                 f"{name} restore bandwidth",
                 cost.bandwidth_bytes_per_s / 1e9,
                 "GB/s",
-                note=f"latency {cost.latency_s * 1e3:.2f} ms, same-host, {block_bytes} B blocks",
+                note=f"latency {cost.latency_s * 1e3:.2f} ms, same-host, {block_bytes} B blocks"
+                + (" held by a shared kvstore server" if name == "remote" else ""),
             )
         )
     print_results(f"kvstore bench calibrate -> {out_path}", rows)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_plugin.cost_model import PrefillModel, TierCost
+from kvstore.cost_model import PrefillModel, TierCost
 
 FORMAT_VERSION = 1
 MIN_FIT_POINTS = 8

@@ -17,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine_plugin.cost_model import Plan
 from engine_plugin.vllm_stats import KvstoreConnectorStats
+from kvstore.cost_model import Plan
 
 # Under vLLM's logger tree, so that decisions show up in the engine's own log at its level.
 log = logging.getLogger(f"vllm.{__name__}")

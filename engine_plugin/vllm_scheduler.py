@@ -38,7 +38,7 @@ not counted.
 Saves: each step, the prompt's full blocks computed by the end of the step that kvstore does not
 hold yet (neither vLLM's own nor hits) go into the metadata once, for the worker to save.
 
-The plan (``engine_plugin.cost_model.plan_restore``) uses the calibration's current costs
+The plan (``kvstore.cost_model.plan_restore``) uses the calibration's current costs
 (re-read when its file changes; updated from the workers' ``ObservedWork``), unless the
 policy — the connector's, or a request's ``kv_transfer_params["kvstore_policy"]`` — forces
 ``restore`` or ``recompute``. Tensor parallel: a block is usable only when every rank holds its
@@ -54,12 +54,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from engine_plugin.calibration import Calibration
-from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
 from engine_plugin.sidecar import SidecarLink, load_deadline_s, lookup_deadline_s, save_deadline_s
 from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client
+from kvstore.cost_model import PrefillModel, TierCost, plan_restore
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 
 if TYPE_CHECKING:
@@ -76,12 +76,13 @@ DEFAULT_TIERS = {
     "hbm": TierCost(50e9, 0.0001),
     "dram": TierCost(5e9, 0.0005),
     "nvme": TierCost(1e9, 0.001),
+    "remote": TierCost(0.5e9, 0.002),  # the fleet's shared tier: another host, read through
 }
 DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 
 Policy = Literal["auto", "restore", "recompute"]
-_TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2}
+_TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2, "remote": 3}
 
 
 def parse_policy(value: object) -> Policy:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_plugin.calibration import Calibration, fit_prefill
-from engine_plugin.cost_model import PrefillModel, TierCost, plan_restore
+from kvstore.cost_model import PrefillModel, TierCost, plan_restore
 
 MB = 1_000_000
 PREFILL = PrefillModel(fixed_s=0.005, per_token_s=0.0004, per_token_context_s=1e-8)  # ~2.5k tok/s
@@ -191,3 +191,19 @@ def test_online_prefill_fit_keeps_the_calibrated_shapes(tmp_path: Path) -> None:
     fitted = cal.snapshot().prefill
     assert fitted.seconds(2048, 64) == pytest.approx(slower.seconds(2048, 64), rel=0.15)
     assert truth.seconds(0, 3072) * 0.8 <= fitted.seconds(0, 3072) <= slower.seconds(0, 3072) * 1.2
+
+
+@pytest.mark.parametrize(
+    ("remote_mb_per_s", "restored"),
+    [(200, 3), (2_000, 8)],  # 10 ms a block vs ~6.5 ms of prefill a block; then 1 ms a block
+    ids=["slow-remote-recomputed", "fast-remote-restored"],
+)
+def test_local_and_remote_parts_are_restored_only_where_each_pays(
+    remote_mb_per_s: int, restored: int
+) -> None:
+    # 3 blocks in this replica's dram, then 5 that only the fleet's remote tier holds
+    costs = {**FAST, "remote": TierCost(remote_mb_per_s * MB, 0.002)}
+    hits = ["dram"] * 3 + ["remote"] * 5
+    plan = plan_restore(hits, BLOCK_BYTES, TPB, 4000, costs, PREFILL)
+    assert plan.restore_blocks == restored
+    assert math.isclose(plan.predicted_ttft_s, brute_force(hits, 4000, costs))

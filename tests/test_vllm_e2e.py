@@ -132,7 +132,7 @@ def test_the_prefill_curve_is_learned_online(
     models: tuple[Path, Path], sidecar: RunningServer, tmp_path: Path
 ) -> None:
     from engine_plugin.calibration import Calibration
-    from engine_plugin.cost_model import PrefillModel, TierCost
+    from kvstore.cost_model import PrefillModel, TierCost
 
     # A calibration that is wrong by four orders of magnitude: one second per prompt token.
     path = tmp_path / "wrong.json"
@@ -346,7 +346,7 @@ def test_calibrate_writes_a_file_the_connector_loads(models: tuple[Path, Path], 
     out = tmp_path / "calibration.json"
     assert run_calibrate(model=str(models[0]), out_path=str(out), quick=True) == 0
     snap = Calibration.load(out).snapshot()
-    assert set(snap.tiers) == {"dram", "nvme"}
+    assert set(snap.tiers) == {"dram", "nvme", "remote"}  # remote: through a shared server
     assert all(cost.bandwidth_bytes_per_s > 0 and cost.latency_s >= 0 for cost in snap.tiers.values())
     assert snap.prefill.seconds(0, 2048) > snap.prefill.seconds(0, 128) > 0
     engine = Engine(models[0], "unix:///nonexistent.sock", calibration=str(out))  # loads it at start

@@ -19,11 +19,11 @@ pytest.importorskip("vllm", reason="the scheduler side builds vLLM's connector m
 
 from engine_plugin.breaker import CircuitBreaker
 from engine_plugin.calibration import Calibration
-from engine_plugin.cost_model import PrefillModel, TierCost
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide
 from engine_plugin.vllm_stats import KvstoreConnectorStats
 from kvstore.client import Lookup
+from kvstore.cost_model import PrefillModel, TierCost
 from kvstore.errors import Unavailable
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Scope, TieredStore

@@ -1,0 +1,138 @@
+"""Routing policies: which replica of a fleet serves a prompt, from what each policy knows.
+
+    RoundRobin            nothing: the next replica in turn (the baseline that computes every
+                          popular prefix up to N times)
+    ConsistentHash        the prompt's prefix key on a ring of virtual nodes: one replica per
+                          prefix, whatever its load
+    BoundedRendezvous     the prefix key's rendezvous order, skipping replicas at the load bound
+                          ceil(slack * (in flight + 1) / N) (consistent hashing with bounded
+                          loads): a prefix sticks to its replica until that replica is busy
+    CostAware             for each replica under the same bound, the predicted time to first
+                          token of this prompt there: restoring what that replica can reach of
+                          the prefix (its own tiers, or the fleet's remote tier), priced per
+                          tier by the connector's cost model, plus computing the rest, plus a
+                          queue penalty per request in flight; the lowest wins, ties by the
+                          rendezvous order
+
+``choose(request, loads)`` returns ``Choice(replica, first)``: the index chosen, and the one the
+policy would have chosen with no load at all (the first-choice fraction is how often they agree).
+``loads[i]`` is replica i's requests in flight. Policies hold no per-request state and are safe
+to share between threads (RoundRobin's turn is taken under a lock).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvstore.cost_model import PrefillModel, TierCost, plan_restore
+from kvstore.remote.rendezvous import Rendezvous
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    prefix_key: bytes  # what identifies the prompt's shared head (its first blocks' key)
+    prompt_tokens: int = 0
+    hits: Sequence[tuple[str, ...]] = field(default_factory=tuple)  # per replica: tier of each hit block
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: int
+    first: int  # the policy's choice had every replica been idle
+
+
+class RoundRobin:
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self._n = len(replicas)
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+        with self._lock:
+            i = next(self._turn) % self._n
+        return Choice(i, i)
+
+
+class ConsistentHash:
+    def __init__(self, replicas: Sequence[str], points_per_replica: int = 100) -> None:
+        ring = sorted(
+            (xxhash.xxh3_64_intdigest(f"{name}#{v}".encode()), i)
+            for i, name in enumerate(replicas)
+            for v in range(points_per_replica)
+        )
+        self._points = [p for p, _ in ring]
+        self._owners = [i for _, i in ring]
+
+    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+        at = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(request.prefix_key)) % len(self._points)
+        return Choice(self._owners[at], self._owners[at])
+
+
+def load_bound(loads: Sequence[int], slack: float) -> int:
+    """The most requests one replica may hold with one more routed: ceil(slack * (L + 1) / N)."""
+    return math.ceil(slack * (sum(loads) + 1) / len(loads))
+
+
+class BoundedRendezvous:
+    def __init__(self, replicas: Sequence[str], slack: float = 1.25) -> None:
+        if slack < 1.0:
+            raise ValueError(f"slack must be at least 1, got {slack}")
+        self._ring = Rendezvous(replicas)
+        self.slack = slack
+
+    def order(self, request: RouteRequest) -> list[int]:
+        return self._ring.owners(request.prefix_key, len(self._ring.nodes))
+
+    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+        order = self.order(request)
+        bound = load_bound(loads, self.slack)
+        chosen = next(i for i in order if loads[i] < bound)  # some replica is always under it
+        return Choice(chosen, order[0])
+
+
+class CostAware:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        tiers: Mapping[str, TierCost],
+        prefill: PrefillModel,
+        block_bytes: int,
+        tokens_per_block: int,
+        queue_penalty_s: float,
+        slack: float = 1.25,
+    ) -> None:
+        self._rendezvous = BoundedRendezvous(replicas, slack)
+        self._tiers = dict(tiers)
+        self._prefill = prefill
+        self._block_bytes = block_bytes
+        self._tokens_per_block = tokens_per_block
+        self.queue_penalty_s = queue_penalty_s
+
+    def predicted_s(self, request: RouteRequest, replica: int, load: int) -> float:
+        hits = request.hits[replica] if replica < len(request.hits) else ()
+        known = tuple(itertools.takewhile(lambda t: t in self._tiers, hits))
+        plan = plan_restore(
+            known,
+            self._block_bytes,
+            self._tokens_per_block,
+            request.prompt_tokens,
+            self._tiers,
+            self._prefill,
+        )
+        return plan.predicted_ttft_s + self.queue_penalty_s * load
+
+    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+        order = self._rendezvous.order(request)
+        rank = {replica: position for position, replica in enumerate(order)}
+        idle = min(order, key=lambda i: (self.predicted_s(request, i, 0), rank[i]))
+        bound = load_bound(loads, self._rendezvous.slack)
+        under = [i for i in order if loads[i] < bound]
+        chosen = min(under, key=lambda i: (self.predicted_s(request, i, loads[i]), rank[i]))
+        return Choice(chosen, idle)

@@ -1,0 +1,166 @@
+"""Routing policies and the router (``kvstore/routing``): the policies on simulated loads and
+hits, the router over two real sidecars whose answers steer the cost-aware policy."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.client import connect
+from kvstore.cost_model import PrefillModel, TierCost
+from kvstore.routing import (
+    BoundedRendezvous,
+    ConsistentHash,
+    CostAware,
+    RoundRobin,
+    Router,
+    RouteRequest,
+    SidecarProbe,
+)
+from kvstore.routing.policies import load_bound
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
+from tests.service_fixtures import MODEL, settings_for
+
+REPLICAS = [f"replica-{i}" for i in range(4)]
+MB = 1_000_000
+TIERS = {
+    "dram": TierCost(5_000 * MB, 0.0002),
+    "nvme": TierCost(1_000 * MB, 0.001),
+    "remote": TierCost(500 * MB, 0.002),
+}
+PREFILL = PrefillModel(fixed_s=0.005, per_token_s=0.0004)
+BLOCK_BYTES, TPB = 2 * MB, 16
+
+
+def request(prefix: int, hits: list[tuple[str, ...]] | None = None, tokens: int = 2048) -> RouteRequest:
+    return RouteRequest(prefix.to_bytes(32, "big"), tokens, tuple(hits or ()))
+
+
+def cost_aware(queue_penalty_s: float = 0.05) -> CostAware:
+    return CostAware(REPLICAS, TIERS, PREFILL, BLOCK_BYTES, TPB, queue_penalty_s=queue_penalty_s)
+
+
+def test_round_robin_takes_turns() -> None:
+    policy = RoundRobin(REPLICAS)
+    assert [policy.choose(request(1), [0] * 4).replica for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_consistent_hashing_keeps_a_prefix_on_one_replica_and_spreads_prefixes() -> None:
+    policy = ConsistentHash(REPLICAS)
+    assert len({policy.choose(request(7), [9, 0, 0, 0]).replica for _ in range(5)}) == 1  # load ignored
+    spread = Counter(policy.choose(request(p), [0] * 4).replica for p in range(4000))
+    assert len(spread) == 4 and max(spread.values()) / min(spread.values()) < 1.6
+
+
+def test_the_load_bound_is_ceil_of_slack_times_load_plus_one_over_n() -> None:
+    assert load_bound([0, 0, 0, 0], 1.25) == 1
+    assert load_bound([3, 3, 2, 0], 1.25) == 3  # ceil(1.25 * 9 / 4)
+    with pytest.raises(ValueError, match="slack"):
+        BoundedRendezvous(REPLICAS, slack=0.9)
+
+
+def test_bounded_rendezvous_sticks_to_a_prefix_until_its_replica_is_busy() -> None:
+    policy = BoundedRendezvous(REPLICAS, slack=1.25)
+    idle = policy.choose(request(42), [0] * 4)
+    assert idle.replica == idle.first
+    # a flood of one prefix, none finishing: every replica stays within the bound
+    loads = [0] * 4
+    for _ in range(40):
+        choice = policy.choose(request(42), loads)
+        assert loads[choice.replica] < load_bound(loads, 1.25)
+        loads[choice.replica] += 1
+    assert max(loads) <= math.ceil(1.25 * sum(loads) / 4)  # max/mean within the slack (and its ceiling)
+    assert min(loads) > 0
+
+
+def test_cost_aware_goes_where_the_prefix_is_cheapest_to_restore() -> None:
+    policy = cost_aware()
+    # replica 2 holds 100 blocks in dram, replica 1 the same in nvme, the others nothing
+    hits = [(), ("nvme",) * 100, ("dram",) * 100, ()]
+    assert policy.choose(request(5, hits), [0] * 4).replica == 2
+    # replica 2 is busy: its queue costs more than reading nvme on replica 1
+    assert policy.choose(request(5, hits), [0, 0, 4, 0]).replica == 1
+    # blocks only the fleet's remote tier holds are reachable from every replica alike
+    remote = [("remote",) * 100] * 4
+    choice = policy.choose(request(5, remote), [0] * 4)
+    assert choice.replica == choice.first  # ties go by the rendezvous order
+
+
+def test_cost_aware_prefers_recompute_on_an_idle_replica_to_a_long_queue() -> None:
+    policy = cost_aware(queue_penalty_s=1.0)
+    hits = [("dram",) * 8, (), (), ()]  # a small prefix: 128 tokens saved
+    assert policy.choose(request(9, hits, tokens=512), [2, 0, 0, 0]).replica != 0
+
+
+def test_cost_aware_spreads_a_flood_within_the_bound() -> None:
+    policy = cost_aware(queue_penalty_s=0.0)  # the bound alone must spread it
+    hits = [("dram",) * 100, (), (), ()]
+    loads = [0] * 4
+    for _ in range(40):
+        choice = policy.choose(request(3, hits), loads)
+        assert loads[choice.replica] < load_bound(loads, 1.25)
+        loads[choice.replica] += 1
+    assert max(loads) <= math.ceil(1.25 * sum(loads) / 4)
+
+
+class Sidecar:
+    def __init__(self) -> None:
+        self.data_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+        self.server: RunningServer = start_server(
+            load_settings(env={}, overrides=settings_for(self.data_dir))
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_sidecars() -> Iterator[list[Sidecar]]:
+    made = [Sidecar(), Sidecar()]
+    yield made
+    for s in made:
+        s.close()
+
+
+def test_the_router_sends_a_prompt_to_the_replica_whose_sidecar_holds_it(two_sidecars: list[Sidecar]) -> None:
+    fp = MODEL.fingerprint()
+    tokens = list(range(1, 16 * 40 + 1))  # 40 blocks
+    names = ["a", "b"]
+    probe = SidecarProbe([s.server.unix_address for s in two_sidecars], timeout_s=1.0)
+    costs = {"dram": TierCost(5_000 * MB, 0.0002)}
+    policy = CostAware(names, costs, PREFILL, MODEL.block_bytes, MODEL.tokens_per_block, queue_penalty_s=0.01)
+    router = Router(names, policy, fp, MODEL.tokens_per_block, probe=probe)
+    try:
+        request, keys = router.request_for(tokens)
+        holder = 1 - BoundedRendezvous(names).order(request)[0]  # not the rendezvous favourite
+        with connect(two_sidecars[holder].server.unix_address) as kv:
+            kv.register(MODEL)
+            kv.write(fp, keys, [os.urandom(MODEL.block_bytes) for _ in keys])
+        with router.route(tokens) as routed:
+            assert routed.replica == holder and routed.cached_tokens == 40 * 16
+            assert router.stats().in_flight[holder] == 1
+        stats = router.stats()
+        assert stats.routed == 1 and stats.first_choice == 1 and stats.in_flight == (0, 0)
+        # a prompt nobody holds goes by the rendezvous order, and counts no cached tokens
+        other = list(range(5000, 5000 + 16 * 40))
+        with router.route(other) as routed:
+            assert routed.cached_tokens == 0
+            assert routed.replica == BoundedRendezvous(names).order(router.request_for(other)[0])[0]
+    finally:
+        probe.close()
+
+
+def test_a_sidecar_that_cannot_answer_counts_as_holding_nothing() -> None:
+    probe = SidecarProbe(["unix:///nonexistent/kvstore.sock"], timeout_s=0.2)
+    try:
+        assert probe.hits(MODEL.fingerprint(), [bytes(32)]) == [()]
+    finally:
+        probe.close()
