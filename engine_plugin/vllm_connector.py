@@ -71,10 +71,11 @@ from engine_plugin.calibration import Calibration
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_identity import identity_from_vllm
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata
-from engine_plugin.vllm_scheduler import DEFAULT_PREFILL, DEFAULT_TIERS, Policy, SchedulerSide, parse_policy
+from engine_plugin.vllm_scheduler import Policy, SchedulerSide, parse_policy
 from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics
 from engine_plugin.vllm_worker import WorkerSide
 from kvstore.client import Client, connect
+from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.tls import ClientTls
 
 try:

@@ -59,7 +59,7 @@ from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client
-from kvstore.cost_model import PrefillModel, TierCost, plan_restore
+from kvstore.cost_model import DEFAULT_TIERS, PrefillModel, plan_restore
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 
 if TYPE_CHECKING:
@@ -71,18 +71,10 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so that warnings show up in the engine's own log at its level.
 log = logging.getLogger(f"vllm.{__name__}")
 
-# Used until a calibration file says otherwise: restoring from dram beats recomputing.
-DEFAULT_TIERS = {
-    "hbm": TierCost(50e9, 0.0001),
-    "dram": TierCost(5e9, 0.0005),
-    "nvme": TierCost(1e9, 0.001),
-    "remote": TierCost(0.5e9, 0.002),  # the fleet's shared tier: another host, read through
-}
-DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
 PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
 
 Policy = Literal["auto", "restore", "recompute"]
-_TIER_ORDER = {"hbm": 0, "dram": 1, "nvme": 2, "remote": 3}
+_TIER_ORDER = {name: i for i, name in enumerate(DEFAULT_TIERS)}  # fastest first
 
 
 def parse_policy(value: object) -> Policy:

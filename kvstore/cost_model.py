@@ -148,3 +148,14 @@ def ttft_curve(
         held = local_tokens + k * tokens_per_block
         curve.append((load, load + prefill.seconds(held, prompt_tokens - held)))
     return curve
+
+
+# Used until a calibration file says otherwise (``kvstore bench calibrate``), fastest first:
+# restoring from dram beats recomputing; the fleet's remote tier is another host, read through.
+DEFAULT_TIERS = {
+    "hbm": TierCost(50e9, 0.0001),
+    "dram": TierCost(5e9, 0.0005),
+    "nvme": TierCost(1e9, 0.001),
+    "remote": TierCost(0.5e9, 0.002),
+}
+DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvstore import __version__
@@ -261,6 +262,27 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
     return run_decisions(model=args.model, quick=args.quick, json_path=args.json, plot_path=args.plot)
 
 
+def _cmd_route(args: argparse.Namespace) -> int:
+    from kvstore.cli.route import serve_router
+
+    try:
+        return serve_router(
+            args.backend,
+            args.sidecar,
+            Path(args.model),
+            args.policy,
+            args.listen,
+            args.block_size,
+            calibration=args.calibration,
+            slack=args.slack,
+            queue_penalty_s=args.queue_penalty_s,
+            model_id=args.model_id,
+            token=os.environ.get("KVSTORE_TOKEN"),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help="TOML configuration file")
@@ -328,6 +350,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tcp", metavar="HOST:PORT", help="with --service: the server's TCP listener")
     demo.add_argument("--token", help="with --service: the bearer token for --tcp")
     demo.set_defaults(func=_cmd_demo)
+
+    route = sub.add_parser(
+        "route", help="an OpenAI-compatible, cache-aware router in front of engine replicas"
+    )
+    route.add_argument("--backend", metavar="URL", action="append", default=[], help="a replica (repeat)")
+    route.add_argument(
+        "--sidecar", metavar="ADDRESS", action="append", default=[], help="its sidecar, in --backend order"
+    )
+    route.add_argument(
+        "--model", metavar="DIR", required=True, help="the model's local folder (its tokenizer)"
+    )
+    route.add_argument("--policy", default="cost", help="cost (default), rendezvous, hash or round-robin")
+    route.add_argument(
+        "--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default 127.0.0.1:8000"
+    )
+    route.add_argument("--block-size", type=int, default=16, help="the engines' tokens per KV block (16)")
+    route.add_argument("--calibration", default="", metavar="FILE", help="kvstore bench calibrate's file")
+    route.add_argument(
+        "--slack",
+        type=float,
+        default=1.25,
+        help="load bound: a replica holds at most ceil(slack * (in flight + 1) / replicas) requests (1.25)",
+    )
+    route.add_argument("--queue-penalty-s", type=float, default=0.05, help="cost of one request ahead (0.05)")
+    route.add_argument("--model-id", default="", help="which registered model to key prompts for")
+    route.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    route.set_defaults(func=_cmd_route)
 
     bench = sub.add_parser("bench", help="benchmarks measured on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

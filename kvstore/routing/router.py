@@ -4,9 +4,12 @@
     with router.route(token_ids, cache_salt) as routed:   # counts it in flight on routed.replica
         ...forward the request to routed.replica...
 
-The prefix key of a prompt is the block key (``kvstore.keys.block_keys``, the connector's own)
-of its last full block within the first ``prefix_tokens`` tokens: prompts that share that head
-(a system prompt, a document) share it; a prompt shorter than one block is keyed by its tokens.
+or, where the probe must not block (an event loop): ``request_for`` in a worker thread, then
+``admit`` and, when the response is done, ``finish``.
+
+The prefix key of a prompt is the chained block key (``kvstore.keys.block_keys``) of its last
+full block within the first ``prefix_tokens`` tokens: prompts that share that head (a system
+prompt, a document) share it; a prompt shorter than one block is keyed by its tokens.
 
 ``probe`` (a ``SidecarProbe``), when given, asks every replica's sidecar in parallel which
 leading blocks of the prompt it can serve and from which tier (its lookup reports blocks of the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
 from kvstore.keys import Fingerprint, block_keys
 from kvstore.routing.policies import Choice, RouteRequest
+
+_ROUTING_ROOT = Fingerprint(b"kvstore-routing-prefix-key-root!")  # 32 bytes; any fixed value
 
 
 class Policy(Protocol):
@@ -81,6 +86,23 @@ class SidecarProbe:
                 out.append(())
         return out
 
+    def fingerprint(self, model_id: str = "") -> Fingerprint | None:
+        """The fingerprint an engine registered with its sidecar (tensor-parallel rank 0, of
+        ``model_id`` when given; None while no sidecar knows exactly one)."""
+        for client in self._clients:
+            try:
+                known = client.stats()["fingerprints"]
+            except KvStoreError:
+                continue
+            found = {
+                f["fingerprint"]
+                for f in known
+                if f["tp_rank"] == 0 and (not model_id or f["model_id"] == model_id)
+            }
+            if len(found) == 1:
+                return Fingerprint(bytes.fromhex(found.pop()))
+        return None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for client in self._clients:
@@ -92,16 +114,20 @@ class Router:
         self,
         replicas: Sequence[str],
         policy: Policy,
-        fingerprint: Fingerprint,
+        fingerprint: Fingerprint | Callable[[], Fingerprint | None],
         tokens_per_block: int,
         probe: SidecarProbe | None = None,
         prefix_tokens: int = 256,
     ) -> None:
         if not replicas:
             raise ValueError("a router needs at least one replica")
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
         self.replicas = tuple(replicas)
         self.policy = policy
-        self._fingerprint = fingerprint
+        # the engines' model fingerprint, or how to learn it (their sidecars know it once an
+        # engine registered): until then prompts are routed without asking the sidecars
+        self._fingerprint = fingerprint if callable(fingerprint) else (lambda: fingerprint)
         self._tokens_per_block = tokens_per_block
         self._probe = probe
         self._prefix_tokens = prefix_tokens
@@ -110,23 +136,40 @@ class Router:
         self._routed = self._first = self._cached = 0
 
     def request_for(self, token_ids: Sequence[int], cache_salt: str = "") -> tuple[RouteRequest, list[bytes]]:
-        keys = block_keys(
-            self._fingerprint, list(token_ids), self._tokens_per_block, cache_salt=cache_salt or None
+        """The prompt's route request, and its block keys under the engines' fingerprint (none
+        while it is unknown). The prefix key is chained from a fixed root, so that a prefix keeps
+        its replica whether or not the fingerprint is known yet."""
+        salt = cache_salt or None
+        head_tokens = max(
+            self._tokens_per_block, self._prefix_tokens // self._tokens_per_block * self._tokens_per_block
         )
-        head = min(len(keys), max(1, self._prefix_tokens // self._tokens_per_block))
+        head = block_keys(
+            _ROUTING_ROOT, list(token_ids[:head_tokens]), self._tokens_per_block, cache_salt=salt
+        )
         if head:
-            prefix_key = bytes(keys[head - 1])
-        else:
+            prefix_key = bytes(head[-1])
+        else:  # shorter than one block
             raw = b"".join(t.to_bytes(4, "little") for t in token_ids) + cache_salt.encode()
             prefix_key = xxhash.xxh3_128_digest(raw)
-        hits = (
-            self._probe.hits(self._fingerprint, keys, cache_salt) if self._probe is not None and keys else ()
+        fingerprint = self._fingerprint()
+        keys = (
+            block_keys(fingerprint, list(token_ids), self._tokens_per_block, cache_salt=salt)
+            if fingerprint
+            else []
         )
+        hits = self._probe.hits(fingerprint, keys) if self._probe is not None and fingerprint and keys else ()
         return RouteRequest(prefix_key, len(token_ids), tuple(hits)), [bytes(k) for k in keys]
 
     @contextlib.contextmanager
     def route(self, token_ids: Sequence[int], cache_salt: str = "") -> Iterator[Routed]:
-        request, _ = self.request_for(token_ids, cache_salt)
+        routed = self.admit(self.request_for(token_ids, cache_salt)[0])
+        try:
+            yield routed
+        finally:
+            self.finish(routed)
+
+    def admit(self, request: RouteRequest) -> Routed:
+        """Choose a replica for ``request`` and count it in flight there until ``finish``."""
         with self._lock:
             choice = self.policy.choose(request, self._loads)
             self._loads[choice.replica] += 1
@@ -135,13 +178,13 @@ class Router:
             self._routed += 1
             self._first += choice.replica == choice.first
             self._cached += cached
-        try:
-            yield Routed(
-                choice.replica, self.replicas[choice.replica], choice.replica == choice.first, cached
-            )
-        finally:
-            with self._lock:
-                self._loads[choice.replica] -= 1
+        return Routed(choice.replica, self.replicas[choice.replica], choice.replica == choice.first, cached)
+
+    def finish(self, routed: Routed) -> None:
+        with self._lock:
+            if self._loads[routed.replica] <= 0:
+                raise RuntimeError(f"replica {routed.name} has no request in flight to finish")
+            self._loads[routed.replica] -= 1
 
     def stats(self) -> RouterStats:
         with self._lock:

@@ -1,0 +1,107 @@
+"""``kvstore route``: the router process (on the command-line floor, so it may read the
+connector's calibration file). It builds the policy (tier and prefill figures from a calibration
+file, or the cost model's defaults), learns the engines' fingerprint from their sidecars once an
+engine has registered (until then prompts are routed without asking them), and serves
+``kvstore.routing.http`` until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
+from kvstore.keys import Fingerprint
+from kvstore.routing.http import block_bytes_of, build_app, tokenizer_for
+from kvstore.routing.policies import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin
+from kvstore.routing.router import Policy, Router, SidecarProbe
+
+POLICIES = ("cost", "rendezvous", "hash", "round-robin")
+_REDISCOVER_S = 2.0
+
+
+def build_policy(
+    name: str,
+    replicas: Sequence[str],
+    model_dir: Path,
+    block_size: int,
+    calibration: str,
+    slack: float,
+    queue_penalty_s: float,
+) -> Policy:
+    if name == "round-robin":
+        return RoundRobin(replicas)
+    if name == "hash":
+        return ConsistentHash(replicas)
+    if name == "rendezvous":
+        return BoundedRendezvous(replicas, slack)
+    if name != "cost":
+        raise ValueError(f"--policy is one of {', '.join(POLICIES)}, got {name!r}")
+    tiers, prefill = dict(DEFAULT_TIERS), DEFAULT_PREFILL
+    if calibration:
+        from engine_plugin.calibration import Calibration
+
+        snap = Calibration.load(calibration).snapshot()
+        tiers.update(snap.tiers)
+        prefill = snap.prefill
+    block_bytes = block_bytes_of(model_dir, block_size)
+    return CostAware(replicas, tiers, prefill, block_bytes, block_size, queue_penalty_s, slack)
+
+
+class _Discovered:
+    """The engines' fingerprint, asked of the sidecars until one answers, then kept."""
+
+    def __init__(self, probe: SidecarProbe | None, model_id: str) -> None:
+        self._probe = probe
+        self._model_id = model_id
+        self._found: Fingerprint | None = None
+        self._asked_at = -_REDISCOVER_S
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Fingerprint | None:
+        if self._found is not None or self._probe is None:
+            return self._found
+        with self._lock:
+            if self._found is None and time.monotonic() - self._asked_at >= _REDISCOVER_S:
+                self._asked_at = time.monotonic()
+                self._found = self._probe.fingerprint(self._model_id)
+            return self._found
+
+
+def serve_router(
+    backends: Sequence[str],
+    sidecars: Sequence[str],
+    model_dir: Path,
+    policy_name: str,
+    listen: str,
+    block_size: int,
+    calibration: str = "",
+    slack: float = 1.25,
+    queue_penalty_s: float = 0.05,
+    prefix_tokens: int = 256,
+    model_id: str = "",
+    token: str | None = None,
+) -> int:
+    if not backends:
+        raise ValueError("kvstore route needs at least one --backend URL")
+    if sidecars and len(sidecars) != len(backends):
+        raise ValueError(
+            f"one --sidecar per --backend: {len(sidecars)} sidecars for {len(backends)} backends"
+        )
+    names = list(backends)
+    policy = build_policy(policy_name, names, model_dir, block_size, calibration, slack, queue_penalty_s)
+    probe = SidecarProbe(sidecars, token=token) if sidecars else None
+    router = Router(
+        names, policy, _Discovered(probe, model_id), block_size, probe=probe, prefix_tokens=prefix_tokens
+    )
+    app = build_app(backends, router, tokenizer_for(model_dir))
+    host, _, port = listen.rpartition(":")
+    try:
+        web.run_app(app, host=host or "127.0.0.1", port=int(port), print=None, handle_signals=True)
+    finally:
+        if probe is not None:
+            probe.close()
+    return 0
