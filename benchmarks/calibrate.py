@@ -30,18 +30,10 @@ from benchmarks.service import TOKEN, bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from kvstore.cost_model import TierCost
+from kvstore.model_folder import block_bytes_of
 
 SEED_TOKENS = 3
 BLOCK_SIZE = 32  # tokens per block of the engine the benchmarks start
-
-
-def block_bytes_of(model_dir: Path, block_size: int) -> int:
-    """Bytes of one KV block of a Hugging Face model folder (16-bit KV, all layers, K and V)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    return int(2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * block_size)
 
 
 def _prompt(length: int, salt: int) -> list[int]:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.calibrate import BLOCK_SIZE, block_bytes_of, measure_tiers, prefill_points
+from benchmarks.calibrate import BLOCK_SIZE, measure_tiers, prefill_points
 from benchmarks.common import Result, print_results, write_json
 from benchmarks.service import bench_server
 from benchmarks.vllm_engine import Engine
@@ -58,6 +58,7 @@ from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.vllm_connector import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.client import Client, connect
 from kvstore.errors import FailedPrecondition
+from kvstore.model_folder import block_bytes_of
 
 SUFFIX_TOKENS = 64
 POLICIES = ("restore", "recompute", "auto")

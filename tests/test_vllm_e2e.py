@@ -101,7 +101,7 @@ def test_the_engine_log_names_its_whole_fingerprint_and_stats_names_the_model(
 def test_decisions_are_counted_with_predicted_and_measured_times(
     models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
 ) -> None:
-    from benchmarks.calibrate import block_bytes_of
+    from kvstore.model_folder import block_bytes_of
 
     first, second = engines
     prompt = [(i * 11) % 500 + 3 for i in range(640)]  # 20 full blocks
@@ -184,7 +184,7 @@ def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: Runn
 def test_tensor_parallel_ranks_store_and_restore_their_own_shards(
     models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
 ) -> None:
-    from benchmarks.calibrate import block_bytes_of
+    from kvstore.model_folder import block_bytes_of
 
     prompt = [(i * 17) % 500 + 3 for i in range(700)]  # 21 full blocks
     sharded = Engine(models[0], sidecar.unix_address, tensor_parallel=2)
@@ -236,7 +236,7 @@ def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], 
 def test_what_vllm_holds_itself_is_neither_looked_up_nor_restored(
     models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
 ) -> None:
-    from benchmarks.calibrate import block_bytes_of
+    from kvstore.model_folder import block_bytes_of
 
     local = Engine(models[0], sidecar.unix_address, prefix_caching=True)
     try:

@@ -262,6 +262,12 @@ def _cmd_bench_decisions(args: argparse.Namespace) -> int:
     return run_decisions(model=args.model, quick=args.quick, json_path=args.json, plot_path=args.plot)
 
 
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from benchmarks.fleet import run_fleet
+
+    return run_fleet(args.quick, args.json, args.calibration, args.plot)
+
+
 def _cmd_route(args: argparse.Namespace) -> int:
     from kvstore.cli.route import serve_router
 
@@ -419,6 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_argument("--json", metavar="PATH", help="write results as JSON")
     decisions.add_argument("--plot", metavar="PNG", help="draw the three curves per tier and throttle")
     decisions.set_defaults(func=_cmd_bench_decisions)
+    fleet = bench_sub.add_parser(
+        "fleet",
+        parents=[common],
+        help="remote tiers measured, routing policies simulated for 4 and 64 replicas",
+    )
+    fleet.add_argument("--quick", action="store_true", help="fewer blocks and sessions (a few minutes)")
+    fleet.add_argument("--json", metavar="PATH", help="write results as JSON")
+    fleet.add_argument("--plot", metavar="PNG", help="draw hit rates per policy, workload and remote tier")
+    fleet.add_argument(
+        "--calibration", default="", metavar="FILE", help="prefill curve from kvstore bench calibrate"
+    )
+    fleet.set_defaults(func=_cmd_bench_fleet)
     return parser
 
 

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.keys import Fingerprint
-from kvstore.routing.http import block_bytes_of, build_app, tokenizer_for
+from kvstore.model_folder import block_bytes_of
+from kvstore.routing.http import build_app, tokenizer_for
 from kvstore.routing.policies import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin
 from kvstore.routing.router import Policy, Router, SidecarProbe
 

@@ -42,15 +42,6 @@ _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _PASSED_HEADERS = ("Content-Type", "Authorization")
 
 
-def block_bytes_of(model_dir: Path, block_size: int) -> int:
-    """Bytes of one KV block of a Hugging Face model folder (16-bit KV, all layers, K and V)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    return int(2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * block_size)
-
-
 def tokenizer_for(model_dir: Path) -> Tokenize:
     """The model's tokenizer, from its folder only (nothing is downloaded)."""
     from transformers import AutoTokenizer

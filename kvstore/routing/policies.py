@@ -11,8 +11,8 @@
                           token of this prompt there: restoring what that replica can reach of
                           the prefix (its own tiers, or the fleet's remote tier), priced per
                           tier by the connector's cost model, plus computing the rest, plus a
-                          queue penalty per request in flight; the lowest wins, ties by the
-                          rendezvous order
+                          queue penalty per request that would wait (in flight beyond the
+                          replica's ``slots``); the lowest wins, ties by the rendezvous order
 
 ``choose(request, loads)`` returns ``Choice(replica, first)``: the index chosen, and the one the
 policy would have chosen with no load at all (the first-choice fraction is how often they agree).
@@ -107,16 +107,20 @@ class CostAware:
         tokens_per_block: int,
         queue_penalty_s: float,
         slack: float = 1.25,
+        slots: int = 1,
     ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
         self._rendezvous = BoundedRendezvous(replicas, slack)
         self._tiers = dict(tiers)
         self._prefill = prefill
         self._block_bytes = block_bytes
         self._tokens_per_block = tokens_per_block
         self.queue_penalty_s = queue_penalty_s
+        self._slots = slots  # requests a replica runs at once: only those beyond them wait
 
-    def predicted_s(self, request: RouteRequest, replica: int, load: int) -> float:
-        hits = request.hits[replica] if replica < len(request.hits) else ()
+    def ttft_s(self, request: RouteRequest, hits: tuple[str, ...]) -> float:
+        """Predicted time to first token with ``hits`` reachable, on an idle replica."""
         known = tuple(itertools.takewhile(lambda t: t in self._tiers, hits))
         plan = plan_restore(
             known,
@@ -126,13 +130,28 @@ class CostAware:
             self._tiers,
             self._prefill,
         )
-        return plan.predicted_ttft_s + self.queue_penalty_s * load
+        return plan.predicted_ttft_s
+
+    def predicted_s(self, request: RouteRequest, replica: int, load: int) -> float:
+        hits = request.hits[replica] if replica < len(request.hits) else ()
+        return self.ttft_s(request, hits) + self._penalty(load)
 
     def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
         order = self._rendezvous.order(request)
         rank = {replica: position for position, replica in enumerate(order)}
-        idle = min(order, key=lambda i: (self.predicted_s(request, i, 0), rank[i]))
+        by_hits: dict[tuple[str, ...], float] = {}  # replicas that hold the same reach the same
+
+        def idle_s(i: int) -> float:
+            hits = request.hits[i] if i < len(request.hits) else ()
+            if hits not in by_hits:
+                by_hits[hits] = self.ttft_s(request, hits)
+            return by_hits[hits]
+
+        first = min(order, key=lambda i: (idle_s(i), rank[i]))
         bound = load_bound(loads, self._rendezvous.slack)
         under = [i for i in order if loads[i] < bound]
-        chosen = min(under, key=lambda i: (self.predicted_s(request, i, loads[i]), rank[i]))
-        return Choice(chosen, idle)
+        chosen = min(under, key=lambda i: (idle_s(i) + self._penalty(loads[i]), rank[i]))
+        return Choice(chosen, first)
+
+    def _penalty(self, load: int) -> float:
+        return self.queue_penalty_s * max(0, load - self._slots + 1)
