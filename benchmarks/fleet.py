@@ -8,6 +8,10 @@ K and V x 2 bytes = 128 KiB per token, 16-token blocks of 2 MiB) written and rea
 same blocks under the same keys layout. And the share of keys that move when a node joins:
 rendezvous hashing against modulo hashing.
 
+Replayed on real sidecars (``benchmarks/fleet_real.py``): four ``kvstore serve`` processes, with
+and without a shared kvstore server under them, a short agent trace routed by the real router,
+each request restored and stored through the chosen sidecar as the connector would.
+
 Simulated (``benchmarks/fleet_sim.py``): 4 and 64 replicas, each with its own cache, with no
 remote tier or with the kvstore or Redis remote tier priced at the restore bandwidth measured
 above, under round robin, consistent hashing, bounded-load rendezvous and the cost-aware policy.
@@ -202,6 +206,23 @@ def run_fleet(quick: bool, json_path: str | None, calibration: str = "", plot: s
     except RedisUnavailable as exc:
         print(f"kvstore bench fleet: {exc}", file=sys.stderr)
         return 2
+    from benchmarks.fleet_real import REPLICAS, replay
+
+    for remote_on in (False, True):
+        for policy in ("round-robin", "rendezvous", "cost"):
+            _progress(
+                f"real sidecars: {REPLICAS} processes, remote {'kvstore' if remote_on else 'none'}, {policy} …"
+            )
+            played = replay(policy, remote_on, sessions=6 if quick else 16)
+            rows.append(
+                Result(
+                    f"real sidecars, agent trace, {policy}, remote {'kvstore' if remote_on else 'none'}",
+                    played.hit_rate,
+                    "",
+                    note=f"{played.requests} requests over {REPLICAS} sidecar processes, {played.replicas_used} used; "
+                    "token hit rate delivered by read_into",
+                )
+            )
     for n in (4, 64):
         rendezvous, modulo = keys_moved(n)
         rows.append(

@@ -132,6 +132,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_a_put(cluster: RedisClus
         assert counters["remote_dropped_blocks"] > 0
         assert counters["remote_queued_blocks"] + counters["remote_dropped_blocks"] == 80
         assert counters["remote_stored_blocks"] == counters["remote_queued_blocks"]
+        assert counters["remote_handled_blocks"] == counters["remote_queued_blocks"]  # drained
     finally:
         store.close()
 

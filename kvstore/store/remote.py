@@ -18,8 +18,9 @@ Calls (from the facade):
     close()                  drain the queue (bounded), stop its thread, close the backend
 
 Counters: ``remote_lookup_hit_blocks``, ``remote_filled_blocks``, ``remote_queued_blocks``,
-``remote_dropped_blocks`` (queue full), ``remote_stored_blocks``; the backend's own figures are
-in ``usage()``.
+``remote_dropped_blocks`` (queue full), ``remote_stored_blocks`` (new on the remote),
+``remote_handled_blocks`` (taken off the queue: queued = handled once it is empty); the
+backend's own figures are in ``usage()``.
 
 Remote copies carry no pin: a block a lookup reported as ``remote`` may be gone when the restore
 asks for it, and the restore then gets a shorter prefix (and recomputes the rest), as a
@@ -149,6 +150,7 @@ class RemoteCalls:
                     p.pins.unhold(block)
         with p.locked():
             p.counters["remote_stored_blocks"] += stored
+            p.counters["remote_handled_blocks"] += len(idents)  # sent, or gone before their turn
 
 
 def _prefix(namespace: str) -> bytes:
