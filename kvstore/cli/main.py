@@ -284,6 +284,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
             queue_penalty_s=args.queue_penalty_s,
             model_id=args.model_id,
             token=os.environ.get("KVSTORE_TOKEN"),
+            prefix_tokens=args.prefix_tokens,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     route.add_argument("--queue-penalty-s", type=float, default=0.05, help="cost of one request ahead (0.05)")
     route.add_argument("--model-id", default="", help="which registered model to key prompts for")
+    route.add_argument(
+        "--prefix-tokens", type=int, default=256, help="the head a prompt is keyed by, in tokens (256)"
+    )
     route.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     route.set_defaults(func=_cmd_route)
 
