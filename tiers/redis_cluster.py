@@ -29,7 +29,7 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
 
-from tiers.base import TierKey
+from tiers.base import BytesLike, TierKey
 from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, unframe
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,12 @@ class RedisClusterTier(RemoteTier):
         replies = self._pipelined([("EXISTS", self._key(k)) for k in keys])
         return [False] * len(keys) if replies is None else [bool(r) for r in replies]
 
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
         self._count("gets", len(keys))
         replies = self._pipelined([("GET", self._key(k)) for k in keys])
         if replies is None:
             return [None] * len(keys)
-        out: list[bytes | None] = []
+        out: list[BytesLike | None] = []
         corrupt: list[TierKey] = []
         for key, value in zip(keys, replies, strict=True):
             payload = unframe(value, fingerprint) if isinstance(value, bytes) else None

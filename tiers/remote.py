@@ -77,8 +77,9 @@ class RemoteTier(ABC):
     def contains(self, keys: Sequence[TierKey]) -> list[bool]: ...
 
     @abstractmethod
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[bytes | None]:
-        """Each key's payload, or None; a value stored under another ``fingerprint`` is a miss."""
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+        """Each key's payload (the caller's to keep), or None; a value stored under another
+        ``fingerprint`` is a miss."""
 
     @abstractmethod
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int: ...
@@ -123,18 +124,18 @@ class Backoff:
 
 
 def frame(block: RemoteBlock) -> bytes:
-    """The value stored for ``block``: u16 header length, the header, the payload."""
+    """The value stored for ``block``: u16 header length, the header, the payload (its one copy)."""
     check_key(block.key)
     check_fingerprint(block.fingerprint)
-    payload = bytes(block.payload)
-    n = len(payload)
-    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, xxhash.xxh3_64_intdigest(payload)).pack()
-    return _HEADER_LEN.pack(len(header)) + header + payload
+    view = memoryview(block.payload).cast("B")
+    n = len(view)
+    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, xxhash.xxh3_64_intdigest(view)).pack()
+    return b"".join((_HEADER_LEN.pack(len(header)), header, view))
 
 
-def unframe(value: BytesLike, fingerprint: bytes) -> bytes | None:
-    """The payload of a stored value, or None when it is not a whole, intact block of
-    ``fingerprint`` (the caller deletes it and counts a checksum failure)."""
+def unframe(value: BytesLike, fingerprint: bytes) -> memoryview | None:
+    """The payload of a stored value, as a view of ``value`` (no copy), or None when it is not a
+    whole, intact block of ``fingerprint`` (the caller deletes it and counts a checksum failure)."""
     view = memoryview(value)
     if len(view) < _HEADER_LEN.size:
         return None
@@ -146,4 +147,4 @@ def unframe(value: BytesLike, fingerprint: bytes) -> bytes | None:
     payload = view[start:]
     if len(payload) != header.stored_len or xxhash.xxh3_64_intdigest(payload) != header.checksum:
         return None
-    return bytes(payload)
+    return payload

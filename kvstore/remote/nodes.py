@@ -40,7 +40,7 @@ from kvstore.keys import BlockKey
 from kvstore.remote.rendezvous import Rendezvous
 from kvstore.store.model import Scope, parse_tier_key
 from kvstore.tls import ClientTls
-from tiers import TierKey
+from tiers import BytesLike, TierKey
 from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class KvStoreNodesTier(RemoteTier):
         self._fan_out(self._groups(keys), ask)
         return out
 
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+        out: list[BytesLike | None] = [None] * len(keys)
         groups = [g for g in self._groups(keys) if g.scope.fingerprint == fingerprint]
 
         def fetch(client: Client, group: _Group) -> None:
@@ -122,12 +122,11 @@ class KvStoreNodesTier(RemoteTier):
         return out
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
-        payloads = {b.key: b.payload for b in blocks}
         stored = [0]
         lock = threading.Lock()
 
         def store(client: Client, group: _Group) -> None:
-            sent = [payloads[blocks[p].key] for p in group.positions]
+            sent = [blocks[p].payload for p in group.positions]
             n = client.put(group.scope.fingerprint, group.keys, sent, scope=_scope_of(group.scope))
             with lock:
                 stored[0] += n
