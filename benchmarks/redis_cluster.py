@@ -13,6 +13,7 @@ command installs it). Each node's port and its cluster-bus port (port + 10000) a
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -72,8 +73,18 @@ class RedisClusterProcess:
             self.close()
             raise
 
+    def freeze(self) -> None:
+        """SIGSTOP every node: the cluster hangs, connections open and nothing answers."""
+        for proc in self._procs:
+            proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for proc in self._procs:
+            proc.send_signal(signal.SIGCONT)
+
     def stop_all(self) -> None:
         """Kill every node (SIGKILL): the cluster is gone, its data with it."""
+        self.thaw()  # a stopped process dies on SIGKILL too, but be sure wait() returns
         for proc in self._procs:
             proc.kill()
         for proc in self._procs:

@@ -185,6 +185,29 @@ def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
             tier.close()
 
 
+def test_a_hung_cluster_costs_one_timeout_then_nothing_and_comes_back() -> None:
+    with RedisClusterProcess(masters=3) as hung:
+        tier = RedisClusterTier(RedisConfig(nodes=hung.nodes, timeout_s=0.5, backoff_s=1.0))
+        try:
+            b = block(key("a", 1))
+            assert tier.put_many([b]) == 1
+            hung.freeze()  # SIGSTOP: sockets stay open, nothing answers
+            started = time.monotonic()
+            assert tier.get_many([b.key], FP) == [None]
+            assert time.monotonic() - started < 3.0  # bounded by timeout_s, not hung with it
+            started = time.monotonic()
+            assert tier.contains([b.key]) == [False]  # in backoff: not even tried
+            assert time.monotonic() - started < 0.1
+            hung.thaw()
+            time.sleep(1.2)  # the backoff passes
+            deadline = time.monotonic() + 10
+            while tier.get_many([b.key], FP) != [bytes(b.payload)]:
+                assert time.monotonic() < deadline, tier.usage()
+                time.sleep(0.3)
+        finally:
+            tier.close()
+
+
 def test_a_cluster_that_is_down_at_start_is_not_an_error() -> None:
     tier = RedisClusterTier(RedisConfig(nodes=("127.0.0.1:1",), timeout_s=0.2))
     try:
