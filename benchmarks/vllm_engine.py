@@ -110,12 +110,12 @@ class Engine:
             except queue.Empty:
                 self.proc.send_signal(signal.SIGUSR1)  # the engine dumps its stacks into its log
                 time.sleep(1)
-                tail = Path(self.log.name).read_text(errors="replace")[-6000:]
+                tail = self.log_tail()
                 raise TimeoutError(
                     f"the engine did not answer in {timeout_s:.0f} s; its log ends:\n{tail}"
                 ) from None
             if not line:
-                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                tail = self.log_tail(3000)
                 raise RuntimeError(f"the engine exited with {self.proc.wait()}:\n{tail}")
             if line.startswith("{"):
                 return dict(json.loads(line))
@@ -129,6 +129,10 @@ class Engine:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._read(300)
+
+    def log_tail(self, nchars: int = 6000) -> str:
+        """The end of the engine's log (vLLM's and the connector's lines), for a failure message."""
+        return Path(self.log.name).read_text(errors="replace")[-nchars:]
 
     def metrics(self) -> dict[str, float]:
         """The connector's Prometheus series: ``name{label=value,...}`` -> value."""

@@ -65,6 +65,11 @@ def growth(before: dict[str, float], after: dict[str, float]) -> Callable[[str],
     return lambda name: after.get(name, 0.0) - before.get(name, 0.0)
 
 
+def changed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Every series that grew between two snapshots, with its growth."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 @pytest.fixture(scope="module")
 def engines(models: tuple[Path, Path], sidecar: RunningServer) -> Iterator[tuple[Engine, Engine]]:
     first = Engine(models[0], sidecar.unix_address)
@@ -301,9 +306,11 @@ def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> No
         live = engine.generate(prompt)  # a miss against a live sidecar: lookup, prefill, save
         assert live["cached"] == 0
         assert growth(before, engine.metrics())("kvstore_connector_saved_blocks_total") == 31
-        assert engine.generate(prompt)["cached"] == 31 * 32  # stored: a live sidecar restores it
+        # The restores below are forced: this test is about the breakers, and on a tiny model the
+        # cost model's choice sits near the crossover, where prefill noise alone can flip it.
+        assert engine.generate(prompt, policy="restore")["cached"] == 31 * 32  # a live sidecar restores it
 
-        before = engine.metrics()
+        before = stopped_at = engine.metrics()
         sidecar.freeze()
         try:
             stuck = [engine.generate(prompt) for _ in range(3)]
@@ -313,10 +320,15 @@ def test_a_hung_sidecar_never_stalls_the_engine(models: tuple[Path, Path]) -> No
         during = growth(before, engine.metrics())
         while True:  # the first calls may still find a breaker open, then one probes: back
             before = engine.metrics()
-            again = engine.generate(prompt)
+            again = engine.generate(prompt, policy="restore")
             if growth(before, engine.metrics())("kvstore_connector_restore_seconds_count{tier=dram}"):
                 break
-            assert time.monotonic() - thawed < 40, "restores did not come back after the sidecar did"
+            if time.monotonic() - thawed > 40:
+                pytest.fail(
+                    "restores did not come back after the sidecar did; the connector's counters "
+                    f"since the stop: {changed(stopped_at, engine.metrics())}; the engine's log ends:\n"
+                    + engine.log_tail()
+                )
             time.sleep(0.5)
         print(
             f"\nhung sidecar: live request {live['seconds']:.2f} s; stopped: "
