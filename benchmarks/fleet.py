@@ -311,7 +311,8 @@ def run_fleet(quick: bool, json_path: str | None, calibration: str = "", plot: s
                     "slack",
                     SLACK,
                     "<= 1.0",
-                    "cost-aware; mean over arrivals with >= 1 request per replica in flight",
+                    "cost-aware; mean over arrivals with >= 1 request per replica in flight; "
+                    f"round robin {by[('kvstore', 'round-robin')].max_over_mean:.2f}",
                 )
             )
     print_results("kvstore bench fleet" + (" --quick" if quick else ""), rows)

@@ -226,7 +226,7 @@ def simulate(
     running = [0] * spec.replicas
     queues: list[deque[tuple[int, int, list[Key]]]] = [deque() for _ in range(spec.replicas)]
     # (time, order, kind, a, b): kind 0 = a turn finishes on replica a (session b),
-    # kind 1 = turn a of session b arrives
+    # kind 1 = turn a of session b arrives, kind 2 = a turn's prefill is done on replica a
     events: list[tuple[float, int, int, int, int]] = []
     order = itertools.count()
     figures = RunFigures()
@@ -251,6 +251,9 @@ def simulate(
         figures.saved_s += plan.all_recompute_s - plan.predicted_ttft_s
         ident = next(order)
         finishing[ident] = (keys, turn, b)
+        # the prompt's blocks are there for others once its prefill is done (the connector saves
+        # each step's blocks as they are computed), not once its decode ends
+        heapq.heappush(events, (now + plan.predicted_ttft_s, ident, 2, r, b))
         heapq.heappush(events, (now + plan.predicted_ttft_s + spec.decode_s, ident, 0, r, b))
 
     while events:
@@ -271,10 +274,13 @@ def simulate(
             if running[choice.replica] < spec.slots:
                 start(choice.replica, now)
             continue
+        if kind == 2:
+            keys = finishing[ident][0]
+            local[a].touch(keys)
+            if remote is not None:
+                remote.touch(keys)
+            continue
         keys, turn, b = finishing.pop(ident)
-        local[a].touch(keys)
-        if remote is not None:
-            remote.touch(keys)
         running[a] -= 1
         loads[a] -= 1
         if queues[a]:

@@ -23,7 +23,7 @@ def spec(replicas: int = 4, remote: bool = False) -> FleetSpec:
         tiers=TIERS,
         prefill=PREFILL,
         block_bytes=2 * MB,
-        slots=4,
+        slots=8,  # with a mean of ~6 in flight the load bound leaves a prefix room to stick
     )
 
 

@@ -3,7 +3,6 @@ hits, the router over two real sidecars whose answers steer the cost-aware polic
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -59,9 +58,11 @@ def test_consistent_hashing_keeps_a_prefix_on_one_replica_and_spreads_prefixes()
     assert len(spread) == 4 and max(spread.values()) / min(spread.values()) < 1.6
 
 
-def test_the_load_bound_is_ceil_of_slack_times_load_plus_one_over_n() -> None:
-    assert load_bound([0, 0, 0, 0], 1.25) == 1
-    assert load_bound([3, 3, 2, 0], 1.25) == 3  # ceil(1.25 * 9 / 4)
+def test_the_load_bound_is_slack_times_the_mean_after_routing_rounded_down() -> None:
+    assert load_bound([0, 0, 0, 0], 1.25) == 1  # too few for the slack: the least loaded takes it
+    assert load_bound([3, 3, 2, 0], 1.25) == 2  # floor(1.25 * 9 / 4)
+    assert load_bound([8, 8, 8, 7], 1.25) == 10  # floor(1.25 * 32 / 4)
+    assert load_bound([5, 5, 5, 5], 1.0) == 6  # no slack: the least loaded, plus one
     with pytest.raises(ValueError, match="slack"):
         BoundedRendezvous(REPLICAS, slack=0.9)
 
@@ -76,7 +77,7 @@ def test_bounded_rendezvous_sticks_to_a_prefix_until_its_replica_is_busy() -> No
         choice = policy.choose(request(42), loads)
         assert loads[choice.replica] < load_bound(loads, 1.25)
         loads[choice.replica] += 1
-    assert max(loads) <= math.ceil(1.25 * sum(loads) / 4)  # max/mean within the slack (and its ceiling)
+    assert max(loads) <= 1.25 * sum(loads) / 4  # max/mean within the slack
     assert min(loads) > 0
 
 
@@ -107,7 +108,7 @@ def test_cost_aware_spreads_a_flood_within_the_bound() -> None:
         choice = policy.choose(request(3, hits), loads)
         assert loads[choice.replica] < load_bound(loads, 1.25)
         loads[choice.replica] += 1
-    assert max(loads) <= math.ceil(1.25 * sum(loads) / 4)
+    assert max(loads) <= 1.25 * sum(loads) / 4
 
 
 class Sidecar:

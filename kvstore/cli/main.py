@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--slack",
         type=float,
         default=1.25,
-        help="load bound: a replica holds at most ceil(slack * (in flight + 1) / replicas) requests (1.25)",
+        help="load bound: a replica holds at most slack x the mean in flight, rounded down, and at "
+        "least the least-loaded replica's load plus one (1.25)",
     )
     route.add_argument("--queue-penalty-s", type=float, default=0.05, help="cost of one request ahead (0.05)")
     route.add_argument("--model-id", default="", help="which registered model to key prompts for")

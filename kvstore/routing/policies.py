@@ -5,8 +5,8 @@
     ConsistentHash        the prompt's prefix key on a ring of virtual nodes: one replica per
                           prefix, whatever its load
     BoundedRendezvous     the prefix key's rendezvous order, skipping replicas at the load bound
-                          ceil(slack * (in flight + 1) / N) (consistent hashing with bounded
-                          loads): a prefix sticks to its replica until that replica is busy
+                          (consistent hashing with bounded loads, see ``load_bound``): a prefix
+                          sticks to its replica until that replica is busy
     CostAware             for each replica under the same bound, the predicted time to first
                           token of this prompt there: restoring what that replica can reach of
                           the prefix (its own tiers, or the fleet's remote tier), priced per
@@ -76,8 +76,12 @@ class ConsistentHash:
 
 
 def load_bound(loads: Sequence[int], slack: float) -> int:
-    """The most requests one replica may hold with one more routed: ceil(slack * (L + 1) / N)."""
-    return math.ceil(slack * (sum(loads) + 1) / len(loads))
+    """The most requests one replica may hold with one more routed: floor(slack * (L + 1) / N),
+    the slack times the mean after routing, rounded down so that the slack holds, but never
+    below the least-loaded replica's load plus one (where the fleet holds too few requests for
+    the slack to allow any, the least loaded takes it). Rounding up instead, as the classic
+    bound does, let a replica of four with 6.4 in flight on average hold 9: 1.35x the mean."""
+    return max(min(loads) + 1, math.floor(slack * (sum(loads) + 1) / len(loads)))
 
 
 class BoundedRendezvous:
