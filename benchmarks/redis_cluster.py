@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.ports import wait_port
+
 START_TIMEOUT_S = 20.0
 
 
@@ -57,7 +59,7 @@ class RedisClusterProcess:
                 log = open(folder / "redis.log", "wb")  # noqa: SIM115 - the process keeps it
                 self._procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
             for port in ports:
-                _wait_port(port)
+                wait_port(port, "redis-server", START_TIMEOUT_S)
             self.nodes = tuple(f"127.0.0.1:{port}" for port in ports)
             created = subprocess.run(
                 [cli, "--cluster", "create", *self.nodes, "--cluster-replicas", "0", "--cluster-yes"],
@@ -127,15 +129,3 @@ def _free_ports(n: int) -> list[int]:
                 continue
         ports.append(port)
     return ports
-
-
-def _wait_port(port: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)

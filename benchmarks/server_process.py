@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from kvstore.client import connect
 from kvstore.errors import Unavailable
 from kvstore.server.datadir import remove_shm_files
@@ -60,7 +60,7 @@ class ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.settings = {"server.metrics_address": "", **(settings or {})}
         self.unix = f"unix://{self.data_dir / 'kvstore.sock'}"
-        self.tcp = f"127.0.0.1:{_free_port()}" if tcp else ""
+        self.tcp = f"127.0.0.1:{free_port()}" if tcp else ""
         self._extra_args = [*(("--tcp", self.tcp) if tcp else ()), *extra_args]
         self._command = list(command)
         self.start()
@@ -147,10 +147,3 @@ def _stopped(task: Path) -> bool:
     except FileNotFoundError:  # the thread ended meanwhile
         return True
     return "State:\tT" in status
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

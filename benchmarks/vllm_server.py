@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,18 +21,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from benchmarks.vllm_engine import ENGINE_START_S, KV_CACHE_BYTES, ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OpenAIServer:
     def __init__(self, model: Path, sidecar: str) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         transfer = {
             "kv_connector": "KvstoreConnector",

@@ -5,12 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --with-vllm
-# The remote-tier tests start a real Redis Cluster on 127.0.0.1: Debian's redis-server.
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+# The remote-tier tests start a real Redis Cluster on 127.0.0.1 (Debian's redis-server) and a
+# real Mooncake Store in a network namespace of their own (the mooncake extra, which links
+# libibverbs even over TCP, and iproute2 to bring the namespace's loopback up).
+APT=()
+{ command -v redis-server && command -v redis-cli; } >/dev/null || APT+=(redis-server)
+ldconfig -p | grep -q 'libibverbs\.so\.1' || APT+=(libibverbs1)
+command -v ip >/dev/null || APT+=(iproute2)
+if [ ${#APT[@]} -gt 0 ]; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
 fi
+.venv/bin/python -c 'import mooncake.store' 2>/dev/null ||
+    .venv/bin/python -m pip --disable-pip-version-check -q install -e '.[mooncake]'
 source .venv/bin/activate
 python proto/generate.py --check
 ruff check .

@@ -72,7 +72,12 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[tuple[Sidecar, Sidecar]]:
 def test_a_prefix_stored_through_one_sidecar_is_restored_through_the_other(
     fleet: tuple[Sidecar, Sidecar],
 ) -> None:
-    a, b = fleet
+    check_restored_through_the_other(*fleet)
+
+
+def check_restored_through_the_other(a: Sidecar, b: Sidecar) -> None:
+    """Six blocks written through a reach the remote tier; b finds them there and restores them,
+    byte for byte, promoting them into its own dram (every backend)."""
     keys = chain(6, "fleet")
     blocks = blocks_for(keys)
     with connect(a.server.unix_address) as kv_a:
@@ -104,5 +109,22 @@ def test_a_remote_backend_without_nodes_is_refused_at_start() -> None:
         bad["remote.tokens"] = "tenant-a=tok-a"  # not a namespace
         with pytest.raises(FailedPrecondition, match="keyed by namespace"):
             start_server(load_settings(env={}, overrides=bad))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_mooncake_settings_that_cannot_work_are_refused_at_start() -> None:
+    data_dir = tempfile.mkdtemp(prefix="kvf-", dir="/tmp")
+    mooncake = {"remote.backend": "mooncake", "remote.metadata_server": "http://127.0.0.1:1/metadata"}
+    try:
+        two = settings_for(data_dir, **mooncake, **{"remote.nodes": "127.0.0.1:1,127.0.0.1:2"})
+        with pytest.raises(FailedPrecondition, match="the master"):
+            start_server(load_settings(env={}, overrides=two))
+        ttl = settings_for(data_dir, **mooncake, **{"remote.nodes": "127.0.0.1:1", "remote.ttl_s": "60"})
+        with pytest.raises(FailedPrecondition, match="no per-key expiry"):
+            start_server(load_settings(env={}, overrides=ttl))
+        no_metadata = settings_for(data_dir, **{"remote.backend": "mooncake", "remote.nodes": "127.0.0.1:1"})
+        with pytest.raises(FailedPrecondition, match="metadata_server"):
+            start_server(load_settings(env={}, overrides=no_metadata))
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)

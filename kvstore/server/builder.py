@@ -12,7 +12,7 @@ import logging
 import os
 
 from kvstore.errors import FailedPrecondition
-from kvstore.server.config import CODECS, Settings
+from kvstore.server.config import CODECS, RemoteSettings, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
 from kvstore.store.model import shared_key_name
@@ -184,6 +184,8 @@ def build_remote(settings: Settings) -> RemoteTier | None:
                     key_name=shared_key_name,
                 )
             )
+        if r.backend == "mooncake":
+            return _mooncake(r)
         from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
         from kvstore.tls import ClientTls
 
@@ -193,6 +195,39 @@ def build_remote(settings: Settings) -> RemoteTier | None:
         )
     except ValueError as exc:
         raise FailedPrecondition(f"[remote]: {exc}") from None
+
+
+def _mooncake(r: RemoteSettings) -> RemoteTier:
+    if len(r.nodes) != 1:
+        raise FailedPrecondition(
+            f"remote.backend = mooncake needs one remote.nodes: the master, got {r.nodes}"
+        )
+    if r.ttl_s > 0:
+        raise FailedPrecondition(
+            "remote.ttl_s: Mooncake has no per-key expiry; its eviction is the retention"
+        )
+    try:
+        import mooncake.store  # noqa: F401 - only whether it is there
+    except ImportError:
+        raise FailedPrecondition(
+            "remote.backend = mooncake needs the mooncake extra: pip install '.[mooncake]'"
+        ) from None
+    from tiers.mooncake import MooncakeConfig, MooncakeTier
+
+    return MooncakeTier(
+        MooncakeConfig(
+            master=r.nodes[0],
+            metadata_server=r.metadata_server,
+            local_hostname=r.local_hostname,
+            protocol=r.protocol,
+            rdma_devices=r.rdma_devices,
+            key_prefix=r.key_prefix,
+            timeout_s=r.timeout_s,
+            backoff_s=r.backoff_s,
+            max_backoff_s=r.max_backoff_s,
+            key_name=shared_key_name,
+        )
+    )
 
 
 def _secret(path: str, setting: str) -> str:

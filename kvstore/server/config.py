@@ -86,8 +86,10 @@ class HbmSettings:
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    backend: Literal["", "kvstore", "redis"] = ""  # the fleet's shared tier; "": none
-    nodes: tuple[str, ...] = ()  # host:port of the shared kvstore servers, or of Redis Cluster nodes
+    backend: Literal["", "kvstore", "redis", "mooncake"] = ""  # the fleet's shared tier; "": none
+    nodes: tuple[
+        str, ...
+    ] = ()  # host:port of the shared kvstore servers, Redis Cluster nodes, or the Mooncake master
     timeout_s: float = 1.0  # every remote call; a node past it reads as misses and backs off
     backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
     max_backoff_s: float = 30.0
@@ -98,6 +100,10 @@ class RemoteSettings:
     username: str = ""  # redis: an ACL user (limit it to ~<key_prefix><namespace>* per tenant)
     password_file: str = ""  # redis: a file holding its password (mode 0600)
     ttl_s: float = 0.0  # redis: expiry of each remote copy; 0 = none
+    metadata_server: str = ""  # mooncake: the transfer engine's metadata (http://host:port/metadata)
+    local_hostname: str = "127.0.0.1"  # mooncake: the address this sidecar's transfer engine advertises
+    protocol: str = "tcp"  # mooncake: tcp or rdma
+    rdma_devices: str = ""  # mooncake, with protocol rdma: the devices to use
 
 
 @dataclass(frozen=True)

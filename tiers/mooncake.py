@@ -1,0 +1,265 @@
+"""The ``mooncake`` remote tier: blocks in a Mooncake Store the user already runs.
+
+A sidecar joins the store as a client that contributes no memory of its own (a global segment of
+0 bytes): the blocks live in the segments of the store's storage nodes, placed and evicted by its
+master. Calls are Mooncake's batch calls, one per ``get_many``/``put_many``/``contains``:
+``get_batch``, ``put_batch``, ``batch_is_exist``, ``batch_remove``; ``delete_matching`` is one
+``remove_by_regex`` over the escaped prefix. Values are ``tiers.remote.frame`` output, checked on
+every read.
+
+Keys are strings: ``key_prefix``, then the store's shared name of the tier key (the tenant
+namespace in plain text, ``:``), then the rest of the key in hex, so a namespace's keys share a
+prefix that invalidation can match. Mooncake has no access control: a tenant's sidecar asks only
+for its own namespace, but anything that reaches the master can read every key (SECURITY.md).
+Mooncake has no per-key expiry either: retention is the store's own eviction.
+
+Failure (see ``tiers.remote``): Mooncake's client waits for a hung master or storage node
+without a bound, so every call runs on a small pool of threads and is waited for ``timeout_s``;
+past it the call reads as misses (writes dropped), is counted, and the store is skipped for the
+backoff. A call still stuck holds its thread; when every thread is held, calls fail at once
+instead of queueing behind them. A store that is down answers at once: ``batch_is_exist`` with
+errors (counted, and the backoff starts), ``get_batch`` with empty values (misses). The client
+is set up on first use, on the pool, so a sidecar starts while the store is down; Mooncake's
+setup holds the GIL while it retries (90 s measured against a dead master, every thread of the
+sidecar stopped meanwhile), so it is called only once the master accepts a connection and an
+HTTP metadata server answers within ``timeout_s``. A master that accepts connections but never
+answers at that moment still stalls the sidecar for Mooncake's own retry period
+(RELIABILITY.md).
+
+Threads: every method may be called from any thread; Mooncake's client is called only from the
+pool's threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tiers.base import BytesLike, TierKey
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, unframe
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_THREADS = 4
+_LOCAL_BUFFER_BYTES = 64 << 20  # the client's staging buffer for transfers
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    master: str  # host:port of the master's RPC service
+    metadata_server: str  # the transfer engine's metadata: "http://host:port/metadata", etcd, ...
+    local_hostname: str = "127.0.0.1"  # the address this client's transfer engine advertises
+    protocol: str = "tcp"  # or "rdma" (with rdma_devices)
+    rdma_devices: str = ""
+    key_prefix: str = "kvs:"
+    timeout_s: float = 1.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    key_name: Callable[[bytes], bytes] | None = None  # tier key (or a prefix of one) -> its name
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.master.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"the mooncake master is host:port, got {self.master!r}")
+        if not self.metadata_server:
+            raise ValueError("the mooncake tier needs metadata_server (http://host:port/metadata)")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol is tcp or rdma, got {self.protocol!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+class MooncakeTier(RemoteTier):
+    name = "mooncake"
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvstore-mooncake")
+        self._busy = 0  # calls on the pool, finished or not
+        self._store: Any = None  # MooncakeDistributedStore, set up on first use (on the pool)
+        self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
+        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0}
+        self._closed = False
+
+    # ----------------------------------------------------------------- the contract
+
+    def contains(self, keys: Sequence[TierKey]) -> list[bool]:
+        names = [self._key(k) for k in keys]
+        codes = self._call(lambda store: list(store.batch_is_exist(names))) if names else []
+        if codes is None:
+            return [False] * len(keys)
+        if any(c < 0 for c in codes):  # the store could not say: a master or node is gone
+            self._failed(f"batch_is_exist answered {min(codes)}")
+        return [c == 1 for c in codes]
+
+    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+        self._count("gets", len(keys))
+        names = [self._key(k) for k in keys]
+        values = self._call(lambda store: list(store.get_batch(names))) if names else []
+        if values is None:
+            return [None] * len(keys)
+        out: list[BytesLike | None] = []
+        corrupt: list[TierKey] = []
+        for key, value in zip(keys, values, strict=True):
+            payload = unframe(value, fingerprint) if value else None  # b"": not there
+            if payload is None and value:
+                corrupt.append(key)
+            out.append(payload)
+        if corrupt:
+            log.warning("mooncake tier: %d blocks failed their header check; deleted", len(corrupt))
+            self._count("checksum_failures", len(corrupt))
+            self.delete_many(corrupt)
+        self._count("hits", sum(p is not None for p in out))
+        return out
+
+    def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
+        if not blocks:
+            return 0
+        names = [self._key(b.key) for b in blocks]
+        values = [frame(b) for b in blocks]
+        code = self._call(lambda store: int(store.put_batch(names, values)))
+        if code is None:
+            return 0
+        if code != 0:  # refused (a full store, say): the whole batch is dropped
+            log.info("mooncake tier: put_batch of %d blocks answered %d; dropped", len(blocks), code)
+            self._count("failures", 1)
+            return 0
+        self._count("puts", len(blocks))
+        return len(blocks)
+
+    def delete_many(self, keys: Sequence[TierKey]) -> int:
+        names = [self._key(k) for k in keys]
+        # force: a block another sidecar is reading (its lease) goes too
+        codes = self._call(lambda store: list(store.batch_remove(names, True))) if names else []
+        return 0 if codes is None else sum(c == 0 for c in codes)
+
+    def delete_matching(self, prefix: bytes) -> int:
+        pattern = "^" + re.escape(self._key(prefix))
+        removed = self._call(lambda store: int(store.remove_by_regex(pattern, True)))
+        return max(0, removed or 0)
+
+    def usage(self) -> RemoteUsage:
+        with self._lock:
+            counts = dict(self._counts)
+        return RemoteUsage(self.name, nodes=1, nodes_down=int(not self._backoff.ready()), **counts)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        if store is not None:
+            # a hung store would hang close() too: it runs on the pool, not waited for
+            self._pool.submit(store.close)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _key(self, raw: bytes) -> str:
+        """``key_prefix``, then the plain part of the key's name (up to its first ``:``, which the
+        namespace's percent-encoding keeps out of it), then the rest in hex; with no
+        ``key_name``, the whole key in hex. Either way a prefix of a key names a prefix of its
+        string."""
+        if self.config.key_name is None:
+            return self.config.key_prefix + bytes(raw).hex()
+        plain, sep, rest = self.config.key_name(raw).partition(b":")
+        if not sep:  # a name without a plain part
+            return self.config.key_prefix + plain.hex()
+        return self.config.key_prefix + plain.decode("ascii") + ":" + rest.hex()
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _call(self, fn: Callable[[Any], _T]) -> _T | None:
+        """``fn(store)`` on the pool within ``timeout_s``; None when the store is in backoff,
+        every thread is held by a stuck call, or this one fails or runs past the deadline."""
+        if not self._backoff.ready():
+            return None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the mooncake tier is closed")
+            if self._busy >= _THREADS:
+                held = True
+            else:
+                held = False
+                self._busy += 1
+        if held:
+            self._failed("every client thread is held by a call the store has not answered")
+            return None
+        future: Future[_T] = self._pool.submit(self._run, fn)
+        try:
+            result = future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            self._failed(f"no answer within {self.config.timeout_s:.1f} s")
+            return None
+        except (RuntimeError, OSError) as exc:  # the binding's failures: setup, a closed client
+            self._failed(f"{type(exc).__name__}: {exc}")
+            return None
+        self._backoff.succeeded()
+        return result
+
+    def _run(self, fn: Callable[[Any], _T]) -> _T:
+        try:
+            return fn(self._connected())
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _connected(self) -> Any:
+        """The store client, set up on first use (on a pool thread)."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+        from mooncake.store import MooncakeDistributedStore  # the mooncake extra
+
+        c = self.config
+        _probe(c)  # setup holds the GIL while it retries a dead master (90 s measured): not blind
+        store = MooncakeDistributedStore()
+        code = store.setup(
+            c.local_hostname, c.metadata_server, 0, _LOCAL_BUFFER_BYTES, c.protocol, c.rdma_devices, c.master
+        )
+        if code != 0:
+            raise RuntimeError(f"the mooncake client's setup answered {code} (master {c.master})")
+        with self._lock:
+            if self._store is None and not self._closed:
+                self._store = store
+                return store
+        store.close()  # another thread set one up meanwhile, or the tier closed
+        with self._lock:
+            if self._store is None:
+                raise RuntimeError("the mooncake tier is closed")
+            return self._store
+
+    def _failed(self, why: str) -> None:
+        log.warning("mooncake tier: %s; backing off", why)
+        self._count("failures", 1)
+        self._backoff.failed()
+
+
+def _probe(config: MooncakeConfig) -> None:
+    """Raise OSError unless the master accepts a connection and an HTTP metadata server answers,
+    each within ``timeout_s``."""
+    host, _, port = config.master.rpartition(":")
+    socket.create_connection((host, int(port)), timeout=config.timeout_s).close()
+    url = urllib.parse.urlsplit(config.metadata_server)
+    if url.scheme not in ("http", "https"):
+        return  # etcd, P2PHANDSHAKE, ...: Mooncake's own business
+    try:
+        with urllib.request.urlopen(config.metadata_server + "?key=kvstore-probe", timeout=config.timeout_s):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answered: a missing key is a 404
