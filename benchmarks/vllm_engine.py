@@ -1,7 +1,7 @@
 """A vLLM CPU engine with the kvstore connector in its own process, driven over stdin/stdout
 (by the end-to-end tests and the calibration and decision benchmarks).
 
-    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE [PREFIX_CACHE]]]]
+    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE [PREFIX_CACHE [AUDIT_FRACTION]]]]]
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
             "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
             or {"metrics": true}
@@ -55,6 +55,7 @@ class Engine:
         calibration: str = "",
         tensor_parallel: int = 1,
         prefix_caching: bool = False,
+        audit_fraction: float = 0.0,
     ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         if tensor_parallel > 1:
@@ -76,6 +77,7 @@ class Engine:
                 calibration,
                 str(tensor_parallel),
                 "1" if prefix_caching else "0",
+                str(audit_fraction),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -164,12 +166,18 @@ def main() -> None:
     calibration = (sys.argv[4] if len(sys.argv) > 4 else "") or None
     tensor_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     prefix_caching = len(sys.argv) > 6 and sys.argv[6] == "1"
+    audit_fraction = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
     transfer = KVTransferConfig(
         kv_connector="KvstoreConnector",
         kv_connector_module_path="engine_plugin.vllm_connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"address": address, "policy": policy, "calibration": calibration},
+        kv_connector_extra_config={
+            "address": address,
+            "policy": policy,
+            "calibration": calibration,
+            "audit_fraction": audit_fraction,
+        },
     )
     llm = LLM(
         model=model,
@@ -227,7 +235,9 @@ def _connector_metrics() -> dict[str, float]:
             if sample.name.endswith(("_bucket", "_created")):
                 continue
             labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k in ("decision", "tier", "call")
+                f"{k}={v}"
+                for k, v in sorted(sample.labels.items())
+                if k in ("decision", "tier", "call", "result")
             )
             flat[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return flat

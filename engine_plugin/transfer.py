@@ -3,6 +3,7 @@
     transfer = BlockTransfer(caches, layouts, fingerprint, block_bytes, same_host=True)
     loaded = transfer.fetch(kv, keys, block_ids)       # blocks restored: a prefix of keys
     transfer.store(kv, keys, block_ids, parent)        # the blocks are stored (or were already)
+    transfer.compare(kv, keys, block_ids)              # per block: stored vs computed (audits)
 
 Same host (the sidecar's Unix socket, whose client maps its arena): ``fetch`` resolves the
 present prefix to arena slots, pinned under a lease, copies each slot straight into the engine's
@@ -22,6 +23,7 @@ expires on its own. Thread rules: one caller at a time (the worker's thread); ``
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -74,6 +76,38 @@ class BlockTransfer:
         kv_layout.synchronize(self._caches)
         kv.put(self._fingerprint, keys, [b.numpy().data for b in blocks], parent=parent)
 
+    def compare(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> list[float | None]:
+        """Per block, how far what kvstore holds under ``keys`` is from what the engine holds in
+        ``block_ids`` (computed just now): the largest absolute difference over the computed
+        block's largest magnitude, both read as the caches' dtype (0.0: identical; inf: not the
+        same size, not finite, or — for a non-float dtype — any byte differs). None for a block
+        kvstore does not hold (the present prefix is compared)."""
+        stored = self._stored_copies(kv, keys)
+        out: list[float | None] = []
+        for i, block_id in enumerate(block_ids):
+            if i >= len(stored):
+                out.append(None)
+                continue
+            computed = torch.empty(self._block_bytes, dtype=torch.uint8)
+            kv_layout.gather(self._block_views(block_id), computed)
+            kv_layout.synchronize(self._caches)
+            out.append(_difference(stored[i], computed, self._caches[0].dtype))
+        return out
+
+    def _stored_copies(self, kv: Client, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        """The present prefix of ``keys`` as host copies (an arena view does not outlive a call)."""
+        if not self._same_host:
+            return [
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                for data in kv.get(self._fingerprint, keys)
+            ]
+        resolved = kv.resolve(self._fingerprint, keys)
+        try:
+            return [torch.frombuffer(view, dtype=torch.uint8).clone() for view in resolved.views]
+        finally:
+            if resolved.lease_id:
+                _release_after_load(kv, resolved.lease_id)
+
     def _fetch_from_arena(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         resolved = kv.resolve(self._fingerprint, keys)
         try:
@@ -111,3 +145,19 @@ def _release_after_load(kv: Client, lease_id: int) -> None:
         kv.release(lease_id)
     except KvStoreError as exc:
         log.debug("releasing lease %d after a load: %s", lease_id, exc)
+
+
+def _difference(stored: torch.Tensor, computed: torch.Tensor, dtype: torch.dtype) -> float:
+    """See ``BlockTransfer.compare``: both are whole blocks of bytes."""
+    if stored.numel() != computed.numel():
+        return math.inf
+    if not dtype.is_floating_point or computed.numel() % dtype.itemsize:
+        return 0.0 if torch.equal(stored, computed) else math.inf
+    a, b = stored.view(dtype).float(), computed.view(dtype).float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return math.inf
+    largest = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    if largest == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / largest

@@ -9,8 +9,18 @@ Load it with::
         kv_load_failure_policy="recompute",   # a failed or missing block is recomputed
         kv_connector_extra_config={"address": "unix:///.../kvstore.sock", "token": None,
                                    "calibration": "/path/calibration.json",
-                                   "policy": "auto"},   # or "restore" / "recompute" (benchmarks)
+                                   "policy": "auto",    # or "restore" / "recompute" (benchmarks)
+                                   "audit_fraction": 0.0, "audit_tolerance": 0.02},
     )
+
+Audited hits: ``audit_fraction`` of the requests whose plan would restore blocks recompute them
+instead, and each worker compares the KV it computed with the blocks kvstore holds under the same
+keys (the largest difference over the block's largest magnitude, ``audit_tolerance``: 0.02 by
+default, several times bf16's rounding). One mismatch trips the kill switch: no more restores or
+saves for this model until the engine restarts, its blocks invalidated on the sidecar, the
+reason logged as an error; the counts and differences are on vLLM's metrics
+(``kvstore_connector_audited_blocks_total``, ``kvstore_connector_audit_difference``,
+``kvstore_connector_restores_disabled``).
 
 One request can override the policy: ``SamplingParams(extra_args={"kv_transfer_params":
 {"kvstore_policy": "restore"}})`` (the decision benchmark compares the three in one engine).
@@ -97,6 +107,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PREFILL", "DEFAULT_TIERS", "ConnectorConfig", "KvstoreConnector"]
 
+AUDIT_TOLERANCE = 0.02
+
 # Under vLLM's logger tree, so that the connector shows up in the engine's own log at its level.
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -110,6 +122,8 @@ class ConnectorConfig:
     tls: ClientTls | None  # TCP addresses only
     calibration_path: str  # "": the built-in defaults
     policy: Policy
+    audit_fraction: float = 0.0  # share of would-be restores recomputed and compared instead
+    audit_tolerance: float = AUDIT_TOLERANCE  # an audited block differing by more is a mismatch
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -129,6 +143,8 @@ class ConnectorConfig:
             tls,
             str(extra.get("calibration") or ""),
             parse_policy(extra.get("policy", "auto")),
+            _share(extra, "audit_fraction", 0.0),
+            _share(extra, "audit_tolerance", AUDIT_TOLERANCE),
         )
 
     @property
@@ -143,6 +159,17 @@ class ConnectorConfig:
         if self.calibration_path:
             return Calibration.load(self.calibration_path)
         return Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL)
+
+
+def _share(extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config {name!r} is a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"kv_connector_extra_config {name!r} is a number in [0, 1], got {share}")
+    return share
 
 
 def _tp_rank() -> int:
@@ -169,14 +196,22 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             identity = identities[0]
             link = SidecarLink(config.address, config.connect, identities, stats.add_unreachable)
             self._scheduler = SchedulerSide(
-                link, stats, identities, block_size, config.calibration(), config.policy
+                link,
+                stats,
+                identities,
+                block_size,
+                config.calibration(),
+                config.policy,
+                config.audit_fraction,
             )
         else:
             rank = _tp_rank()
             identity = identity_from_vllm(vllm_config, tp_rank=rank)
             link = SidecarLink(config.address, config.connect, [identity], stats.add_unreachable)
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
-            self._worker = WorkerSide(link, stats, identity, rank, config.same_host, num_blocks)
+            self._worker = WorkerSide(
+                link, stats, identity, rank, config.same_host, num_blocks, config.audit_tolerance
+            )
         # The whole fingerprint and what it digests: an operator invalidates by it
         # (`kvstore invalidate --fingerprint`) and can see why two engines do not share blocks.
         log.info(

@@ -2,8 +2,8 @@
 
 ``engine_plugin.vllm_scheduler`` builds one ``KvstoreConnectorMetadata`` per step in
 ``build_connector_meta``; vLLM binds it on every worker before the step's forward pass, where
-``engine_plugin.vllm_worker`` reads it (loads before the forward pass, saves and the step's
-timing after it). It is plain data (lists, ints, strings, bytes): vLLM serializes it to worker
+``engine_plugin.vllm_worker`` reads it (loads before the forward pass, saves, audits and the
+step's timing after it). It is plain data (lists, ints, strings, bytes): vLLM serializes it to worker
 processes. Every tensor-parallel rank gets the same metadata and moves only its own shard.
 """
 
@@ -35,5 +35,7 @@ class TransferJob:
 class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[TransferJob] = field(default_factory=list)
     saves: list[TransferJob] = field(default_factory=list)
+    # blocks just computed that kvstore also holds: compare the two (``audit_fraction``)
+    audits: list[TransferJob] = field(default_factory=list)
     # (tokens computed before this step, tokens computed in it) of every scheduled request
     steps: list[tuple[int, int]] = field(default_factory=list)

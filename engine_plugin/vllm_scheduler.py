@@ -38,6 +38,13 @@ not counted.
 Saves: each step, the prompt's full blocks computed by the end of the step that kvstore does not
 hold yet (neither vLLM's own nor hits) go into the metadata once, for the worker to save.
 
+Audits (``audit_fraction``, a share of the requests whose plan restores something): the plan's
+restore is not made; the request is recomputed, and as its restorable blocks are computed they go
+into the metadata once, for the workers to compare with what kvstore holds (no decision is
+recorded for it). A worker that finds a block differing beyond its tolerance reports it, and the
+kill switch trips: no lookups, restores or saves for this model until the engine restarts, its
+blocks invalidated on the sidecar, the reason logged (``restores_off``).
+
 The plan (``kvstore.cost_model.plan_restore``) uses the calibration's current costs
 (re-read when its file changes; updated from the workers' ``ObservedWork``), unless the
 policy — the connector's, or a request's ``kv_transfer_params["kvstore_policy"]`` — forces
@@ -48,13 +55,20 @@ shard, so the plan takes the shortest hit over the ranks and, per block, the slo
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from engine_plugin.calibration import Calibration
-from engine_plugin.sidecar import SidecarLink, load_deadline_s, lookup_deadline_s, save_deadline_s
+from engine_plugin.sidecar import (
+    LOOKUP_CAP_S,
+    SidecarLink,
+    load_deadline_s,
+    lookup_deadline_s,
+    save_deadline_s,
+)
 from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
@@ -123,6 +137,15 @@ class _Load:
 
 
 @dataclass
+class _Audit:
+    """Hit blocks the plan would restore, recomputed instead and compared as they are computed."""
+
+    next_block: int  # the first not yet sent to the workers
+    end_block: int
+    timeout_s: float
+
+
+@dataclass
 class _Request:
     req_id: str
     rank_keys: list[list[BlockKey]]
@@ -130,6 +153,7 @@ class _Request:
     saved_blocks: int  # blocks before this one are in kvstore (vLLM's own, hits, or saved)
     load: _Load | None = None
     decision: DecisionRecord | None = None
+    audit: _Audit | None = None
 
 
 class SchedulerSide:
@@ -143,9 +167,16 @@ class SchedulerSide:
         block_size: int,
         calibration: Calibration,
         policy: Policy,
+        audit_fraction: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
+        if not 0.0 <= audit_fraction <= 1.0:
+            raise ValueError(f"audit_fraction is a share of restores, in [0, 1]: got {audit_fraction}")
         self.calibration = calibration
         self.policy = policy
+        self.audit_fraction = audit_fraction
+        self._rng = rng or random.Random()
+        self.restores_off = ""  # why, once an audit found stored KV that differs: no restores, no saves
         self._link = link
         self._stats = stats
         self._block_size = block_size
@@ -175,7 +206,7 @@ class SchedulerSide:
         tracked = _Request(request.request_id, rank_keys, [], saved_blocks=0)
         self._requests[request.request_id] = tracked
         # vLLM presents its local hit in whole blocks; anything else would not line up with ours.
-        if not rank_keys[0] or num_computed_tokens % self._block_size:
+        if not rank_keys[0] or num_computed_tokens % self._block_size or self.restores_off:
             return 0, False
         local = num_computed_tokens
         local_blocks = local // self._block_size
@@ -201,6 +232,13 @@ class SchedulerSide:
         )
         tracked.saved_blocks = local_blocks + hit.hit_blocks
         load_blocks = plan.restore_blocks
+        if load_blocks and self.audit_fraction and self._rng.random() < self.audit_fraction:
+            # recompute what the plan would restore, and have the workers compare the two
+            timeout_s = load_deadline_s(plan.all_recompute_s)
+            tracked.audit = _Audit(local_blocks, local_blocks + load_blocks, timeout_s)
+            tracked.decision = None  # not the plan's outcome: no decision is measured
+            self._link.release(hit.lease_ids)
+            return 0, False
         if load_blocks:
             timeout_s = load_deadline_s(plan.all_recompute_s)
             tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids)
@@ -268,6 +306,7 @@ class SchedulerSide:
             scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._add_step(meta, tracked, new.num_computed_tokens, scheduled)
             self._add_save(meta, tracked, new.num_computed_tokens + scheduled)
+            self._add_audit(meta, tracked, new.num_computed_tokens + scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
@@ -282,6 +321,7 @@ class SchedulerSide:
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._add_step(meta, tracked, cached.num_computed_tokens[i], scheduled)
             self._add_save(meta, tracked, cached.num_computed_tokens[i] + scheduled)
+            self._add_audit(meta, tracked, cached.num_computed_tokens[i] + scheduled)
         return meta
 
     def _add_step(
@@ -296,7 +336,7 @@ class SchedulerSide:
         Those vLLM held itself were saved when it computed them (or restored from kvstore)."""
         first = tracked.saved_blocks
         last = min(done_tokens // self._block_size, len(tracked.rank_keys[0]), len(tracked.block_ids))
-        if last > first:
+        if last > first and not self.restores_off:
             parents = [keys[first - 1] if first else None for keys in tracked.rank_keys]
             rank_keys = [keys[first:last] for keys in tracked.rank_keys]
             timeout_s = save_deadline_s((last - first) * self._block_bytes)
@@ -304,6 +344,21 @@ class SchedulerSide:
                 TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents)
             )
             tracked.saved_blocks = last
+
+    def _add_audit(self, meta: KvstoreConnectorMetadata, tracked: _Request, done_tokens: int) -> None:
+        """Send the audited blocks computed by the end of this step, once, for comparison."""
+        audit = tracked.audit
+        if audit is None:
+            return
+        last = min(done_tokens // self._block_size, audit.end_block, len(tracked.block_ids))
+        if last > audit.next_block:
+            first, audit.next_block = audit.next_block, last
+            rank_keys = [keys[first:last] for keys in tracked.rank_keys]
+            meta.audits.append(
+                TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], audit.timeout_s)
+            )
+        if audit.next_block >= audit.end_block:
+            tracked.audit = None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         observed = connector_output.kv_connector_worker_meta
@@ -313,6 +368,9 @@ class SchedulerSide:
             for prefix, new, seconds in observed.prefills:
                 self.calibration.observe_prefill(prefix, new, seconds)
             self._calibration_changed = True
+            for req_id, _agree, mismatch, largest in observed.audits:
+                if mismatch and not self.restores_off:
+                    self._stop_restoring(req_id, mismatch, largest)
         for tracked in self._requests.values():
             if tracked.load is not None and tracked.load.sent:
                 self._unpin(tracked)
@@ -325,6 +383,27 @@ class SchedulerSide:
             self._unpin(tracked)
             self._close_decision(tracked)
         return False, None
+
+    def _stop_restoring(self, req_id: str, mismatch: int, largest: float) -> None:
+        """The kill switch: stored KV differs from recomputing it, so what kvstore holds of this
+        model cannot be trusted. No more restores or saves (until the engine restarts), and its
+        blocks are invalidated on the sidecar."""
+        self.restores_off = (
+            f"the audit of request {req_id} found {mismatch} stored blocks that differ from "
+            f"recomputing them (largest difference {largest:.3g} of the block's magnitude)"
+        )
+        self._stats.set_restores_off()
+
+        def invalidate(kv: Client) -> int:
+            return sum(kv.invalidate(fp) for fp in self._fingerprints)
+
+        removed = self._link.call("invalidate", LOOKUP_CAP_S, invalidate)
+        log.error(
+            "kvstore connector: %s; restoring and saving stop for this model until the engine "
+            "restarts, and its %s blocks were invalidated on the sidecar",
+            self.restores_off,
+            "?" if removed is None else removed,
+        )
 
     def _unpin(self, tracked: _Request) -> None:
         load, tracked.load = tracked.load, None

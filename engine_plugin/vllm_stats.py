@@ -20,7 +20,12 @@ Two channels, both vLLM's own:
       kvstore_connector_restored_bytes_total{tier}, kvstore_connector_restore_seconds{tier}
       kvstore_connector_load_failed_blocks_total
       kvstore_connector_saved_blocks_total, kvstore_connector_failed_save_blocks_total
-      kvstore_connector_sidecar_unreachable_total{call="lookup"|"load"|"save"|"release"}
+      kvstore_connector_audited_blocks_total{result="agree"|"mismatch"}
+      kvstore_connector_audit_difference     (histogram: per audited block, the largest difference
+                                              between stored and recomputed KV over the block's
+                                              largest magnitude)
+      kvstore_connector_restores_disabled    (gauge: 1 once an audit found a mismatch)
+      kvstore_connector_sidecar_unreachable_total{call="lookup"|"load"|"save"|"release"|"audit"}
                                     (calls that timed out, found no sidecar, or were not made
                                      while the circuit breaker was open)
       kvstore_connector_tier_bandwidth_bytes_per_second{tier},
@@ -48,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 DECISIONS = ("restore", "partial", "recompute")
 TTFT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 RATIO_BUCKETS = [0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0]
+AUDIT_BUCKETS = [0.0, 1e-6, 1e-4, 1e-3, 4e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
 
 
 @dataclass
@@ -56,12 +62,19 @@ class ObservedWork(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     transfers: list[tuple[str, int, float]] = field(default_factory=list)  # tier, bytes, seconds
     prefills: list[tuple[int, int, float]] = field(default_factory=list)  # prefix, new tokens, seconds
+    # req_id, blocks that agree, blocks that do not, the largest difference seen
+    audits: list[tuple[str, int, int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, ObservedWork):
             # Tensor-parallel ranks move their own shards at the same time: one restore each.
-            return ObservedWork(self.transfers + other.transfers, self.prefills + other.prefills)
+            return ObservedWork(
+                self.transfers + other.transfers, self.prefills + other.prefills, self.audits + other.audits
+            )
         return self
+
+    def __bool__(self) -> bool:
+        return bool(self.transfers or self.prefills or self.audits)
 
 
 def _empty() -> dict[str, Any]:
@@ -73,6 +86,9 @@ def _empty() -> dict[str, Any]:
         "failed_save_blocks": 0,
         "unreachable": {},
         "calibration": {},
+        "audited": {},  # "agree" | "mismatch" -> blocks
+        "audit_differences": [],
+        "restores_off": False,
     }
 
 
@@ -154,6 +170,23 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
     def add_unreachable(self, call: str, calls: int = 1) -> None:
         self.unreachable[call] = self.unreachable.get(call, 0) + calls
 
+    @property
+    def audited(self) -> dict[str, int]:
+        return cast(dict[str, int], self.data["audited"])
+
+    @property
+    def audit_differences(self) -> list[float]:
+        return cast(list[float], self.data["audit_differences"])
+
+    def add_audit(self, agree: int, mismatch: int, differences: list[float]) -> None:
+        for result, blocks in (("agree", agree), ("mismatch", mismatch)):
+            if blocks:
+                self.audited[result] = self.audited.get(result, 0) + blocks
+        self.audit_differences.extend(differences)
+
+    def set_restores_off(self) -> None:
+        self.data["restores_off"] = True
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if isinstance(other, KvstoreConnectorStats):
             self.decisions.extend(other.decisions)
@@ -163,6 +196,11 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
             self.add_failed_save(other.failed_save_blocks)
             for call, calls in other.unreachable.items():
                 self.add_unreachable(call, calls)
+            self.add_audit(
+                other.audited.get("agree", 0), other.audited.get("mismatch", 0), other.audit_differences
+            )
+            if other.data["restores_off"]:
+                self.set_restores_off()
             if other.calibration:
                 self.data["calibration"] = other.calibration  # the latest one counts
         return self
@@ -176,6 +214,8 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
             or self.failed_save_blocks
             or self.unreachable
             or self.calibration
+            or self.audited
+            or self.data["restores_off"]
         )
 
     def reduce(self) -> dict[str, int | float]:
@@ -197,6 +237,9 @@ class KvstoreConnectorStats(KVConnectorStats):  # type: ignore[misc]
         out["saved_blocks"] = self.saved_blocks
         out["failed_save_blocks"] = self.failed_save_blocks
         out["sidecar_unreachable"] = sum(self.unreachable.values())
+        if self.audited:
+            out["audited_agree"] = self.audited.get("agree", 0)
+            out["audited_mismatch"] = self.audited.get("mismatch", 0)
         if self.calibration:
             fixed, token, pair = self.calibration["prefill"]
             out["predicted_prefill_1k_tokens_ms"] = round(
@@ -283,6 +326,22 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             "Sidecar calls that timed out or failed, or were not made while the breaker was open.",
             by_call,
         )
+        self.audited = counter(
+            "audited_blocks",
+            "Restorable blocks recomputed instead and compared with what kvstore holds.",
+            [*labelnames, "result"],
+        )
+        self.audit_difference = histogram(
+            "audit_difference",
+            "Per audited block: largest |stored - recomputed| over the block's largest magnitude.",
+            labelnames,
+            AUDIT_BUCKETS,
+        )
+        self.restores_disabled = gauge(
+            "restores_disabled",
+            "1 once an audit found stored KV that differs: no restores, no saves.",
+            labelnames,
+        )
         self.tier_bandwidth = gauge(
             "tier_bandwidth_bytes_per_second",
             "Restore bandwidth per tier the cost model uses now (calibrated, updated online).",
@@ -329,6 +388,12 @@ class KvstorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self.failed_saves.labels(*labels).inc(transfer_stats_data["failed_save_blocks"])
         for call, calls in transfer_stats_data.get("unreachable", {}).items():
             self.unreachable.labels(*labels, call).inc(calls)
+        for result, blocks in transfer_stats_data.get("audited", {}).items():
+            self.audited.labels(*labels, result).inc(blocks)
+        for difference in transfer_stats_data.get("audit_differences", []):
+            self.audit_difference.labels(*labels).observe(difference)
+        if transfer_stats_data.get("restores_off"):
+            self.restores_disabled.labels(*labels).set(1)
         calibration = transfer_stats_data.get("calibration")
         if calibration:
             for tier, (bandwidth, latency) in calibration["tiers"].items():

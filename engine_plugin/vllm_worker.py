@@ -6,7 +6,7 @@ its model-runner thread only (no locks), in this order:
     register_kv_caches(kv_caches)       once, before any step
     step_started()                      each step, as its metadata is bound (before the forward)
     start_load_kv(meta)                 before the forward pass: the step's loads
-    wait_for_save(meta)                 after it: the step's saves and its prefill timing
+    wait_for_save(meta)                 after it: the step's saves, audits and prefill timing
     build_connector_worker_meta()       the step's measurements, for the scheduler's calibration
     get_block_ids_with_load_errors()    the blocks vLLM must recompute
     get_stats()                         the figures since the last call, for vLLM's stat loggers
@@ -16,6 +16,10 @@ Loads and saves move only this rank's shard (its keys in each ``TransferJob``), 
 inside the link's deadline for each job. Every failure — sidecar down or hung, block missing,
 corrupt — leaves the blocks not loaded to vLLM's recompute (``get_block_ids_with_load_errors``),
 never wrong output; a save that fails is skipped and counted.
+
+Audits (``audit_fraction``): for an audited request the scheduler planned no load; once its
+blocks are computed, each is compared with the block kvstore holds under the same key
+(``BlockTransfer.compare``); one that differs by more than ``audit_tolerance`` is a mismatch.
 
 Measurements (``ObservedWork``): every load whose blocks came from one tier (tier, bytes,
 seconds), and the forward pass of a step that prefills one request alone (prefix tokens, new
@@ -51,8 +55,10 @@ class WorkerSide:
         rank: int,
         same_host: bool,
         num_blocks: int | None,
+        audit_tolerance: float = 0.0,
     ) -> None:
         self._link = link
+        self._audit_tolerance = audit_tolerance  # an audited block differing by more: a mismatch
         self._stats = stats
         self._identity = identity
         self._rank = rank
@@ -132,6 +138,32 @@ class WorkerSide:
                 self._stats.add_saved(len(save.block_ids))
             else:  # failed, refused, or the breaker is open: these blocks stay unsaved
                 self._stats.add_failed_save(len(save.block_ids))
+        for audit in meta.audits:
+            self._audit(audit)
+
+    def _audit(self, audit: TransferJob) -> None:
+        """Compare blocks just computed with what kvstore holds under their keys; count the
+        agreements and mismatches, and tell the scheduler (its kill switch)."""
+        transfer = self._registered()
+        keys = audit.rank_keys[self._rank]
+        found = self._link.call(
+            "audit", audit.timeout_s, lambda kv: transfer.compare(kv, keys, audit.block_ids)
+        )
+        differences = [d for d in found or [] if d is not None]
+        if not differences:
+            return  # the sidecar is out, or no longer holds them: nothing was compared
+        mismatch = sum(d > self._audit_tolerance for d in differences)
+        self._stats.add_audit(len(differences) - mismatch, mismatch, differences)
+        self._observed.audits.append((audit.req_id, len(differences) - mismatch, mismatch, max(differences)))
+        log.info(
+            "request %s: audited %d restorable blocks against recomputing them: %d differ beyond %.3g "
+            "(largest difference %.3g of the block's magnitude)",
+            audit.req_id,
+            len(differences),
+            mismatch,
+            self._audit_tolerance,
+            max(differences),
+        )
 
     def _save(self, save: TransferJob) -> bool:
         """True once the blocks are stored (or were already)."""
@@ -150,7 +182,7 @@ class WorkerSide:
         return self._transfer
 
     def build_connector_worker_meta(self) -> ObservedWork | None:
-        if not (self._observed.transfers or self._observed.prefills):
+        if not self._observed:
             return None
         observed, self._observed = self._observed, ObservedWork()
         return observed

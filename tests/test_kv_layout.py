@@ -116,3 +116,24 @@ def test_cuda_caches_restore_from_pinned_host_bytes(make: Callable[[str], list[t
         kv_layout.block_views(caches, layouts, 4), kv_layout.block_views(caches, layouts, 1), strict=True
     ):
         assert torch.equal(a, b)
+
+
+def test_an_audit_difference_is_zero_for_the_same_block_and_large_for_another() -> None:
+    from engine_plugin.transfer import _difference
+
+    block = torch.randn(4, 64, dtype=torch.bfloat16)
+    same = block.view(torch.uint8).flatten().clone()
+    assert _difference(same, same.clone(), torch.bfloat16) == 0.0
+    nudged = block.clone()
+    nudged[0, 0] = nudged[0, 0] + block.abs().max() * 0.5
+    assert 0.2 < _difference(nudged.view(torch.uint8).flatten(), same, torch.bfloat16) < 1.0
+    other = torch.randn(4, 64, dtype=torch.bfloat16).view(torch.uint8).flatten()
+    assert _difference(other, same, torch.bfloat16) > 0.1
+    assert _difference(same[:-2], same, torch.bfloat16) == float("inf")  # not the same size
+    nan = block.clone()
+    nan[1, 1] = float("nan")
+    assert _difference(nan.view(torch.uint8).flatten(), same, torch.bfloat16) == float("inf")
+    assert _difference(same, same, torch.int8) == 0.0  # not a float: bytes, exactly
+    flipped = same.clone()
+    flipped[3] ^= 1
+    assert _difference(flipped, same, torch.int8) == float("inf")

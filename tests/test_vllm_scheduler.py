@@ -21,7 +21,7 @@ from engine_plugin.breaker import CircuitBreaker
 from engine_plugin.calibration import Calibration
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide
-from engine_plugin.vllm_stats import KvstoreConnectorStats
+from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Lookup
 from kvstore.cost_model import PrefillModel, TierCost
 from kvstore.errors import Unavailable
@@ -80,7 +80,9 @@ class StoreClient:
 class Harness:
     """One scheduler side on a two-tier store (``hbm`` on the CPU above ``dram``)."""
 
-    def __init__(self, tiers: dict[str, TierCost], policy: Policy = "auto") -> None:
+    def __init__(
+        self, tiers: dict[str, TierCost], policy: Policy = "auto", audit_fraction: float = 0.0
+    ) -> None:
         self.store = TieredStore(
             [
                 HbmTier(HbmConfig(capacity_bytes=32 * PAGE, page_bytes=PAGE, device="cpu")),
@@ -93,7 +95,7 @@ class Harness:
             "unix:///fake.sock", lambda: self.client, [MODEL], self.stats.add_unreachable, CircuitBreaker()
         )
         calibration = Calibration(tiers, PREFILL)
-        self.side = SchedulerSide(link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy)
+        self.side = SchedulerSide(link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy, audit_fraction)
 
     def put(self, blocks: int, tier: str = "hbm", fast_head: int = 0) -> list[BlockKey]:
         """Store the prompt's first ``blocks`` blocks in ``tier``, but the first ``fast_head``
@@ -136,8 +138,8 @@ class Harness:
         )
         return self.side.build_connector_meta(output)
 
-    def step_done(self) -> None:
-        self.side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+    def step_done(self, observed: ObservedWork | None = None) -> None:
+        self.side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=observed))
 
     def finish(self, request: SimpleNamespace) -> None:
         assert self.side.request_finished(request) == (False, None)
@@ -312,3 +314,66 @@ def test_a_sidecar_that_is_down_gives_no_external_tokens(harness: Harness) -> No
     harness.finish(r)
     [decision] = harness.decisions()
     assert decision["decision"] == "recompute" and decision["hit_tokens"] == 0
+
+
+def test_an_audit_recomputes_the_hit_and_sends_its_blocks_for_comparison_as_they_are_computed() -> None:
+    h = Harness({"hbm": FAST, "dram": SLOW}, audit_fraction=1.0)
+    try:
+        keys = h.put(8)
+        r = request()
+        assert h.ask(r) == 0  # the plan would restore 8 blocks: audited, so recomputed
+        assert h.leases() == 0  # nothing to load: the pin went at once
+        h.alloc(r, 0)
+        first = h.schedule(r, computed=0, scheduled=3 * BLOCK_SIZE + 7)  # a chunk: 3 blocks done
+        assert first.loads == [] and first.saves == []  # held already: nothing to save either
+        [audit] = first.audits
+        assert audit.rank_keys == [keys[:3]] and audit.block_ids == [0, 1, 2]
+        h.step_done(ObservedWork(audits=[("r1", 3, 0, 0.0)]))  # they agree
+        cached = SimpleNamespace(
+            req_ids=["r1"],
+            new_block_ids=[None],
+            num_computed_tokens=[3 * BLOCK_SIZE + 7],
+            resumed_req_ids=set(),
+        )
+        output = SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": len(PROMPT)}
+        )
+        [rest] = h.side.build_connector_meta(output).audits  # the next chunk: the other 5, once
+        assert rest.rank_keys == [keys[3:8]] and rest.block_ids == [3, 4, 5, 6, 7]
+        assert h.side.build_connector_meta(output).audits == []
+        h.step_done()
+        assert h.decisions() == []  # an audit is not a measured decision
+        assert not h.side.restores_off
+    finally:
+        h.close()
+
+
+def test_a_mismatch_stops_lookups_restores_and_saves_and_invalidates() -> None:
+    h = Harness({"hbm": FAST, "dram": SLOW}, audit_fraction=1.0)
+    invalidated: list[bytes] = []
+    h.client.invalidate = lambda fp: invalidated.append(fp) or 8  # type: ignore[attr-defined]
+    try:
+        h.put(8)
+        r = request()
+        assert h.ask(r) == 0
+        h.alloc(r, 0)
+        h.schedule(r, computed=0, scheduled=len(PROMPT))
+        h.step_done(ObservedWork(audits=[("r1", 6, 2, 0.8)]))
+        assert "found 2 stored blocks that differ" in h.side.restores_off
+        assert invalidated == [FP]
+        stats = h.side.get_stats()
+        assert stats is not None and stats.data["restores_off"]
+        h.finish(r)
+        lookups = h.client.lookups
+        again = request("r2")
+        assert h.ask(again) == 0 and h.client.lookups == lookups  # not even asked
+        h.alloc(again, 0)
+        meta = h.schedule(again, computed=0, scheduled=len(PROMPT))
+        assert meta.loads == [] and meta.saves == [] and meta.audits == []
+    finally:
+        h.close()
+
+
+def test_audit_fraction_outside_zero_to_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="audit_fraction"):
+        Harness({"hbm": FAST}, audit_fraction=1.5)
