@@ -30,6 +30,16 @@ two in each round instead would be biased against the plan wherever the two are 
 minimum of two noisy times is lower than either's typical time.) Target: plan <= 1.05x the
 better of restore and recompute, in every case.
 
+Near the crossover, where the plan's precision matters: the prefix's head (its first half) in
+`dram`, unthrottled, and its tail in `nvme`, throttled at 0.5x, 1x and 2x of the tail's measured
+crossover (the bandwidth at which restoring the tail takes what recomputing it does, from the
+measured prefill curve and block size). There a partial plan — restore the head, recompute the
+tail — is possible; below the crossover it should win. Before each restore-capable run the
+sidecar demotes every block out of `dram` and reads the head back in, so each run starts from
+the same split. Targets there: wherever a partial plan was faster than both pure strategies,
+the plan at least 10% faster than the better of them (<= 0.9x); and, as everywhere, never more
+than 1.05x.
+
 A second, noise-free figure: whether the plan took the action (restore everything, restore
 part, recompute) of the policy that measured faster, counting a case where restore and
 recompute came within 5% of each other as agreeing either way. The engine's own
@@ -57,7 +67,9 @@ from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from engine_plugin.vllm_connector import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.client import Client, connect
+from kvstore.cost_model import PrefillModel
 from kvstore.errors import FailedPrecondition
+from kvstore.keys import Fingerprint, block_keys
 from kvstore.model_folder import block_bytes_of
 
 SUFFIX_TOKENS = 64
@@ -76,15 +88,24 @@ class Sweep:
     max_rounds: int = 40
     prefill_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 3072)
     model_size: str = "small"
+    # head in dram, tail in nvme throttled at these multiples of the tail's crossover bandwidth
+    mixed_lengths: tuple[int, ...] = ()
+    crossover_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
 
 
-QUICK = Sweep(lengths=(512, 1536, 3008), throttles=(0, 80_000_000, 20_000_000), case_budget_s=7.0)
+QUICK = Sweep(
+    lengths=(512, 1536, 3008),
+    throttles=(0, 80_000_000, 20_000_000),
+    case_budget_s=7.0,
+    mixed_lengths=(1536, 3008),
+)
 FULL = Sweep(
     lengths=(256, 512, 1024, 1536, 2048, 3008),
     throttles=(0, 160_000_000, 80_000_000, 40_000_000, 20_000_000, 10_000_000),
     rounds=6,
     case_budget_s=25.0,
     max_rounds=100,
+    mixed_lengths=(1024, 2048, 3008),
 )
 # Every order of the three policies in turn, the three rotations of one cycle first: each policy
 # runs in each position, and after each other one, equally often (what ran just before, and what
@@ -104,6 +125,12 @@ def _tokens(length: int, seed: int) -> list[int]:
 
 def _label(throttle: int) -> str:
     return f"{throttle / 1e6:.0f} MB/s" if throttle else "unthrottled"
+
+
+def _where(case: dict[str, object]) -> str:
+    if case["tier"] == "mixed":
+        return f"head in dram, tail in nvme at {_label(int(str(case['throttle'])))}"
+    return f"{case['tier']}, {_label(int(str(case['throttle'])))}"
 
 
 def run_decisions(
@@ -162,6 +189,27 @@ def run_decisions(
                         results.append(_result(case))
                         console.print(f"[dim]  {results[-1].metric}: {results[-1].ratio:.2f}x[/]")
                         admin.invalidate(everything=True)  # the next case starts from empty tiers
+        for factor in sweep.crossover_factors if sweep.mixed_lengths else ():
+            for length in sweep.mixed_lengths:
+                throttle = int(factor * crossover_bytes_per_s(prefill, block_bytes, length))
+                settings = {"dram.throttle_bytes_per_s": "0", "nvme.throttle_bytes_per_s": str(throttle)}
+                console.print(f"[dim]{length}-token prefix, nvme tail at {factor}x its crossover: tiers …[/]")
+                many = max(16, (16 << 20) // block_bytes)
+                tiers = measure_tiers(block_bytes, many=many, reps=2, settings=settings)
+                Calibration(tiers, prefill, points).save(
+                    calibration_path, {"nvme_throttle_bytes_per_s": throttle}
+                )
+                server.restart(settings)
+                seed += 1
+                engine.generate(_tokens(SUFFIX_TOKENS, 20_000 + seed), max_tokens=1)
+                with connect(server.unix) as admin:
+                    seed += 1
+                    case = _run_case(engine, admin, "mixed", length, seed, sweep)
+                    case.update(tier="mixed", throttle=throttle, length=length, crossover_factor=factor)
+                    curves.append(case)
+                    results.append(_result(case))
+                    console.print(f"[dim]  {results[-1].metric}: {results[-1].ratio:.2f}x[/]")
+                    admin.invalidate(everything=True)
     finally:
         if engine is not None:
             engine.close()
@@ -171,6 +219,7 @@ def run_decisions(
     agreeing = sum(1 for case in curves if _agrees(case))
     elapsed = time.monotonic() - started
     results.extend(_prediction_rows(curves))
+    results.extend(_partial_rows(curves))
     results.append(
         Result(
             "plan took the faster policy's action",
@@ -208,6 +257,7 @@ def _run_case(
     before = engine.metrics()
     engine.generate(prefix + _tokens(SUFFIX_TOKENS, 50_000 + seed), max_tokens=1)  # stores the prefix
     rounds: list[dict[str, float]] = []  # per round: policy -> seconds
+    split: dict[str, int] = {}  # mixed: where the blocks were before the last restore-capable run
     loaded: dict[str, list[int]] = {p: [] for p in POLICIES}
     started = time.monotonic()
     while len(rounds) < sweep.rounds or (
@@ -222,9 +272,11 @@ def _run_case(
                 order = ("auto", better) if len(rounds) % 2 else (better, "auto")
         measured: dict[str, float] = {}
         for index, policy in enumerate(order):
-            if tier == "nvme" and policy != "recompute":
+            if tier in ("nvme", "mixed") and policy != "recompute":
                 admin.demote("dram")
                 time.sleep(SETTLE_S)
+                if tier == "mixed":
+                    split = _read_head_back(admin, prefix)
             # A suffix of its own per run: what one engine stored after its prefill must not
             # become another one's hit.
             suffix = _tokens(SUFFIX_TOKENS, 60_000 + seed * 256 + len(rounds) * 4 + index)
@@ -241,7 +293,71 @@ def _run_case(
     after = engine.metrics()
     case["auto_metrics"] = {k: v - before.get(k, 0.0) for k, v in after.items() if "ttft" in k}
     case["runs"] = rounds
+    if split:
+        case["split"] = split
     return case
+
+
+def crossover_bytes_per_s(prefill: PrefillModel, block_bytes: int, length: int) -> float:
+    """The bandwidth at which restoring the second half of a ``length``-token prefix (its tail)
+    takes what recomputing it does, after the head and before the suffix."""
+    head = length // 2 // BLOCK_SIZE * BLOCK_SIZE
+    tail = length - head
+    recompute_s = prefill.seconds(head, tail + SUFFIX_TOKENS) - prefill.seconds(length, SUFFIX_TOKENS)
+    return tail // BLOCK_SIZE * block_bytes / max(recompute_s, 1e-6)
+
+
+def _read_head_back(admin: Client, prefix: list[int]) -> dict[str, int]:
+    """With every block in nvme, read the prefix's first half back into dram (a resolve
+    promotes); the tiers the prefix's blocks are in then, and how many in each."""
+    (only,) = admin.stats()["fingerprints"]
+    fp = bytes.fromhex(only["fingerprint"])
+    keys = block_keys(Fingerprint(fp), prefix, BLOCK_SIZE)
+    resolved = admin.resolve(fp, keys[: len(keys) // 2])
+    if resolved.lease_id:
+        admin.release(resolved.lease_id)
+    tiers = admin.lookup_tiers(fp, keys).tiers
+    return {tier: tiers.count(tier) for tier in sorted(set(tiers))}
+
+
+def _partial_rows(curves: list[dict[str, object]]) -> list[Result]:
+    """How often the plan restored part of a mixed prefix, and how it did where part was best."""
+    mixed = [c for c in curves if c["tier"] == "mixed"]
+    if not mixed:
+        return []
+    partial = [c for c in mixed if 0 < _loaded(c, "auto") < _loaded(c, "restore")]
+    rows = [
+        Result(
+            "plan restored part of a split prefix",
+            len(partial),
+            "cases",
+            "split-prefix cases",
+            len(mixed),
+            None,
+            "head in dram, tail in nvme at 0.5x / 1x / 2x of the tail's crossover bandwidth",
+        )
+    ]
+    for c in mixed:
+        if float(str(c["crossover_factor"])) < 1.0:  # below the crossover: partial is the one to beat with
+            rows.append(
+                Result(
+                    f"partial plan vs better pure, {c['length']}-token split prefix, "
+                    f"tail at {c['crossover_factor']}x crossover",
+                    float(str(c["ratio"])),
+                    "x",
+                    f"{c['better']}, same round",
+                    1.0,
+                    "<= 0.9",
+                    f"plan loaded {_loaded(c, 'auto'):.0f} of {_loaded(c, 'restore'):.0f} tokens",
+                )
+            )
+    return rows
+
+
+def _loaded(case: dict[str, object], policy: str) -> float:
+    loaded = case["loaded"]
+    assert isinstance(loaded, dict)
+    return float(loaded[policy])
 
 
 def _median(rounds: list[dict[str, float]], policy: str) -> float:
@@ -260,7 +376,7 @@ def _result(case: dict[str, object]) -> Result:
     loaded = case["loaded"]
     assert isinstance(loaded, dict)
     return Result(
-        f"plan, {case['length']}-token prefix from {case['tier']}, {_label(int(str(case['throttle'])))}",
+        f"plan, {case['length']}-token prefix, {_where(case)}",
         float(str(case["ratio"])),
         "x",
         f"{case['better']}, same round",
@@ -313,22 +429,28 @@ def _plot(curves: list[dict[str, object]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted(
-        {(str(c["tier"]), int(str(c["throttle"]))) for c in curves}, key=lambda p: (p[0], p[1] != 0, -p[1])
-    )
-    columns = len({throttle for _, throttle in panels})
+    def panel(c: dict[str, object]) -> tuple[str, float]:
+        # mixed cases throttle by length (the tail's crossover): one panel per crossover factor
+        if c["tier"] == "mixed":
+            return "mixed", float(str(c["crossover_factor"]))
+        return str(c["tier"]), float(str(c["throttle"]))
+
+    panels = sorted({panel(c) for c in curves}, key=lambda p: (p[0], p[1] != 0, -p[1]))
+    columns = len({value for tier, value in panels if tier != "mixed"}) or 3
     rows_n = (len(panels) + columns - 1) // columns
     fig, axes = plt.subplots(rows_n, columns, figsize=(4 * columns, 3.3 * rows_n), squeeze=False)
-    for ax, (tier, throttle) in zip(axes.flat, panels, strict=False):
-        rows = sorted(
-            (c for c in curves if c["tier"] == tier and c["throttle"] == throttle),
-            key=lambda c: int(str(c["length"])),
-        )
+    for ax, key in zip(axes.flat, panels, strict=False):
+        rows = sorted((c for c in curves if panel(c) == key), key=lambda c: int(str(c["length"])))
         xs = [int(str(c["length"])) for c in rows]
         for policy, style in (("restore", "--"), ("recompute", ":"), ("auto", "-")):
             label = "plan" if policy == "auto" else f"all-{policy}"
             ax.plot(xs, [float(str(c[policy])) * 1e3 for c in rows], style, marker="o", label=label)
-        ax.set_title(f"from {tier}, {_label(throttle)}")
+        tier, value = key
+        ax.set_title(
+            f"dram head, nvme tail at {value}x crossover"
+            if tier == "mixed"
+            else f"from {tier}, {_label(int(value))}"
+        )
         ax.set_xlabel("prefix tokens")
         ax.set_ylabel("time to first token (ms)")
         ax.legend()

@@ -178,6 +178,7 @@ class RunFigures:
     requests: int = 0
     first_choice: int = 0
     imbalance: list[float] = field(default_factory=list)
+    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (session, turn), in arrival order
 
     @property
     def hit_rate(self) -> float:
@@ -268,6 +269,7 @@ def simulate(
                 figures.imbalance.append(max(loads) / (sum(loads) / spec.replicas))
             figures.first_choice += choice.replica == choice.first
             figures.requests += 1
+            figures.arrivals.append((b, a))
             figures.prompt_tokens += prompt.tokens
             loads[choice.replica] += 1
             queues[choice.replica].append((a, b, keys))
@@ -290,11 +292,16 @@ def simulate(
     return figures
 
 
-def single_replica_hit_rate(sessions: Sequence[Sequence[Prompt]], spec: FleetSpec) -> float:
-    """The reference: one replica with the whole fleet's cache, every prompt in session order."""
+def single_replica_hit_rate(
+    sessions: Sequence[Sequence[Prompt]], spec: FleetSpec, order: Sequence[tuple[int, int]] = ()
+) -> float:
+    """The reference: one replica with the whole fleet's cache serving the trace, its prompts in
+    ``order`` ((session, turn) pairs: a run's arrivals, so that the sessions interleave as they
+    did in the fleet), else session by session (every history fresh: an upper bound)."""
     cache = LruBlocks(spec.local_blocks * spec.replicas)
     hit = total = 0
-    for prompt in (p for session in sessions for p in session):
+    pairs = order or [(b, t) for b, session in enumerate(sessions) for t in range(len(session))]
+    for prompt in (sessions[b][t] for b, t in pairs):
         keys = prompt.keys(spec.tokens_per_block)
         hit += min(cache.prefix(keys) * spec.tokens_per_block, prompt.tokens)
         total += prompt.tokens
