@@ -76,6 +76,7 @@ SUFFIX_TOKENS = 64
 POLICIES = ("restore", "recompute", "auto")
 TARGET = 1.05
 SETTLE_S = 0.1  # after a demotion: the sidecar's writer thread puts the blocks on disk
+SPLIT_WAIT_S = 10.0  # a split case waits this long at most for the prefix to leave dram
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def run_decisions(
                         case.update(tier=tier, throttle=throttle, length=length)
                         curves.append(case)
                         results.append(_result(case))
-                        console.print(f"[dim]  {results[-1].metric}: {results[-1].ratio:.2f}x[/]")
+                        console.print(f"[dim]  {_progress_line(results[-1])}[/]")
                         admin.invalidate(everything=True)  # the next case starts from empty tiers
         for factor in sweep.crossover_factors if sweep.mixed_lengths else ():
             for length in sweep.mixed_lengths:
@@ -208,15 +209,15 @@ def run_decisions(
                     case.update(tier="mixed", throttle=throttle, length=length, crossover_factor=factor)
                     curves.append(case)
                     results.append(_result(case))
-                    console.print(f"[dim]  {results[-1].metric}: {results[-1].ratio:.2f}x[/]")
+                    console.print(f"[dim]  {_progress_line(results[-1])}[/]")
                     admin.invalidate(everything=True)
     finally:
         if engine is not None:
             engine.close()
         server.stop()
     within = sum(1 for r in results if r.ratio is not None and r.ratio <= TARGET)
-    cases = len(results)
-    agreeing = sum(1 for case in curves if _agrees(case))
+    cases = sum(1 for r in results if r.value is not None)  # a split case without its split: none
+    agreeing = sum(1 for case in curves if _valid(case) and _agrees(case))
     elapsed = time.monotonic() - started
     results.extend(_prediction_rows(curves))
     results.extend(_partial_rows(curves))
@@ -258,6 +259,7 @@ def _run_case(
     engine.generate(prefix + _tokens(SUFFIX_TOKENS, 50_000 + seed), max_tokens=1)  # stores the prefix
     rounds: list[dict[str, float]] = []  # per round: policy -> seconds
     split: dict[str, int] = {}  # mixed: where the blocks were before the last restore-capable run
+    wrong_splits = 0  # mixed: restore-capable runs that did not start from the head/tail split
     loaded: dict[str, list[int]] = {p: [] for p in POLICIES}
     started = time.monotonic()
     while len(rounds) < sweep.rounds or (
@@ -277,6 +279,8 @@ def _run_case(
                 time.sleep(SETTLE_S)
                 if tier == "mixed":
                     split = _read_head_back(admin, prefix)
+                    half = length // BLOCK_SIZE // 2
+                    wrong_splits += split != {"dram": half, "nvme": length // BLOCK_SIZE - half}
             # A suffix of its own per run: what one engine stored after its prefill must not
             # become another one's hit.
             suffix = _tokens(SUFFIX_TOKENS, 60_000 + seed * 256 + len(rounds) * 4 + index)
@@ -295,6 +299,7 @@ def _run_case(
     case["runs"] = rounds
     if split:
         case["split"] = split
+        case["wrong_splits"] = wrong_splits
     return case
 
 
@@ -308,11 +313,16 @@ def crossover_bytes_per_s(prefill: PrefillModel, block_bytes: int, length: int) 
 
 
 def _read_head_back(admin: Client, prefix: list[int]) -> dict[str, int]:
-    """With every block in nvme, read the prefix's first half back into dram (a resolve
+    """Once every block of the prefix has left dram (demoted again while some are still there:
+    a block pinned by the run before stays), read its first half back into dram (a resolve
     promotes); the tiers the prefix's blocks are in then, and how many in each."""
     (only,) = admin.stats()["fingerprints"]
     fp = bytes.fromhex(only["fingerprint"])
     keys = block_keys(Fingerprint(fp), prefix, BLOCK_SIZE)
+    deadline = time.monotonic() + SPLIT_WAIT_S
+    while "dram" in admin.lookup_tiers(fp, keys).tiers and time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+        admin.demote("dram")
     resolved = admin.resolve(fp, keys[: len(keys) // 2])
     if resolved.lease_id:
         admin.release(resolved.lease_id)
@@ -322,7 +332,7 @@ def _read_head_back(admin: Client, prefix: list[int]) -> dict[str, int]:
 
 def _partial_rows(curves: list[dict[str, object]]) -> list[Result]:
     """How often the plan restored part of a mixed prefix, and how it did where part was best."""
-    mixed = [c for c in curves if c["tier"] == "mixed"]
+    mixed = [c for c in curves if c["tier"] == "mixed" and _valid(c)]
     if not mixed:
         return []
     partial = [c for c in mixed if 0 < _loaded(c, "auto") < _loaded(c, "restore")]
@@ -331,7 +341,7 @@ def _partial_rows(curves: list[dict[str, object]]) -> list[Result]:
             "plan restored part of a split prefix",
             len(partial),
             "cases",
-            "split-prefix cases",
+            "split-prefix cases with their split in place",
             len(mixed),
             None,
             "head in dram, tail in nvme at 0.5x / 1x / 2x of the tail's crossover bandwidth",
@@ -371,10 +381,28 @@ def _ranked(rounds: list[dict[str, float]]) -> tuple[str, str]:
     return "recompute", "restore"
 
 
+def _progress_line(result: Result) -> str:
+    ratio = result.ratio
+    return f"{result.metric}: " + (f"{ratio:.2f}x" if ratio is not None else "not a comparison")
+
+
+def _valid(case: dict[str, object]) -> bool:
+    """A split case compares the policies only if every restore-capable run started from it."""
+    return not case.get("wrong_splits")
+
+
 def _result(case: dict[str, object]) -> Result:
     med = {p: float(str(case[p])) for p in POLICIES}
     loaded = case["loaded"]
     assert isinstance(loaded, dict)
+    if not _valid(case):
+        return Result(
+            f"plan, {case['length']}-token prefix, {_where(case)}",
+            None,
+            "x",
+            note=f"not a comparison: {case['wrong_splits']} restore-capable runs did not start from the "
+            f"head/tail split (the prefix did not leave dram within {SPLIT_WAIT_S:.0f} s)",
+        )
     return Result(
         f"plan, {case['length']}-token prefix, {_where(case)}",
         float(str(case["ratio"])),

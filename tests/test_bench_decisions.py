@@ -37,10 +37,8 @@ def test_a_small_sweep_measures_every_policy_and_writes_json_and_plot(tmp_path: 
     ]
     [mixed] = curves[4:]
     assert mixed["tier"] == "mixed" and mixed["crossover_factor"] == 0.5 and mixed["throttle"] > 0
-    assert mixed["split"] == {
-        "dram": 8,
-        "nvme": 8,
-    }  # each restore-capable run: the head in dram, the tail in nvme
+    # every restore-capable run started with the head in dram and the tail in nvme
+    assert mixed["split"] == {"dram": 8, "nvme": 8} and mixed["wrong_splits"] == 0
     assert mixed["loaded"]["restore"] == 512 and mixed["loaded"]["recompute"] == 0
     assert mixed["loaded"]["auto"] in (0, 256, 512)  # nothing, the dram head, or everything
     for case in curves[:4]:
