@@ -71,27 +71,33 @@ def agent(
     rng: random.Random, sessions: int, system_tokens: int = 4096, turn_tokens: int = 500
 ) -> list[list[Prompt]]:
     """One agent endpoint: a shared system prompt and tool schemas, then each session's turns."""
-    out = []
-    for s in range(sessions):
-        history: list[tuple[str, int]] = [("system", system_tokens)]
-        turns = []
-        for t in range(rng.randint(2, 6)):
-            history.append((f"s{s}-turn{t}", turn_tokens + rng.randint(-100, 100)))
-            turns.append(Prompt("tenant", tuple(history)))
-        out.append(turns)
-    return out
+    return _conversations(rng, sessions, ("system", system_tokens), (2, 6), turn_tokens, 100, "s")
 
 
 def chats(rng: random.Random, sessions: int, turn_tokens: int = 300) -> list[list[Prompt]]:
     """Multi-turn chats: each turn sends the conversation's whole history, after a short preamble."""
+    return _conversations(rng, sessions, ("preamble", 128), (3, 8), turn_tokens, 150, "c")
+
+
+def _conversations(
+    rng: random.Random,
+    sessions: int,
+    head: tuple[str, int],
+    turns: tuple[int, int],
+    turn_tokens: int,
+    jitter: int,
+    tag: str,
+) -> list[list[Prompt]]:
+    """Sessions whose every turn sends ``head`` and the whole history so far: ``turns`` (a range)
+    turns each, of ``turn_tokens`` +- ``jitter`` new tokens."""
     out = []
     for s in range(sessions):
-        history: list[tuple[str, int]] = [("preamble", 128)]
-        turns = []
-        for t in range(rng.randint(3, 8)):
-            history.append((f"c{s}-turn{t}", turn_tokens + rng.randint(-150, 150)))
-            turns.append(Prompt("tenant", tuple(history)))
-        out.append(turns)
+        history: list[tuple[str, int]] = [head]
+        prompts = []
+        for t in range(rng.randint(*turns)):
+            history.append((f"{tag}{s}-turn{t}", turn_tokens + rng.randint(-jitter, jitter)))
+            prompts.append(Prompt("tenant", tuple(history)))
+        out.append(prompts)
     return out
 
 

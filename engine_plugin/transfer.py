@@ -70,10 +70,7 @@ class BlockTransfer:
         if self._same_host:
             self._store_in_arena(kv, keys, block_ids, parent)
             return
-        blocks = [torch.empty(self._block_bytes, dtype=torch.uint8) for _ in block_ids]
-        for target, block_id in zip(blocks, block_ids, strict=True):
-            kv_layout.gather(self._block_views(block_id), target)
-        kv_layout.synchronize(self._caches)
+        blocks = self._gathered(block_ids)
         kv.put(self._fingerprint, keys, [b.numpy().data for b in blocks], parent=parent)
 
     def compare(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> list[float | None]:
@@ -83,16 +80,20 @@ class BlockTransfer:
         same size, not finite, or — for a non-float dtype — any byte differs). None for a block
         kvstore does not hold (the present prefix is compared)."""
         stored = self._stored_copies(kv, keys)
-        out: list[float | None] = []
-        for i, block_id in enumerate(block_ids):
-            if i >= len(stored):
-                out.append(None)
-                continue
-            computed = torch.empty(self._block_bytes, dtype=torch.uint8)
-            kv_layout.gather(self._block_views(block_id), computed)
-            kv_layout.synchronize(self._caches)
-            out.append(_difference(stored[i], computed, self._caches[0].dtype))
-        return out
+        computed = self._gathered(block_ids[: len(stored)])
+        dtype = self._caches[0].dtype
+        differences: list[float | None] = [
+            _difference(a, b, dtype) for a, b in zip(stored, computed, strict=True)
+        ]
+        return differences + [None] * (len(block_ids) - len(computed))
+
+    def _gathered(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Host copies of the engine's blocks ``block_ids``, the device copies synchronized."""
+        blocks = [torch.empty(self._block_bytes, dtype=torch.uint8) for _ in block_ids]
+        for target, block_id in zip(blocks, block_ids, strict=True):
+            kv_layout.gather(self._block_views(block_id), target)
+        kv_layout.synchronize(self._caches)
+        return blocks
 
     def _stored_copies(self, kv: Client, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
         """The present prefix of ``keys`` as host copies (an arena view does not outlive a call)."""
