@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -46,7 +47,8 @@ class Result:
         if self.target is None or self.ratio is None:
             return None
         op, _, bound = self.target.partition(" ")
-        return self.ratio >= float(bound) if op == ">=" else self.ratio <= float(bound)
+        compare = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}[op]
+        return bool(compare(float(self.ratio), float(bound)))
 
     def as_json(self) -> dict[str, object]:
         out: dict[str, object] = asdict(self)
@@ -94,8 +96,9 @@ def interleaved(
 
 def print_results(title: str, results: Sequence[Result], console: Console | None = None) -> None:
     table = Table(title=title)
-    console = console or Console(width=None if sys.stdout.isatty() else 160)
-    for col in ("metric", "value", "reference", "ratio", "target", ""):
+    # CI logs and a 100-column terminal: long cells wrap inside their column
+    console = console or Console(width=min(100, shutil.get_terminal_size((100, 24)).columns))
+    for col in ("metric", "value", "reference", "ratio", "target", "verdict, note"):
         table.add_column(col, justify="right" if col in ("value", "ratio") else "left")
     for r in results:
         value = "—" if r.value is None else f"{r.value:,.2f} {r.unit}"

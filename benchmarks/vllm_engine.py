@@ -1,20 +1,22 @@
 """A vLLM CPU engine with the kvstore connector in its own process, driven over stdin/stdout
 (by the end-to-end tests and the calibration and decision benchmarks).
 
-    python -m benchmarks.vllm_engine MODEL_DIR SIDECAR_ADDRESS [POLICY [CALIBRATION [TP_SIZE [PREFIX_CACHE [AUDIT_FRACTION]]]]]
+    python -m benchmarks.vllm_engine CONFIG_JSON     (``Engine`` writes it: see ``EngineConfig``)
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
             "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
-            or {"metrics": true}
-    stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int, "seconds": float}
+            or {"metrics": true} or {"reset_prefix_cache": true}
+    stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int,
+            "seconds": float, "ttft": float (vLLM's first-token latency of the request)}
             or {"metrics": {"series{labels}": value}} (the connector's ``kvstore_connector_*``
-            series from vLLM's Prometheus registry)
+            series from vLLM's Prometheus registry) or {"reset": bool}
 
 ``Engine`` starts one and talks to it.
 
-The engine runs with vLLM's own prefix cache off (PREFIX_CACHE ``0``, ``Engine(...,
-prefix_caching=False)``), so every cached token it reports came from kvstore through the
-connector; with it on (``1``) vLLM serves what it still holds itself and the connector is asked
-only about the rest.
+By default the engine runs the kvstore connector with vLLM's own prefix cache off
+(``prefix_caching=False``), so every cached token it reports came from kvstore through the
+connector; with it on vLLM serves what it still holds itself and the connector is asked only
+about the rest. ``connector=None`` runs vLLM alone; another name runs that vLLM connector with
+``connector_config`` as its extra config (the replay benchmark's peers).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +47,51 @@ ENGINE_START_S = 240
 KV_CACHE_BYTES = 256 << 20
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine process is started with (one JSON argument)."""
+
+    model: str
+    address: str = ""
+    policy: str = "auto"
+    calibration: str = ""
+    tensor_parallel: int = 1
+    prefix_caching: bool = False
+    audit_fraction: float = 0.0
+    connector: str | None = "kvstore"  # None: vLLM alone; another name: that vLLM connector
+    connector_config: dict[str, Any] = field(default_factory=dict)
+    kv_cache_bytes: int = KV_CACHE_BYTES
+
+
 class Engine:
     """One engine process; ``generate`` sends a prompt and waits for its completion."""
 
     def __init__(
         self,
         model: Path,
-        address: str,
+        address: str = "",
         policy: str = "auto",
         calibration: str = "",
         tensor_parallel: int = 1,
         prefix_caching: bool = False,
         audit_fraction: float = 0.0,
+        connector: str | None = "kvstore",
+        connector_config: dict[str, Any] | None = None,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
+        start_s: float = ENGINE_START_S,
     ) -> None:
+        config = EngineConfig(
+            str(model),
+            address,
+            policy,
+            calibration,
+            tensor_parallel,
+            prefix_caching,
+            audit_fraction,
+            connector,
+            connector_config or {},
+            kv_cache_bytes,
+        )
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         if tensor_parallel > 1:
             # vLLM CPU binds each rank's threads to a NUMA node; one node here: a core per rank.
@@ -67,18 +102,7 @@ class Engine:
         # Open for the engine's lifetime; its tail goes into the error if the engine dies.
         self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.vllm_engine",
-                str(model),
-                address,
-                policy,
-                calibration,
-                str(tensor_parallel),
-                "1" if prefix_caching else "0",
-                str(audit_fraction),
-            ],
+            [sys.executable, "-m", "benchmarks.vllm_engine", json.dumps(asdict(config))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -90,7 +114,11 @@ class Engine:
         # sitting in the reader's buffer (two lines in one chunk would hang the second).
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        ready = self._read(ENGINE_START_S)
+        try:
+            ready = self._read(start_s)
+        except (RuntimeError, TimeoutError):
+            self.proc.kill()
+            raise
         if not ready.get("ready"):
             raise RuntimeError(f"the engine said {ready} instead of ready")
 
@@ -132,6 +160,13 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(300)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (what the engine still holds itself)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.proc.stdin.flush()
+        return bool(self._read(60)["reset"])
+
     def log_tail(self, nchars: int = 6000) -> str:
         """The end of the engine's log (vLLM's and the connector's lines), for a failure message."""
         return Path(self.log.name).read_text(errors="replace")[-nchars:]
@@ -161,35 +196,18 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    model, address = sys.argv[1], sys.argv[2]
-    policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
-    calibration = (sys.argv[4] if len(sys.argv) > 4 else "") or None
-    tensor_parallel = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    prefix_caching = len(sys.argv) > 6 and sys.argv[6] == "1"
-    audit_fraction = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
-    transfer = KVTransferConfig(
-        kv_connector="KvstoreConnector",
-        kv_connector_module_path="engine_plugin.vllm_connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "address": address,
-            "policy": policy,
-            "calibration": calibration,
-            "audit_fraction": audit_fraction,
-        },
-    )
+    config = EngineConfig(**json.loads(sys.argv[1]))
     llm = LLM(
-        model=model,
-        distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
-        tensor_parallel_size=tensor_parallel,
+        model=config.model,
+        distributed_executor_backend="uni" if config.tensor_parallel == 1 else "mp",
+        tensor_parallel_size=config.tensor_parallel,
         dtype="bfloat16",
         max_model_len=4096,
         block_size=32,
         enforce_eager=True,
-        enable_prefix_caching=prefix_caching,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        kv_transfer_config=transfer,
+        enable_prefix_caching=config.prefix_caching,
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        kv_transfer_config=_transfer_config(config, KVTransferConfig),
         seed=0,
         disable_log_stats=False,  # the connector's decisions reach vLLM's Prometheus registry
     )
@@ -198,6 +216,9 @@ def main() -> None:
         request = json.loads(line)
         if request.get("metrics"):
             print(json.dumps({"metrics": _connector_metrics()}), flush=True)
+            continue
+        if request.get("reset_prefix_cache"):
+            print(json.dumps({"reset": bool(llm.reset_prefix_cache())}), flush=True)
             continue
         extra = (
             {"kv_transfer_params": {"kvstore_policy": request["policy"]}} if request.get("policy") else None
@@ -217,9 +238,34 @@ def main() -> None:
             "tokens": list(completion.token_ids),
             "logprobs": logprobs,
             "cached": out.num_cached_tokens or 0,
+            "seconds": seconds,
+            "ttft": out.metrics.first_token_latency if out.metrics is not None else seconds,
         }
-        reply["seconds"] = seconds
         print(json.dumps(reply), flush=True)
+
+
+def _transfer_config(config: EngineConfig, transfer_config: Any) -> Any:
+    if config.connector is None:
+        return None
+    if config.connector != "kvstore":
+        return transfer_config(
+            kv_connector=config.connector,
+            kv_role="kv_both",
+            kv_connector_extra_config=config.connector_config,
+        )
+    return transfer_config(
+        kv_connector="KvstoreConnector",
+        kv_connector_module_path="engine_plugin.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "address": config.address,
+            "policy": config.policy,
+            "calibration": config.calibration or None,
+            "audit_fraction": config.audit_fraction,
+            **config.connector_config,
+        },
+    )
 
 
 def _connector_metrics() -> dict[str, float]:

@@ -10,6 +10,7 @@
     kvstore bench crash            kill -9 under load: acknowledged blocks served after restart
     kvstore bench calibrate        prefill curve and tier restore costs -> the connector's calibration
     kvstore bench decisions        the connector's plan against all-restore and all-recompute
+    kvstore bench replay           a trace through vLLM alone, with kvstore, and with other connectors
 
 Every subcommand takes ``--config FILE`` (TOML) and ``--set section.field=value`` overrides;
 ``KVSTORE_*`` environment variables sit between the two (see ``kvstore.server.config``). Benchmarks
@@ -268,6 +269,23 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     return run_fleet(args.quick, args.json, args.calibration, args.plot)
 
 
+def _cmd_bench_replay(args: argparse.Namespace) -> int:
+    from benchmarks.replay import run_replay
+
+    run_replay(
+        model=args.model,
+        quick=args.quick,
+        json_path=args.json,
+        plot_path=args.plot,
+        trace=args.trace,
+        tokenizer=args.tokenizer,
+        workloads=args.workloads.split(",") if args.workloads else None,
+        peers=args.peers,
+        configs=args.configs.split(",") if args.configs else None,
+    )
+    return 0
+
+
 def _cmd_route(args: argparse.Namespace) -> int:
     from kvstore.cli.route import serve_router
 
@@ -442,6 +460,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", default="", metavar="FILE", help="prefill curve from kvstore bench calibrate"
     )
     fleet.set_defaults(func=_cmd_bench_fleet)
+    replay = bench_sub.add_parser(
+        "replay", parents=[common], help="a trace through vLLM alone, with kvstore, and with the peers"
+    )
+    replay.add_argument("--model", help="a local model folder (default: a random Llama built on the spot)")
+    replay.add_argument("--quick", action="store_true", help="two short workloads, no peers (a few minutes)")
+    replay.add_argument("--json", metavar="PATH", help="write results as JSON")
+    replay.add_argument(
+        "--plot", metavar="PNG", help="draw hit rate and p95 TTFT per workload and configuration"
+    )
+    replay.add_argument(
+        "--trace", metavar="JSONL", help="your own trace (format: benchmarks/replay_traces.py)"
+    )
+    replay.add_argument("--tokenizer", metavar="DIR", help='tokenizer for "text" lines (default: the model)')
+    replay.add_argument(
+        "--workloads", help="comma list of agent, chats, rag, tenants (default: all; quick: two)"
+    )
+    replay.add_argument(
+        "--configs", help="comma list of vllm, kvstore-dram, kvstore-nvme, example (default: all)"
+    )
+    replay.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="try every other vLLM KV connector and report which start (default: on, off with --quick)",
+    )
+    replay.set_defaults(func=_cmd_bench_replay)
     return parser
 
 
