@@ -83,6 +83,13 @@ def machine_info() -> dict[str, object]:
     }
 
 
+def plot_title(what: str, model: str, conditions: str, machine: dict[str, object] | None = None) -> str:
+    """A plot's title: what it shows, the model, the machine, and what was emulated."""
+    m = machine or machine_info()
+    gpu = m.get("cuda") or "no GPU"
+    return f"{what}\nmodel: {model}; {m['cpu']} ({m['cores']} cores, {gpu}); {conditions}"
+
+
 def interleaved(
     subject: Callable[[], float], reference: Callable[[], float], rounds: int
 ) -> tuple[float, float]:

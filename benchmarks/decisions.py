@@ -61,7 +61,7 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks.calibrate import BLOCK_SIZE, measure_tiers, prefill_points
-from benchmarks.common import Result, print_results, write_json
+from benchmarks.common import Result, plot_title, print_results, write_json
 from benchmarks.service import bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
@@ -247,7 +247,7 @@ def run_decisions(
     if json_path:
         write_json(json_path, results, {"command": "kvstore bench decisions", "curves": curves})
     if plot_path:
-        _plot(curves, plot_path)
+        _plot(curves, plot_path, sweep.model_size if model is None else Path(model).name)
     return 0
 
 
@@ -451,7 +451,11 @@ def _prediction_rows(curves: list[dict[str, object]]) -> list[Result]:
     return rows
 
 
-def _plot(curves: list[dict[str, object]], path: str) -> None:
+def _plot(
+    curves: list[dict[str, object]], path: str, model: str, machine: dict[str, object] | None = None
+) -> None:
+    """One panel per source tier and throttle, the same axes in all (log time); the plan's line
+    drawn last, thick and black, over the two pure strategies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -466,21 +470,40 @@ def _plot(curves: list[dict[str, object]], path: str) -> None:
     panels = sorted({panel(c) for c in curves}, key=lambda p: (p[0], p[1] != 0, -p[1]))
     columns = len({value for tier, value in panels if tier != "mixed"}) or 3
     rows_n = (len(panels) + columns - 1) // columns
-    fig, axes = plt.subplots(rows_n, columns, figsize=(4 * columns, 3.3 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(
+        rows_n, columns, figsize=(4 * columns, 3.3 * rows_n + 0.6), squeeze=False, sharex=True, sharey=True
+    )
     for ax, key in zip(axes.flat, panels, strict=False):
         rows = sorted((c for c in curves if panel(c) == key), key=lambda c: int(str(c["length"])))
         xs = [int(str(c["length"])) for c in rows]
-        for policy, style in (("restore", "--"), ("recompute", ":"), ("auto", "-")):
+        for policy, style in (
+            ("restore", {"linestyle": "--", "color": "tab:blue", "marker": "s"}),
+            ("recompute", {"linestyle": ":", "color": "tab:orange", "marker": "^"}),
+            ("auto", {"linestyle": "-", "color": "black", "marker": "o", "linewidth": 2.5, "zorder": 3}),
+        ):
             label = "plan" if policy == "auto" else f"all-{policy}"
-            ax.plot(xs, [float(str(c[policy])) * 1e3 for c in rows], style, marker="o", label=label)
+            ax.plot(xs, [float(str(c[policy])) * 1e3 for c in rows], label=label, **style)  # type: ignore[arg-type]
         tier, value = key
         ax.set_title(
             f"dram head, nvme tail at {value}x crossover"
             if tier == "mixed"
             else f"from {tier}, {_label(int(value))}"
         )
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[-1]:
         ax.set_xlabel("prefix tokens")
+    for ax in axes[:, 0]:
         ax.set_ylabel("time to first token (ms)")
-        ax.legend()
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(
+        plot_title(
+            "the plan against all-restore and all-recompute (vLLM CPU)",
+            model,
+            "bandwidth emulated: each tier throttled as its panel says",
+            machine,
+        ),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

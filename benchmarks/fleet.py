@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.common import Result, print_results, write_json
+from benchmarks.common import Result, plot_title, print_results, write_json
 from benchmarks.fleet_sim import (
     WORKLOADS,
     FleetSpec,
@@ -327,11 +327,13 @@ def run_fleet(quick: bool, json_path: str | None, calibration: str = "", plot: s
     if json_path:
         write_json(json_path, rows, {"simulation": grid, "prefill": prefill_note})
     if plot:
-        _plot(grid, plot)
+        _plot(grid, plot, prefill_note)
     return 0
 
 
-def _plot(grid: list[dict[str, object]], path: str) -> None:
+def _plot(
+    grid: list[dict[str, object]], path: str, prefill: str, machine: dict[str, object] | None = None
+) -> None:
     """Token hit rate per policy, one panel per (replicas, workload), bars by remote tier."""
     import matplotlib
 
@@ -339,7 +341,9 @@ def _plot(grid: list[dict[str, object]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(int(str(r["replicas"])), str(r["workload"])) for r in grid})
-    fig, axes = plt.subplots(2, len(panels) // 2, figsize=(4 * len(panels) // 2, 7), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(panels) // 2, figsize=(4 * len(panels) // 2, 7.5), squeeze=False, sharey=True
+    )
     for ax, (n, workload) in zip(axes.flat, panels, strict=False):
         for offset, remote in enumerate(("none", "kvstore", "redis")):
             values = [
@@ -357,8 +361,20 @@ def _plot(grid: list[dict[str, object]], path: str) -> None:
         ax.set_xticks([i + 0.27 for i in range(len(POLICIES))], POLICIES, fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_title(f"{n} replicas, {workload}", fontsize=9)
-    axes.flat[0].legend(fontsize=7)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=8, ncol=3)
     fig.supylabel("token hit rate")
+    fig.suptitle(
+        plot_title(
+            "fleet token hit rate by routing policy and remote tier (simulated replicas)",
+            "Llama-3.1-8B blocks (2 MiB, 16 tokens)",
+            f"{prefill}; remote restore priced at the bandwidth measured here",
+            machine,
+        ),
+        fontsize=10,
+        x=0.01,
+        ha="left",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -49,7 +49,8 @@ class TraceRequest:
 WORKLOADS: dict[str, Callable[[random.Random, int], list[list[Prompt]]]] = {
     "agent": lambda rng, n: agent(rng, n, system_tokens=2048, turn_tokens=240),
     "chats": lambda rng, n: chats(rng, n, turn_tokens=260),
-    "rag": lambda rng, n: rag(rng, n, documents=24, doc_tokens=1536),
+    # one request per session: four times the sessions, for a trace as long as the others'
+    "rag": lambda rng, n: rag(rng, 4 * n, documents=24, doc_tokens=1536),
     "tenants": lambda rng, n: tenants(rng, n, count=3),
 }
 
