@@ -249,7 +249,8 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return link.call(what, timeout_s, fn)
 
     def _unreachable(self, what: str) -> None:
-        self.unreachable += 1
+        with self._links_lock:
+            self.unreachable += 1
 
 
 def _positive(extra: Mapping[str, Any], name: str, default: float) -> float:

@@ -2,12 +2,17 @@
 sidecar (``kvstore serve`` in a child process, on its Unix socket and on 127.0.0.1), without an
 engine (``tests/sglang_hicache/harness.py``: SGLang's factory, host pool, hash and controller calls).
 
-Run by ``tests/test_sglang_backend.py`` in a process that can import SGLang; not collected by a
+The last case runs two SGLang engine processes on CPU end to end (with the test-only shims of
+``tests/sglang_hicache/shims``). Run by ``tests/test_sglang_backend.py`` in a process that can
+import SGLang; not collected by a
 plain ``pytest`` run (the file name), so SGLang's imports never reach the vLLM tests' process.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from array import array
@@ -20,8 +25,11 @@ import pytest
 import torch
 
 from benchmarks.server_process import ServerProcess
+from benchmarks.tiny_model import build_tiny_llama
 from engine_plugin.sidecar import CONNECT_S
 from kvstore.client import Client, connect
+from tests.sglang_hicache.engine import PAGE as ENGINE_PAGE
+from tests.sglang_hicache.env import ROOT, sglang_env
 from tests.sglang_hicache.harness import PAGE, RadixKey, Rank, model_folder
 
 TOKEN = "tok-a"
@@ -330,3 +338,41 @@ def test_pages_gone_between_lookup_and_read_are_misses(sidecar: ServerProcess, m
         rank.pool.free(indices)
     finally:
         rank.close()
+
+
+# ----------------------------------------------------------------- end to end on the engine
+
+
+def _engine(model: Path, address: str, prompt: Path) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "tests.sglang_hicache.engine", str(model), address, str(prompt)]
+    done = subprocess.run(argv, cwd=ROOT, env=sglang_env(), capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"the engine failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_second_engine_restores_the_prefix_from_kvstore(tmp_path: Path) -> None:
+    """Two SGLang engine processes on CPU (the shims: tests/sglang_hicache/shims): the first
+    computes a prompt and its pages reach kvstore; the second, with an empty GPU and host cache,
+    takes the prompt's full pages from kvstore and answers the same, greedily."""
+    model = build_tiny_llama(tmp_path / "model", seed=0)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(f"word{i} token{i % 37}" for i in range(200)))
+    server = ServerProcess(
+        {"dram.capacity_bytes": "64MiB", "dram.prefault": "false", "nvme.capacity_bytes": "256MiB"}
+    )
+    try:
+        first = _engine(model, server.unix, prompt)
+        assert first["cached"].get("storage", 0) == 0
+        full_pages = first["prompt_tokens"] // ENGINE_PAGE
+        assert first["blocks"] >= full_pages
+        second = _engine(model, server.unix, prompt)
+        # every full page but the last (SGLang recomputes at least the prompt's last token)
+        assert second["cached"]["storage"] >= (full_pages - 1) * ENGINE_PAGE
+        assert second["cached"]["storage_backend"] == "KvstoreHiCacheStorage"
+        assert second["output_ids"] == first["output_ids"]
+    finally:
+        server.stop()

@@ -1,5 +1,5 @@
 """kvstore as SGLang HiCache's storage tier: ``tests/sglang_backend_cases.py`` run with pytest in
-a process that imports SGLang 0.5.23 from ``.sglang/`` (``scripts/install_sglang.sh``) with the
+a process that imports SGLang 0.5.23 from ``.sglang/``, two SGLang engines end to end included, (``scripts/install_sglang.sh``) with the
 test-only shims of ``tests/sglang_hicache/shims``; this process stays free of them, for the vLLM tests.
 
 This test fails when SGLang is not installed (CI installs it: scripts/test.sh), and when any
