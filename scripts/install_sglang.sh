@@ -5,8 +5,8 @@
 #
 # Why not `pip install sglang`: sglang 0.5.23 pins torch==2.14.1 and pulls ~40 CUDA packages.
 # Without its dependencies (--no-deps) it imports on the CPU torch of .venv, given the few
-# pure-Python packages below that .venv lacks, and triton (imported at module level; setup.sh
-# keeps it out of .venv, where vLLM CPU runs without it). Nothing in .venv is added, upgraded or
+# packages below that .venv lacks, triton among them (imported at module level; setup.sh keeps
+# it out of .venv, where vLLM CPU runs without it). Nothing in .venv is added, upgraded or
 # downgraded: vLLM pins its own versions there. Where sglang pins another version of something
 # .venv holds (transformers, openai, numba, ...), .venv's stays; the paths the tests use work with it.
 # SGLang's page hash is a C++ extension compiled at first use: g++ and OpenSSL's headers.
@@ -21,6 +21,7 @@ PINS=(
     gguf==0.19.0
     ipython==9.18.1
     traitlets==5.16.1
+    soundfile==0.13.1  # the HTTP server (launch_server) imports it; cffi is in .venv
 )
 installed() {
     PYTHONPATH=$TARGET "$PY" - "${PINS[@]}" <<'EOF'
