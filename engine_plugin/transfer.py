@@ -107,7 +107,7 @@ class BlockTransfer:
             return [torch.frombuffer(view, dtype=torch.uint8).clone() for view in resolved.views]
         finally:
             if resolved.lease_id:
-                _release_after_load(kv, resolved.lease_id)
+                release_after_load(kv, resolved.lease_id)
 
     def _fetch_from_arena(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         resolved = kv.resolve(self._fingerprint, keys)
@@ -117,7 +117,7 @@ class BlockTransfer:
             kv_layout.synchronize(self._caches)  # device copies done before the slots go
         finally:
             if resolved.lease_id:
-                _release_after_load(kv, resolved.lease_id)
+                release_after_load(kv, resolved.lease_id)
         return len(resolved.views)
 
     def _store_in_arena(
@@ -139,7 +139,7 @@ class BlockTransfer:
         return kv_layout.block_views(self._caches, self._layouts, block_id)
 
 
-def _release_after_load(kv: Client, lease_id: int) -> None:
+def release_after_load(kv: Client, lease_id: int) -> None:
     """The blocks are copied: a release that fails or runs past the load's deadline must not
     turn the load into a failure. The pin expires on its own."""
     try:

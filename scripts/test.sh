@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh, with the vLLM CPU engine), then lints, type-checks and runs every
+# Sets up (scripts/setup.sh, with the vLLM CPU engine; scripts/install_sglang.sh), then lints, type-checks and runs every
 # test, the vLLM end-to-end ones included. Exits non-zero when
 # anything fails. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --with-vllm
+# SGLang for the HiCache backend's tests, in .sglang/ beside .venv (see the script for why)
+./scripts/install_sglang.sh
 # The remote-tier tests start a real Redis Cluster on 127.0.0.1 (Debian's redis-server) and a
 # real Mooncake Store in a network namespace of their own (the mooncake extra, which links
 # libibverbs even over TCP, and iproute2 to bring the namespace's loopback up).
