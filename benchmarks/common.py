@@ -2,9 +2,12 @@
 
 JSON shape (the same for every bench command):
     {"machine": {...}, "results": [{"metric", "value", "unit", "reference", "reference_value",
-                                    "ratio", "target", "note"}]}
+                                    "ratio", "target", "target_op", "target_ratio",
+                                    "meets_target", "note"}]}
 ``ratio`` is value / reference_value, both measured in the same run; ``target`` is the ratio the
-brief holds us to (``">= 0.8"``) or null where none applies; ``note`` says how a figure was taken
+brief holds us to (``">= 0.8"``) or null where none applies, also as ``target_op`` (``">="``)
+and the number ``target_ratio`` (0.8), with ``meets_target`` (true, false, or null without
+both a target and a ratio); ``note`` says how a figure was taken
 or why it is missing.
 """
 
@@ -53,6 +56,9 @@ class Result:
     def as_json(self) -> dict[str, object]:
         out: dict[str, object] = asdict(self)
         out["ratio"] = self.ratio
+        op, _, bound = (self.target or "").partition(" ")
+        out["target_op"], out["target_ratio"] = (op, float(bound)) if self.target else (None, None)
+        out["meets_target"] = self.meets_target
         return out
 
 

@@ -215,7 +215,7 @@ def run_replay(
         _print_peers(console, peer_rows)
     print_results(f"replay ({time.monotonic() - started:.0f} s, model {model_dir.name})", results)
     extra: dict[str, object] = {
-        "model": str(model_dir) if model else spec.model_size,
+        "model": str(model_dir) if model else f"{spec.model_size} random Llama",
         "pool_tokens": spec.pool_tokens,
         "pool_bytes": pool_bytes,
         "working_set_bytes": working_sets,
@@ -564,7 +564,7 @@ def _plot(
     import matplotlib.pyplot as plt
 
     workloads = list(figures)
-    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.9))
     width = 0.8 / len(labels)
     for k, (name, label) in enumerate(labels.items()):
         xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(workloads))]
@@ -579,12 +579,13 @@ def _plot(
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_ylabel(ylabel)
     hit_ax.set_ylim(0, 100)
-    hit_ax.legend(fontsize=8, loc="lower left")
+    handles, names = hit_ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(
         plot_title(
             "workload replay on vLLM CPU, one request at a time", model, "no bandwidth emulated", machine
         ),
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)

@@ -86,3 +86,37 @@ def test_the_data_port_connect_has_its_own_timeout(tmp_path: Path) -> None:
         with pytest.raises(TimeoutError):
             DataPortClient("", 0, None, unix_path=path, connect_timeout_s=0.2)
         assert 0.2 <= time.monotonic() - start < 0.2 + SLACK_S
+
+
+def test_a_restore_whose_caller_gave_up_leaves_no_pins() -> None:
+    """A same-host restore from a slow tier that outlasts the caller's deadline (the connector
+    gives up on a load slower than recomputing): the caller never learns its lease and cannot
+    release it, so the server releases the pins itself. Without that, the promoted blocks stay
+    pinned in dram (no eviction, no demotion) until the lease's TTL, 30 s here."""
+    server = ServerProcess(
+        {
+            "dram.capacity_bytes": "8MiB",
+            "dram.page_bytes": "1MiB",
+            "dram.prefault": "false",
+            "nvme.capacity_bytes": "64MiB",
+            "nvme.throttle_bytes_per_s": "1000000",  # 64 blocks of 8 KiB: ~0.5 s to read back
+        }
+    )
+    keys = block_keys(MODEL.fingerprint(), list(range(16 * 64)), 16)
+    try:
+        with connect(server.unix) as kv, connect(server.unix) as admin:
+            fp = kv.register(MODEL)
+            kv.write(fp, keys, [os.urandom(MODEL.block_bytes) for _ in keys])
+            assert kv.read_into(fp, keys[:1], [memoryview(bytearray(MODEL.block_bytes))]) == 1  # attached
+            assert admin.demote("dram") == len(keys)
+            _times_out(kv, 0.1, lambda: kv.resolve(fp, keys, ttl_s=30.0))
+            deadline = time.monotonic() + 10
+            while "dram" not in admin.lookup_tiers(fp, keys).tiers and time.monotonic() < deadline:
+                time.sleep(0.1)  # the server finishes the restore the caller gave up on
+            assert admin.lookup_tiers(fp, keys).tiers.count("dram") == len(keys)  # promoted
+            while admin.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert admin.stats()["leases"] == 0
+            assert admin.demote("dram") == len(keys)  # unpinned: they can leave dram again
+    finally:
+        server.stop()

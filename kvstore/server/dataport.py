@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import ssl
 import struct
@@ -309,8 +310,30 @@ class DataPort:
             for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
         )
         body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
+        if resolved.lease is not None and self._caller_left(conn, session, resolved.lease.lease_id):
+            return
         self._ok(conn, session)
         _send(conn, session.deadline, b"".join(body))
+
+    def _caller_left(self, conn: socket.socket, session: _Session, lease_id: int) -> bool:
+        """Whether the client hung up while the store worked: its deadline passed (a client
+        closes a connection whose call failed), say while a restore promoted blocks from a slow
+        tier. It never learns the lease, so it can release nothing, and the pins would hold the
+        blocks in place, against eviction and demotion, until their TTL. Release them now; the
+        session ends at its next read."""
+        if isinstance(conn, ssl.SSLSocket):
+            return False  # no peeking under TLS (a same-host resolve is never on TLS)
+        try:
+            # readable with nothing to read: the client's end is closed (a pipelined next
+            # request would be bytes to peek at); the check never waits
+            readable, _, _ = select.select([conn], [], [], 0)
+            gone = bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            gone = True
+        if gone:
+            self.plane.release(session.caller, lease_id)
+            log.info("a caller left before its answer (its deadline passed): lease %d released", lease_id)
+        return gone
 
     def _lookup(self, conn: socket.socket, session: _Session) -> None:
         fingerprint, keys = self._keys(conn, session)
@@ -319,6 +342,8 @@ class DataPort:
         result = self.plane.lookup(session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None)
         tiers = bytes(TIER_CODES[t] for t in result.tiers)
         lease_id = result.lease.lease_id if result.lease else 0
+        if lease_id and self._caller_left(conn, session, lease_id):
+            return
         self._ok(conn, session)
         _send(
             conn, session.deadline, struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id)

@@ -212,6 +212,16 @@ class KvStoreService(pb_grpc.KvStoreServicer):
 
         return self._serve("Register", context, body)
 
+    @staticmethod
+    def _unclaimed(context: grpc.ServicerContext, call: str, undo: Callable[[], None]) -> None:
+        """A caller whose deadline passed (or who hung up) while the store worked never learns
+        its lease id and can release nothing: release the pins now, not at their TTL (the data
+        port's ``_caller_left`` does the same)."""
+        if context.is_active():
+            return
+        undo()
+        log.info("%s: the caller left before its answer (its deadline passed); pins released", call)
+
     @override
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def body(caller: Caller) -> pb.LookupResponse:
@@ -219,6 +229,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             keys = [BlockKey(k) for k in request.keys]
             ttl = request.pin_ttl_s if request.pin_ttl_s > 0 else None
             result = self.store.lookup(scope, keys, pin_ttl_s=ttl, owner=caller.tenant)
+            if result.lease is not None:
+                lease_id = result.lease.lease_id
+                self._unclaimed(context, "Lookup", lambda: self.store.release(lease_id))
             self.record_hits(caller, request.fingerprint, len(keys), result.tiers)
             return pb.LookupResponse(
                 hit_blocks=result.hit_blocks,
@@ -335,6 +348,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             scope = self._scope(caller, request.fingerprint, request.scope)
             keys = [BlockKey(k) for k in request.keys]
             resolved = self.store.resolve(scope, keys, request.ttl_s or None, owner=caller.tenant)
+            if resolved.lease is not None:
+                lease_id = resolved.lease.lease_id
+                self._unclaimed(context, "Resolve", lambda: self.store.release(lease_id))
             self.record_hits(caller, request.fingerprint, len(keys), resolved.tiers)
             if self.metrics is not None:
                 self.metrics.restore_seconds.labels("resolve").observe(time.perf_counter() - start)
