@@ -9,7 +9,19 @@ from pathlib import Path
 from benchmarks.common import Result, write_json
 from benchmarks.tiers import _Working, bench_dram, bench_keys, bench_nvme
 
-KEYS = {"metric", "value", "unit", "reference", "reference_value", "ratio", "target", "note"}
+KEYS = {
+    "metric",
+    "value",
+    "unit",
+    "reference",
+    "reference_value",
+    "ratio",
+    "target",
+    "target_op",
+    "target_ratio",
+    "meets_target",
+    "note",
+}
 
 
 def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
@@ -32,3 +44,6 @@ def test_json_shape(tmp_path: Path) -> None:
         assert set(row) == KEYS
     assert doc["results"][1]["ratio"] == 0.5
     assert rows[1].meets_target is False
+    # the target as a number too, with its verdict
+    assert (doc["results"][1]["target_op"], doc["results"][1]["target_ratio"]) == (">=", 0.8)
+    assert doc["results"][1]["meets_target"] is False
