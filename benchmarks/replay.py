@@ -431,7 +431,7 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 def _figures(s: Served, cold: PrefillModel, pool_bytes: int) -> dict[str, object]:
     hits = [i for i, (p, c) in enumerate(zip(s.prompt, s.cached, strict=True)) if c >= HIT_SHARE * p]
-    misses = [i for i in range(len(s.prompt)) if i not in set(hits)]
+    misses = sorted(set(range(len(s.prompt))) - set(hits))
     lengths = [c for c in s.cached if c > 0]
     busy_s = sum(s.seconds)
     saved_s = sum(cold.seconds(0, p) - t for p, t in zip(s.prompt, s.ttft, strict=True))

@@ -219,7 +219,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         port's ``_caller_left`` does the same)."""
         if context.is_active():
             return
-        undo()
+        with contextlib.suppress(KvStoreError):  # it expired meanwhile: nothing left to free
+            undo()
         log.info("%s: the caller left before its answer (its deadline passed); pins released", call)
 
     @override
