@@ -1,6 +1,7 @@
 """Moving whole blocks between one rank's KV caches and kvstore: the arena or the data port.
 
-    transfer = BlockTransfer(caches, layouts, fingerprint, block_bytes, same_host=True)
+    transfer = BlockTransfer(caches, layouts, fingerprint, block_bytes, same_host=True,
+                             num_blocks=num_blocks)
     loaded = transfer.fetch(kv, keys, block_ids)       # blocks restored: a prefix of keys
     transfer.store(kv, keys, block_ids, parent)        # the blocks are stored (or were already)
     transfer.compare(kv, keys, block_ids)              # per block: stored vs computed (audits)
@@ -25,15 +26,26 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine_plugin import kv_layout
 from kvstore.client import Client
-from kvstore.errors import KvStoreError
+from kvstore.errors import FailedPrecondition, KvStoreError
 from kvstore.keys import BlockKey, Fingerprint
 
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass
+class StagedLoad:
+    """A same-host load resolved, not yet copied: arena slots pinned under ``lease_id``."""
+
+    views: list[memoryview]
+    block_ids: list[int]
+    tiers: tuple[str, ...]
+    lease_id: int
 
 
 class BlockTransfer:
@@ -44,23 +56,23 @@ class BlockTransfer:
         fingerprint: Fingerprint,
         block_bytes: int,
         same_host: bool,
+        num_blocks: int,
     ) -> None:
         self._caches = list(caches)
         self._layouts = list(layouts)
         self._fingerprint = fingerprint
         self._block_bytes = block_bytes
         self._same_host = same_host
+        self._copier = kv_layout.BlockCopier(self._caches, self._layouts, num_blocks)
+        if self._copier.block_bytes != block_bytes:
+            raise ValueError(f"the caches hold {self._copier.block_bytes} B per block, not {block_bytes}")
 
     def fetch(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         """Restore the present prefix of ``keys`` into ``block_ids``; how many blocks."""
         if self._same_host:
             return self._fetch_from_arena(kv, keys, block_ids)
-        blocks = kv.get(self._fingerprint, keys)
-        for data, block_id in zip(blocks, block_ids, strict=False):
-            kv_layout.scatter(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8), self._block_views(block_id)
-            )
-        kv_layout.synchronize(self._caches)
+        blocks = kv.get(self._fingerprint, keys)[: len(block_ids)]
+        self._scatter(blocks, block_ids[: len(blocks)])
         return len(blocks)
 
     def store(
@@ -90,9 +102,8 @@ class BlockTransfer:
     def _gathered(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Host copies of the engine's blocks ``block_ids``, the device copies synchronized."""
         blocks = [torch.empty(self._block_bytes, dtype=torch.uint8) for _ in block_ids]
-        for target, block_id in zip(blocks, block_ids, strict=True):
-            kv_layout.gather(self._block_views(block_id), target)
-        kv_layout.synchronize(self._caches)
+        self._copier.gather(block_ids, [b.numpy().data for b in blocks])
+        self._copier.synchronize()
         return blocks
 
     def _stored_copies(self, kv: Client, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
@@ -110,33 +121,70 @@ class BlockTransfer:
                 release_after_load(kv, resolved.lease_id)
 
     def _fetch_from_arena(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
-        resolved = kv.resolve(self._fingerprint, keys)
+        staged = self.stage(kv, keys, block_ids)
         try:
-            for view, block_id in zip(resolved.views, block_ids, strict=False):
-                kv_layout.scatter(torch.frombuffer(view, dtype=torch.uint8), self._block_views(block_id))
-            kv_layout.synchronize(self._caches)  # device copies done before the slots go
+            self._scatter(staged.views, staged.block_ids)  # device copies done before the slots go
         finally:
-            if resolved.lease_id:
-                release_after_load(kv, resolved.lease_id)
-        return len(resolved.views)
+            self.finish(kv, staged)
+        return len(staged.block_ids)
+
+    # ----------------------------------------------------------------- layer-wise loads
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether loads can be staged and copied a layer at a time (``stage``): same host, and
+        host caches (a copy on a CUDA stream from another thread would need events per layer)."""
+        return self._same_host and self._copier.by_address
+
+    def stage(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> StagedLoad:
+        """Resolve the present prefix of ``keys`` to arena slots, pinned, for ``copy_layer``
+        (from any one thread) and then ``finish``. Same host only."""
+        resolved = kv.resolve(self._fingerprint, keys)
+        views = resolved.views[: len(block_ids)]
+        staged = StagedLoad(views, list(block_ids[: len(views)]), resolved.tiers, resolved.lease_id)
+        try:
+            self._copier.check(staged.views, staged.block_ids)
+        except ValueError as exc:
+            self.finish(kv, staged)
+            raise FailedPrecondition(f"cannot restore these blocks: {exc}") from exc
+        return staged
+
+    def copy_layer(self, staged: StagedLoad, layer: int) -> None:
+        """One layer of every block of ``staged``, into the caches."""
+        self._copier.scatter(staged.views, staged.block_ids, layers=(layer,))
+
+    def finish(self, kv: Client, staged: StagedLoad) -> None:
+        """The copies are done (or abandoned): let go of the slots."""
+        staged.views = []
+        if staged.lease_id:
+            release_after_load(kv, staged.lease_id)
+
+    @property
+    def num_layers(self) -> int:
+        return self._copier.num_layers
 
     def _store_in_arena(
         self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int], parent: BlockKey | None
     ) -> None:
         pending = kv.reserve(self._fingerprint, keys, [self._block_bytes] * len(keys), parent=parent)
         try:
-            for view, block_id in zip(pending.views, block_ids, strict=True):
-                if view is None:
-                    continue  # already stored, or another writer has it
-                kv_layout.gather(self._block_views(block_id), torch.frombuffer(view, dtype=torch.uint8))
-            kv_layout.synchronize(self._caches)  # device copies done before the commit
+            wanted = [(b, v) for b, v in zip(block_ids, pending.views, strict=True) if v is not None]
+            # a None view: already stored, or another writer has it
+            self._copier.gather([b for b, _ in wanted], [v for _, v in wanted])
+            self._copier.synchronize()  # device copies done before the commit
         except BaseException:
             kv.abort(pending.reservation_id)
             raise
         kv.commit(pending.reservation_id)
 
-    def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        return kv_layout.block_views(self._caches, self._layouts, block_id)
+    def _scatter(self, sources: Sequence[kv_layout.Buffer], block_ids: Sequence[int]) -> None:
+        """Copy stored blocks in, synchronized; a block of another size than this layout's (a
+        foreign or damaged writer) is a ``FailedPrecondition``, for vLLM to recompute."""
+        try:
+            self._copier.scatter(sources, block_ids)
+        except ValueError as exc:
+            raise FailedPrecondition(f"cannot restore these blocks: {exc}") from exc
+        self._copier.synchronize()
 
 
 def release_after_load(kv: Client, lease_id: int) -> None:

@@ -124,6 +124,7 @@ class ConnectorConfig:
     policy: Policy
     audit_fraction: float = 0.0  # share of would-be restores recomputed and compared instead
     audit_tolerance: float = AUDIT_TOLERANCE  # an audited block differing by more is a mismatch
+    layerwise_load: bool = False  # same-host loads copied a layer at a time during the forward
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -145,6 +146,7 @@ class ConnectorConfig:
             parse_policy(extra.get("policy", "auto")),
             _share(extra, "audit_fraction", 0.0),
             _share(extra, "audit_tolerance", AUDIT_TOLERANCE),
+            _flag(extra, "layerwise_load", False),
         )
 
     @property
@@ -170,6 +172,13 @@ def _share(extra: Mapping[str, Any], name: str, default: float) -> float:
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"kv_connector_extra_config {name!r} is a number in [0, 1], got {share}")
     return share
+
+
+def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = extra.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config {name!r} is true or false, got {value!r}")
+    return value
 
 
 def _tp_rank() -> int:
@@ -210,7 +219,14 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             link = SidecarLink(config.address, config.connect, [identity], stats.add_unreachable)
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = WorkerSide(
-                link, stats, identity, rank, config.same_host, num_blocks, config.audit_tolerance
+                link,
+                stats,
+                identity,
+                rank,
+                config.same_host,
+                num_blocks,
+                config.audit_tolerance,
+                config.layerwise_load,
             )
         # The whole fingerprint and what it digests: an operator invalidates by it
         # (`kvstore invalidate --fingerprint`) and can see why two engines do not share blocks.
@@ -266,7 +282,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker_side.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous in start_load_kv
+        self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -29,13 +29,16 @@ tokens, seconds: the step's time from ``step_started`` to ``wait_for_save`` less
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_plugin import kv_layout
 from engine_plugin.sidecar import SidecarLink
-from engine_plugin.transfer import BlockTransfer
+from engine_plugin.transfer import BlockTransfer, StagedLoad
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client
@@ -56,8 +59,13 @@ class WorkerSide:
         same_host: bool,
         num_blocks: int | None,
         audit_tolerance: float = 0.0,
+        layerwise: bool = False,
     ) -> None:
         self._link = link
+        self._layerwise = layerwise  # same-host loads on host caches copy a layer at a time
+        self._loading: _Loading | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        self._layer_index: dict[str, int] = {}
         self._audit_tolerance = audit_tolerance  # an audited block differing by more: a mismatch
         self._stats = stats
         self._identity = identity
@@ -72,6 +80,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         num_blocks = self._num_blocks or caches[0].shape[0]
         layouts = [kv_layout.describe(cache, num_blocks) for cache in caches]
         layer_bytes = sum(layout.block_bytes for layout in layouts)
@@ -81,7 +90,7 @@ class WorkerSide:
                 f"{self._identity.block_bytes} B: unsupported cache layout"
             )
         fingerprint = self._identity.fingerprint()
-        self._transfer = BlockTransfer(caches, layouts, fingerprint, layer_bytes, self._same_host)
+        self._transfer = BlockTransfer(caches, layouts, fingerprint, layer_bytes, self._same_host, num_blocks)
         log.info(
             "kvstore connector: %d layers (%s) on %s, %d B per block",
             len(caches),
@@ -97,6 +106,11 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KvstoreConnectorMetadata) -> None:
         started = time.perf_counter()
+        transfer = self._registered()
+        if self._layerwise and transfer.layerwise and meta.loads:
+            self._stage_layerwise(meta)
+            self._step_load_s += time.perf_counter() - started
+            return
         for load in meta.loads:
             start = time.perf_counter()
             loaded = self._load(load)
@@ -119,6 +133,112 @@ class WorkerSide:
             )
         self._step_load_s += time.perf_counter() - started
 
+    # ----------------------------------------------------------------- layer-wise loads
+
+    def _stage_layerwise(self, meta: KvstoreConnectorMetadata) -> None:
+        """Resolve every load now (the blocks vLLM will not get are known before the forward
+        starts), then copy them a layer at a time on the loader thread while the forward runs;
+        ``wait_for_layer_load`` holds each attention layer until its layer is in."""
+        transfer = self._registered()
+        staged: list[tuple[TransferJob, StagedLoad, float]] = []
+        for load in meta.loads:
+            start = time.perf_counter()
+            one = self._stage(load)
+            got = len(one.block_ids) if one is not None else 0
+            if got < len(load.block_ids):
+                self._load_errors.update(load.block_ids[got:])
+                self._stats.add_failed(len(load.block_ids) - got)
+            if one is not None and got:
+                staged.append((load, one, time.perf_counter() - start))
+            elif one is not None:
+                self._release(load, one)
+        if not staged:
+            return
+        layers = [threading.Event() for _ in range(transfer.num_layers)]
+        self._loading = _Loading(staged, layers, self._loader.submit(self._copy_layers, staged, layers))
+
+    def _stage(self, load: TransferJob) -> StagedLoad | None:
+        transfer = self._registered()
+        keys = load.rank_keys[self._rank]
+        staged: StagedLoad | None = self._link.call(
+            "load", load.timeout_s, lambda kv: transfer.stage(kv, keys, load.block_ids)
+        )
+        return staged
+
+    def _release(self, load: TransferJob, staged: StagedLoad) -> None:
+        transfer = self._registered()
+
+        def finish(kv: Client) -> bool:
+            transfer.finish(kv, staged)
+            return True
+
+        self._link.call("release", load.timeout_s, finish)
+
+    def _copy_layers(
+        self, staged: list[tuple[TransferJob, StagedLoad, float]], layers: list[threading.Event]
+    ) -> float:
+        """The loader thread: layer after layer, every staged block; the seconds it took."""
+        transfer = self._registered()
+        start = time.perf_counter()
+        try:
+            for layer, done in enumerate(layers):
+                for _, one, _ in staged:
+                    transfer.copy_layer(one, layer)
+                done.set()
+        finally:
+            for done in layers:  # a failure must not leave the forward waiting
+                done.set()
+        return time.perf_counter() - start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        loading = self._loading
+        if loading is None:
+            return
+        start = time.perf_counter()
+        index = self._layer_index.get(layer_name)
+        for done in loading.layers if index is None else loading.layers[index : index + 1]:
+            done.wait()  # an unknown layer (none such is registered) waits for them all
+        if index is not None:
+            loading.awaited.add(index)
+        self._step_load_s += time.perf_counter() - start
+
+    def _finish_layerwise(self) -> None:
+        """After the forward: every copy done, the slots released, the loads counted. A copy that
+        failed, or a layer the forward read without waiting for it, makes its blocks load
+        errors: vLLM recomputes them instead of keeping what the forward made of them."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        try:
+            copy_s = loading.future.result()
+            failed = False
+        except Exception:
+            log.exception("kvstore connector: a layer-wise load failed; its blocks are recomputed")
+            copy_s, failed = 0.0, True
+        unawaited = set(range(len(loading.layers))) - loading.awaited
+        if unawaited and not failed:
+            log.warning(
+                "kvstore connector: the forward pass read %d layers without waiting for their load; "
+                "their blocks are recomputed (set layerwise_load to false for this engine)",
+                len(unawaited),
+            )
+            failed = True
+        total = sum(len(one.block_ids) for _, one, _ in loading.staged)
+        for load, one, stage_s in loading.staged:
+            n = len(one.block_ids)
+            self._release(load, one)
+            if failed:
+                self._load_errors.update(one.block_ids)
+                self._stats.add_failed(n)
+                continue
+            tiers = set(one.tiers)
+            tier = one.tiers[0] if len(tiers) == 1 else "mixed"
+            nbytes = n * self._identity.block_bytes
+            seconds = stage_s + copy_s * n / total  # the copy's share of this load
+            self._stats.add_restore(tier, nbytes, seconds)
+            if tier != "mixed":
+                self._observed.transfers.append((tier, nbytes, seconds))
+
     def _load(self, load: TransferJob) -> int:
         """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them in time."""
         transfer = self._registered()
@@ -127,6 +247,7 @@ class WorkerSide:
         return loaded or 0
 
     def wait_for_save(self, meta: KvstoreConnectorMetadata) -> None:
+        self._finish_layerwise()
         if len(meta.steps) == 1 and meta.steps[0][1] > 1 and self._step_started:
             # One request prefilling alone: the forward pass is its prefill, cleanly timed.
             before, new = meta.steps[0]
@@ -195,4 +316,16 @@ class WorkerSide:
         return self._stats.take()
 
     def shutdown(self) -> None:
+        self._finish_layerwise()
+        self._loader.shutdown(wait=True)
         self._link.close()
+
+
+@dataclass
+class _Loading:
+    """This step's layer-wise loads: staged, their copies running on the loader thread."""
+
+    staged: list[tuple[TransferJob, StagedLoad, float]]  # (job, slots, seconds to stage)
+    layers: list[threading.Event]  # set once that layer of every block is in
+    future: Future[float]  # the copy's seconds
+    awaited: set[int] = field(default_factory=set)  # layers the forward waited for

@@ -159,7 +159,7 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
 
     def transfer(layers: list[torch.Tensor]) -> BlockTransfer:
         layouts = [kv_layout.describe(c, 6) for c in layers]
-        return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, address == "unix")
+        return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, address == "unix", 6)
 
     data_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     server = start_server(load_settings(env={}, overrides=settings_for(data_dir)))
@@ -179,3 +179,92 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("make", [cpu_caches, block_major_caches, kv_split_caches])
+def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
+    make: Callable[[], list[torch.Tensor]],
+) -> None:
+    """By address (libc memmove) and through torch, the same stored blocks land on the same bytes,
+    block by block and one layer at a time (layer-wise loading)."""
+    source = make()
+    stored = [bytearray(BLOCK_BYTES) for _ in range(3)]
+    kv_layout.BlockCopier(source, layouts_of(source), BLOCKS, by_address=False).gather(
+        [4, 0, 2], [memoryview(b) for b in stored]
+    )
+    for b, block_id in zip(stored, [4, 0, 2], strict=True):  # gather agrees with block_views
+        expected = torch.cat(kv_layout.block_views(source, layouts_of(source), block_id))
+        assert bytes(b) == expected.numpy().tobytes()
+    results = []
+    for by_address in (True, False):
+        caches = [torch.zeros_like(c) for c in source]
+        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=by_address)
+        assert copier.by_address is by_address
+        copier.scatter([bytes(b) for b in stored], [1, 3, 5], layers=[2, 0])
+        copier.scatter([memoryview(b) for b in stored], [1, 3, 5], layers=[1])
+        copier.synchronize()
+        results.append(caches)
+        back = [bytearray(BLOCK_BYTES) for _ in range(3)]
+        copier.gather([1, 3, 5], back)
+        assert back == stored
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    for block_id in (0, 2, 4):  # the blocks not written stay as they were
+        assert not any(v.any() for v in kv_layout.block_views(results[0], layouts_of(source), block_id))
+
+
+def test_the_copier_refuses_a_block_outside_the_caches_or_a_buffer_of_another_size() -> None:
+    caches = cpu_caches()
+    before = [c.clone() for c in caches]
+    copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS)
+    with pytest.raises(ValueError, match="outside"):
+        copier.scatter([bytes(BLOCK_BYTES), bytes(BLOCK_BYTES)], [0, BLOCKS])
+    with pytest.raises(ValueError, match="outside"):
+        copier.gather([-1], [bytearray(BLOCK_BYTES)])
+    with pytest.raises(ValueError, match=f"of {BLOCK_BYTES - 2} B"):
+        copier.scatter([bytes(BLOCK_BYTES), bytes(BLOCK_BYTES - 2)], [0, 1])
+    with pytest.raises(ValueError, match="2 buffers for 1 blocks"):
+        copier.scatter([bytes(BLOCK_BYTES)] * 2, [0])
+    for a, b in zip(caches, before, strict=True):  # nothing was copied before the refusal
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [cpu_caches, kv_split_caches])
+def test_the_copier_moves_runs_of_evenly_spaced_slots_in_one_strided_copy_per_layer(
+    make: Callable[[], list[torch.Tensor]],
+) -> None:
+    """Slots evenly spaced in one buffer (an arena's) go as strided runs whatever the order of
+    their block ids (vLLM's are often descending); another spacing or another buffer starts a new
+    run: every block lands where the block-by-block torch path puts it, and gathering reads back
+    the same bytes."""
+    source = make()
+    spacing = BLOCK_BYTES + 512
+    arena = bytearray(spacing * 8)
+    slots = [memoryview(arena)[i * spacing : i * spacing + BLOCK_BYTES] for i in (0, 1, 2, 3, 5)]
+    buffers = [*slots, memoryview(bytearray(BLOCK_BYTES))]
+    block_ids = [2, 1, 0, 4, 5, 3]
+    kv_layout.BlockCopier(source, layouts_of(source), BLOCKS, by_address=False).gather(block_ids, buffers)
+    runs = kv_layout._runs(buffers, [kv_layout._address(b) for b in buffers], BLOCK_BYTES)
+    assert [(r.first, r.count, r.stride) for r in runs] == [
+        (0, 4, spacing),  # slots 0-3, for blocks 2, 1, 0 and 4
+        (4, 1, 0),  # slot 5: twice the spacing, alone before another buffer
+        (5, 1, 0),  # another buffer: one memmove per slice
+    ]
+    results = []
+    for by_address in (True, False):
+        caches = [torch.zeros_like(c) for c in source]
+        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=by_address)
+        copier.scatter(buffers, block_ids)
+        results.append(caches)
+        back = [memoryview(bytearray(BLOCK_BYTES * 2))[:BLOCK_BYTES] for _ in buffers]
+        copier.gather(block_ids, back)
+        assert [bytes(b) for b in back] == [bytes(b) for b in buffers]
+        spaced = memoryview(bytearray(spacing * 6))  # gathered as runs into one buffer too
+        copier.gather(block_ids, [spaced[i * spacing : i * spacing + BLOCK_BYTES] for i in range(6)])
+        assert [bytes(spaced[i * spacing : i * spacing + BLOCK_BYTES]) for i in range(6)] == [
+            bytes(b) for b in buffers
+        ]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[0], source, strict=True):
+        assert torch.equal(a, b)  # every block of the source came back (ids 0-5, all of them)

@@ -73,7 +73,9 @@ def changed(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
 @pytest.fixture(scope="module")
 def engines(models: tuple[Path, Path], sidecar: RunningServer) -> Iterator[tuple[Engine, Engine]]:
     first = Engine(models[0], sidecar.unix_address)
-    second = Engine(models[0], sidecar.unix_address)
+    # The second loads layer-wise (copies during the forward pass, each attention layer waiting
+    # for its own); the whole-load path is the other engines' (tensor-parallel, restarts, ...).
+    second = Engine(models[0], sidecar.unix_address, connector_config={"layerwise_load": True})
     yield first, second
     first.close()
     second.close()
@@ -87,6 +89,9 @@ def test_second_engine_restores_the_prefix_with_identical_logprobs(engines: tupl
     assert warm["cached"] == 31 * 32  # every full block but none of the last partial one
     assert warm["tokens"] == cold["tokens"]
     assert warm["logprobs"] == cold["logprobs"]
+    metrics = second.metrics()
+    assert metrics.get("kvstore_connector_load_failed_blocks_total", 0) == 0  # every layer awaited
+    assert metrics["kvstore_connector_restore_seconds_count{tier=dram}"] >= 1
 
 
 def test_the_engine_log_names_its_whole_fingerprint_and_stats_names_the_model(

@@ -1,0 +1,118 @@
+"""Layer-wise loads in the connector's worker (``layerwise_load``), against a real sidecar: the
+blocks are resolved before the forward pass, copied a layer at a time on the loader thread, each
+attention layer waits for its own; a layer read without waiting turns the load into load errors
+(vLLM recomputes those blocks), and the slots are released either way."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine_plugin.sidecar import SidecarLink
+from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
+from engine_plugin.vllm_stats import KvstoreConnectorStats
+from engine_plugin.vllm_worker import WorkerSide
+from kvstore.client import connect
+from kvstore.keys import block_keys
+from kvstore.server.config import load_settings
+from kvstore.server.serve import RunningServer, start_server
+from tests.service_fixtures import MODEL, settings_for
+
+BLOCKS = 8
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(MODEL.num_layers)]
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[RunningServer]:
+    server = start_server(
+        load_settings(env={}, overrides=settings_for(tempfile.mkdtemp(prefix="kvl-", dir="/tmp")))
+    )
+    yield server
+    server.stop()
+
+
+def caches() -> dict[str, torch.Tensor]:
+    """vLLM CPU's layout: [num_blocks, kv_heads, block_size, 2 * head_dim] per layer."""
+    shape = (BLOCKS, MODEL.num_kv_heads, MODEL.tokens_per_block, 2 * MODEL.head_dim)
+    return {name: torch.randn(shape).to(torch.bfloat16) for name in LAYERS}
+
+
+def worker(sidecar: RunningServer, kv: dict[str, torch.Tensor]) -> WorkerSide:
+    stats = KvstoreConnectorStats()
+    address = sidecar.unix_address
+    link = SidecarLink(address, lambda: connect(address), [MODEL], stats.add_unreachable)
+    side = WorkerSide(link, stats, MODEL, 0, True, BLOCKS, layerwise=True)
+    side.register_kv_caches(kv)
+    return side
+
+
+def stored_prefix(sidecar: RunningServer, seed: int) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+    """Three blocks stored from one engine's caches (blocks 0-2): their keys and those caches."""
+    source = caches()
+    keys = block_keys(
+        MODEL.fingerprint(), list(range(seed, seed + 3 * MODEL.tokens_per_block)), MODEL.tokens_per_block
+    )
+    saver = worker(sidecar, source)
+    save = TransferJob("save", [keys], [0, 1, 2], 5.0, parents=[None])
+    saver.wait_for_save(KvstoreConnectorMetadata(saves=[save]))
+    saver.shutdown()
+    return keys, source
+
+
+def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: RunningServer) -> None:
+    keys, source = stored_prefix(sidecar, 1000)
+    target = caches()
+    side = worker(sidecar, target)
+    try:
+        side.step_started()
+        side.start_load_kv(
+            KvstoreConnectorMetadata(loads=[TransferJob("r", [keys], [5, 3, 4], 5.0, tiers=("dram",) * 3)])
+        )
+        for name in LAYERS:
+            side.wait_for_layer_load(name)
+            for dst, src in ((5, 0), (3, 1), (4, 2)):
+                assert torch.equal(target[name][dst], source[name][src])
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == set()
+        with connect(sidecar.unix_address) as kv:
+            assert kv.stats()["leases"] == 0  # released after the forward pass
+    finally:
+        side.shutdown()
+
+
+def test_a_layer_read_without_waiting_makes_its_blocks_load_errors(sidecar: RunningServer) -> None:
+    keys, _ = stored_prefix(sidecar, 2000)
+    side = worker(sidecar, caches())
+    try:
+        side.step_started()
+        side.start_load_kv(
+            KvstoreConnectorMetadata(loads=[TransferJob("r", [keys], [1, 2, 6], 5.0, tiers=("dram",) * 3)])
+        )
+        side.wait_for_layer_load(LAYERS[0])  # the others never waited for
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == {1, 2, 6}
+        with connect(sidecar.unix_address) as kv:
+            assert kv.stats()["leases"] == 0
+    finally:
+        side.shutdown()
+
+
+def test_blocks_the_sidecar_lacks_are_load_errors_before_the_forward_starts(sidecar: RunningServer) -> None:
+    keys, _ = stored_prefix(sidecar, 3000)
+    missing = block_keys(
+        MODEL.fingerprint(), list(range(9000, 9000 + MODEL.tokens_per_block)), MODEL.tokens_per_block
+    )
+    side = worker(sidecar, caches())
+    try:
+        side.step_started()
+        load = TransferJob("r", [keys[:2] + missing], [0, 1, 2], 5.0, tiers=("dram",) * 3)
+        side.start_load_kv(KvstoreConnectorMetadata(loads=[load]))
+        for name in LAYERS:
+            side.wait_for_layer_load(name)
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == {2}
+    finally:
+        side.shutdown()
