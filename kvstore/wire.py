@@ -22,6 +22,10 @@ A request that fails is answered with its status and the connection closes. The 
 failure starts with its detail in brackets, ``[LeaseExpired] lease 7 expired ...``: the name of
 the error class the server raised (``kvstore.status``), which the client raises again. A client
 that knows no details reads the code alone, as before, and shows the bracket as part of the text.
+
+Both ends send each message in one send (a reply's status with its body) and read through a
+``Stream``: one reused buffer, so a small message costs one recv, and a timeout armed per
+operation rather than per recv. A lookup's round trip is then a send and a recv on each side.
 """
 
 from __future__ import annotations
