@@ -22,10 +22,15 @@ A request that fails is answered with its status and the connection closes. The 
 failure starts with its detail in brackets, ``[LeaseExpired] lease 7 expired ...``: the name of
 the error class the server raised (``kvstore.status``), which the client raises again. A client
 that knows no details reads the code alone, as before, and shows the bracket as part of the text.
+
+Both ends send each message in one send (a reply's status with its body) and read through a
+``Stream``: one reused buffer, so a small message costs one recv, and a timeout armed per
+operation rather than per recv. A lookup's round trip is then a send and a recv on each side.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 import struct
@@ -52,24 +57,137 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 REARM_S = 0.25
 
 
+def _rearm(sock: socket.socket, deadline: float | None, armed_at: float) -> float:
+    """Bound the next socket operation by ``deadline``; returns when the timeout was armed.
+
+    A timeout armed at ``armed_at`` can end an operation at most (now - armed_at) past the
+    deadline: re-arm once that passes REARM_S, not per operation (a TLS socket returns one
+    16 KiB record per recv, and a settimeout per record costs). Without a deadline the socket's
+    own timeout applies."""
+    if deadline is None:
+        return armed_at
+    now = time.monotonic()
+    if now - armed_at > REARM_S:
+        sock.settimeout(time_left_s(deadline))
+        return now
+    return armed_at
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view``; ``deadline`` (``time.monotonic()``) bounds the whole read, not each recv,
     so a peer trickling bytes cannot stretch it. Without one the socket's own timeout applies."""
     got = 0
-    armed_at = -REARM_S
+    armed_at = -math.inf
     while got < len(view):
-        if deadline is not None:
-            # A timeout armed at ``armed_at`` can end a recv at most (now - armed_at) past the
-            # deadline: re-arm once that passes REARM_S, not per recv (a TLS socket returns
-            # one 16 KiB record per recv, and a settimeout per record costs).
-            now = time.monotonic()
-            if now - armed_at > REARM_S:
-                sock.settimeout(time_left_s(deadline))
-                armed_at = now
+        armed_at = _rearm(sock, deadline, armed_at)
         n = sock.recv_into(view[got:], len(view) - got)
         if not n:
             raise ConnectionError("peer closed the data connection mid-message")
         got += n
+
+
+class Stream:
+    """One end of a data connection: its reads through one reused buffer, its timeouts.
+
+    ``read(n)`` asks the socket for as much as the buffer holds, so a small message costs one
+    recv however many fields it has; what arrived past it stays buffered for the next read.
+    ``read_into(view)`` drains the buffer first, then reads straight into ``view`` (a block's
+    bytes never pass through the buffer beyond what one read brought along).
+
+    Timeouts: ``begin(deadline)`` starts an operation that must end by ``deadline`` (a
+    ``time.monotonic()`` value, or None: ``default_timeout_s`` per socket operation); every
+    read and every ``send`` until the next ``begin`` is bounded by it, re-armed as
+    ``recv_into_exact`` does. ``wait(timeout_s)`` waits that long for a next message to start.
+    A timeout raises TimeoutError and leaves the stream mid-message: close it, never reuse it.
+    Not for use from several threads at once.
+    """
+
+    def __init__(self, sock: socket.socket, default_timeout_s: float, buffer_bytes: int = 16 << 10) -> None:
+        self.sock = sock
+        self.deadline: float | None = None
+        self._default_timeout_s = default_timeout_s
+        self._buf = bytearray(buffer_bytes)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # the buffered bytes not read yet
+        self._armed_at = -math.inf
+        self._timeout_s: float | None = sock.gettimeout()  # what the socket has, when known
+
+    def begin(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self._armed_at = -math.inf
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            self._armed_at = _rearm(self.sock, self.deadline, self._armed_at)
+            self._timeout_s = None
+        elif self._timeout_s != self._default_timeout_s:  # a syscall saved on the hot path
+            self.sock.settimeout(self._default_timeout_s)
+            self._timeout_s = self._default_timeout_s
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a next message starts within ``timeout_s`` (False: timed out, or the peer
+        closed between messages)."""
+        if self._end > self._start:
+            return True
+        self._start = self._end = 0
+        if self._timeout_s != timeout_s:
+            self.sock.settimeout(timeout_s)
+            self._timeout_s = timeout_s
+        self._armed_at = -math.inf
+        try:
+            self._end = self.sock.recv_into(self._view)
+        except TimeoutError:
+            return False
+        return self._end > 0
+
+    def read(self, n: int) -> bytes:
+        if n > len(self._buf):  # larger than the buffer: a buffer of its own
+            out = bytearray(n)
+            self.read_into(memoryview(out))
+            return bytes(out)
+        if self._end - self._start < n:
+            self._fill(n)
+        start = self._start
+        self._start += n
+        return bytes(self._view[start : start + n])
+
+    def _fill(self, n: int) -> None:
+        """Buffer at least ``n`` bytes (``n`` at most the buffer's size)."""
+        if self._start + n > len(self._buf):  # no room past the leftover: move it to the front
+            left = bytes(self._view[self._start : self._end])
+            self._buf[: len(left)] = left
+            self._start, self._end = 0, len(left)
+        while self._end - self._start < n:
+            self._arm()
+            got = self.sock.recv_into(self._view[self._end :])
+            if not got:
+                raise ConnectionError("peer closed the data connection mid-message")
+            self._end += got
+
+    def read_into(self, view: memoryview) -> None:
+        have = min(self._end - self._start, len(view))
+        if have:
+            view[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        if have < len(view):
+            if self.deadline is None:
+                self._arm()  # the default timeout; recv_into_exact arms a deadline itself
+            else:
+                self._timeout_s = None
+            recv_into_exact(self.sock, view[have:], self.deadline)
+
+    def read_status(self) -> tuple[int, str]:
+        """The code (a ``Status`` number) and message of a status frame, the detail left in."""
+        code, length = struct.unpack("<BI", self.read(5))
+        return code, self.read(length).decode(errors="replace") if length else ""
+
+    def send(self, data: bytes | bytearray | memoryview) -> None:
+        self._arm()
+        self.sock.sendall(data)
+
+    def send_parts(self, head: bytes, body: memoryview) -> None:
+        self._arm()
+        send_parts(self.sock, head, body)
 
 
 def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:

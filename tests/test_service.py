@@ -7,6 +7,7 @@ import os
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -63,6 +64,52 @@ def test_remote_put_and_get_over_tcp(served: Served, data_plane: str) -> None:
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         assert kv.get_into(fp, keys, outs) == 6
         assert [bytes(o) for o in outs] == blocks
+
+
+@pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])
+def test_get_returns_views_the_caller_keeps_and_reuses_dropped_ones(served: Served, data_plane: str) -> None:
+    with connect(served.tcp, token="tok-a", data_plane=data_plane) as kv:
+        fp = kv.register(MODEL)
+        keys, other = chain(3), chain(3, "other")
+        blocks, other_blocks = blocks_for(keys), blocks_for(other)
+        kv.put(fp, keys, blocks)
+        kv.put(fp, other, other_blocks)
+        kept = kv.get(fp, keys)
+        assert all(isinstance(v, memoryview) and not v.readonly for v in kept)
+        kept_ids = {id(v.obj) for v in kept}
+        assert kv.get(fp, other) == other_blocks  # a second get while the first is held ...
+        assert kept == blocks  # ... never overwrites it
+        dropped_ids = {id(v.obj) for v in kv.get(fp, other)}  # dropped at once
+        assert {id(v.obj) for v in kv.get(fp, keys)} == dropped_ids  # received into the same memory
+        assert kept_ids.isdisjoint(dropped_ids)
+
+
+def test_get_without_a_receive_pool_still_returns_the_blocks(served: Served) -> None:
+    with connect(served.tcp, token="tok-a", receive_pool_bytes=0) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(2)
+        blocks = blocks_for(keys)
+        kv.put(fp, keys, blocks)
+        assert kv.get(fp, keys) == blocks
+    with pytest.raises(InvalidArgument):
+        connect(served.tcp, receive_pool_bytes=-1)
+
+
+@pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])
+def test_get_into_refuses_a_buffer_too_small(served: Served, data_plane: str) -> None:
+    with connect(served.tcp, token="tok-a", data_plane=data_plane) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(2)
+        blocks = blocks_for(keys)
+        kv.put(fp, keys, blocks)
+        with pytest.raises(InvalidArgument):
+            kv.get_into(fp, keys, [memoryview(bytearray(BLOCK)), memoryview(bytearray(BLOCK - 1))])
+        with pytest.raises(InvalidArgument):
+            kv.get_into(fp, keys, [memoryview(bytearray(BLOCK))])  # fewer buffers than blocks
+        wide = np.zeros(BLOCK // 4, dtype=np.float32)  # a buffer of another format: its bytes count
+        assert kv.get_into(fp, keys[:1], [memoryview(wide)]) == 1
+        assert wide.tobytes() == blocks[0]
+        assert kv.get(fp, keys) == blocks  # the connection dropped after the failure is replaced
 
 
 def test_blocks_promoted_from_nvme_read_back_exactly(served: Served) -> None:

@@ -4,6 +4,7 @@ client.py        the Client: control calls over the generated stub, the gRPC Get
                  the same-host arena calls, deadlines
 connections.py   its per-thread connections to the raw data port
 dataport.py      one data-port connection (the protocol is ``kvstore.wire``)
+pool.py          the per-thread receive pool ``get`` returns views of, reused once dropped
 translate.py     the one place lower-layer failures become ``kvstore.errors`` classes
 results.py       what the calls return
 """

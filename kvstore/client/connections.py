@@ -61,7 +61,7 @@ class DataConnections:
     def call(self, scope: str, call: Callable[[DataPortClient], R]) -> R:
         """``call(conn)`` on this thread's connection for ``scope``; a failure drops it."""
         conn = self._connection(scope)
-        conn.deadline = self._deadline()
+        conn.begin(self._deadline())
         conn.last_used = time.monotonic()
         try:
             with translated("the data port call"):

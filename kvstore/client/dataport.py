@@ -10,7 +10,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.status import Status
@@ -23,11 +23,8 @@ from kvstore.wire import (
     OP_RELEASE,
     OP_RESOLVE,
     TIER_NAMES,
-    read_status,
-    recv_exact,
-    recv_into_exact,
+    Stream,
     status_error,
-    time_left_s,
 )
 
 IO_TIMEOUT_S = 30.0  # the per-operation default when the caller sets no deadline
@@ -37,9 +34,12 @@ class DataPortClient:
     """One connection to a data port; not for use from several threads at once.
 
     Timeouts: connecting and the hello take at most ``connect_timeout_s`` (default IO_TIMEOUT_S)
-    together. Each operation then ends by ``deadline`` (a ``time.monotonic()`` value the caller
-    sets before it, or None: IO_TIMEOUT_S per socket operation). A timeout raises TimeoutError
-    and leaves the stream mid-message: the connection must be closed, never reused.
+    together. Each operation then ends by the deadline given to ``begin`` before it (a
+    ``time.monotonic()`` value, or None: IO_TIMEOUT_S per socket operation). A timeout raises
+    TimeoutError and leaves the stream mid-message: the connection must be closed, never reused.
+
+    Each request goes out in one send; replies are read through one reused buffer
+    (``kvstore.wire.Stream``), so a lookup's status and answer cost one recv.
     """
 
     def __init__(
@@ -54,9 +54,8 @@ class DataPortClient:
         server_name: str = "",
     ) -> None:
         timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
-        self.deadline: float | None = time.monotonic() + timeout_s  # the hello's, until it is done
+        hello_deadline = time.monotonic() + timeout_s
         self.last_used = time.monotonic()  # the owner's note, against the server's IDLE_S
-        self._default_timeout = False  # the socket's timeout is IO_TIMEOUT_S
         if unix_path:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(timeout_s)
@@ -75,119 +74,99 @@ class DataPortClient:
                     self.sock.close()
                     raise
         token_b, scope_b = (token or "").encode(), scope.encode()
+        self._stream = Stream(self.sock, IO_TIMEOUT_S)
         try:
-            self._arm()
-            self.sock.sendall(
+            self._stream.begin(hello_deadline)
+            self._stream.send(
                 MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
             )
             self._check()
         except OSError:
             self.sock.close()
             raise
-        self.deadline = None
+        self._stream.begin(None)
 
-    def _arm(self) -> None:
-        """Bound the next send by the deadline (sendall's timeout covers the whole send); without
-        one, put back IO_TIMEOUT_S if a deadline changed it (a syscall saved on the hot path)."""
-        if self.deadline is not None:
-            self.sock.settimeout(time_left_s(self.deadline))
-            self._default_timeout = False
-        elif not self._default_timeout:
-            self.sock.settimeout(IO_TIMEOUT_S)
-            self._default_timeout = True
-
-    def _recv(self, n: int) -> bytes:
-        return recv_exact(self.sock, n, self.deadline)
+    def begin(self, deadline: float | None) -> None:
+        """The next operation ends by ``deadline`` (``time.monotonic()``; None: IO_TIMEOUT_S
+        per socket operation)."""
+        self._stream.begin(deadline)
 
     def _check(self) -> None:
-        code, message = read_status(self.sock, self.deadline)
+        code, message = self._stream.read_status()
         if code != Status.OK:
             self.sock.close()
             raise status_error(code, message)
+
+    def _request(self, op: int, fingerprint: bytes, keys: Sequence[bytes], tail: bytes = b"") -> None:
+        """Send a request on keys (one send: header, keys, ``tail``) and read its status."""
+        _check_ids(fingerprint, keys)
+        self._stream.send(b"".join([_OP_KEYS.pack(op, fingerprint, len(keys)), *keys, tail]))
+        self._check()
 
     def resolve(
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float
     ) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
         """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_RESOLVE)
-            + fingerprint
-            + struct.pack("<I", len(keys))
-            + b"".join(keys)
-            + struct.pack("<d", ttl_s)
-        )
-        self._check()
-        (name_len,) = struct.unpack("<H", self._recv(2))
-        arena_name = self._recv(name_len).decode()
-        (hit,) = struct.unpack("<I", self._recv(4))
-        raw = self._recv(17 * hit + 8)
+        self._request(OP_RESOLVE, fingerprint, keys, struct.pack("<d", ttl_s))
+        read = self._stream.read
+        (name_len,) = struct.unpack("<H", read(2))
+        arena_name = read(name_len).decode()
+        (hit,) = struct.unpack("<I", read(4))
+        raw = read(17 * hit + 8)
         slots, tiers = [], []
-        for i in range(hit):
-            offset, size, tier = struct.unpack_from("<QQB", raw, 17 * i)
+        for offset, size, tier in struct.iter_unpack("<QQB", raw[: 17 * hit]):
             slots.append((offset, size))
             tiers.append(TIER_NAMES.get(tier, "unknown"))
         (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
         return arena_name, slots, tuple(tiers), int(lease_id)
 
     def release(self, lease_id: int) -> None:
-        self._arm()
-        self.sock.sendall(struct.pack("<BQ", OP_RELEASE, lease_id))
+        self._stream.send(struct.pack("<BQ", OP_RELEASE, lease_id))
         self._check()
 
     def lookup(
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0
-    ) -> tuple[int, tuple[str, ...], int]:
-        """(hit blocks, tier of each hit, lease id or 0)."""
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_LOOKUP)
-            + fingerprint
-            + struct.pack("<I", len(keys))
-            + b"".join(keys)
-            + struct.pack("<d", pin_ttl_s)
-        )
-        self._check()
-        (hit,) = struct.unpack("<I", self._recv(4))
-        tiers = tuple(TIER_NAMES.get(code, "unknown") for code in self._recv(hit))
-        (lease_id,) = struct.unpack("<Q", self._recv(8))
+    ) -> tuple[int, bytes, int]:
+        """(hit blocks, the tier code of each hit (``kvstore.wire.TIER_NAMES``), lease id or 0)."""
+        self._request(OP_LOOKUP, fingerprint, keys, struct.pack("<d", pin_ttl_s))
+        (hit,) = struct.unpack("<I", self._stream.read(4))
+        tiers = self._stream.read(hit)
+        (lease_id,) = struct.unpack("<Q", self._stream.read(8))
         return hit, tiers, lease_id
-
-    def _request_get(self, fingerprint: bytes, keys: Sequence[bytes]) -> None:
-        _check_ids(fingerprint, keys)
-        self._arm()
-        self.sock.sendall(
-            struct.pack("<B", OP_GET) + fingerprint + struct.pack("<I", len(keys)) + b"".join(keys)
-        )
-        self._check()
 
     def get_into(self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         """Copy the present prefix into ``outs`` (each at least as long as its block)."""
-        self._request_get(fingerprint, keys)
         n = 0
-        while True:
-            (size,) = struct.unpack("<Q", self._recv(8))
-            if size == END:
-                break
-            if n >= len(outs) or len(outs[n]) < size:
+
+        def into(size: int) -> memoryview:
+            if n >= len(outs) or outs[n].nbytes < size:
                 raise InvalidArgument(f"block {n} of {size} B does not fit its buffer")
-            recv_into_exact(self.sock, outs[n][:size], self.deadline)
+            return outs[n].cast("B")[:size]
+
+        for _ in self._blocks(fingerprint, keys, into):
             n += 1
-        self._check()
         return n
 
-    def get(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[bytes]:
-        self._request_get(fingerprint, keys)
-        blocks: list[bytes] = []
+    def get(
+        self, fingerprint: bytes, keys: Sequence[bytes], take: Callable[[int], memoryview]
+    ) -> list[memoryview]:
+        """The present prefix's blocks, each received into ``take(its size)``."""
+        return list(self._blocks(fingerprint, keys, take))
+
+    def _blocks(
+        self, fingerprint: bytes, keys: Sequence[bytes], take: Callable[[int], memoryview]
+    ) -> Iterator[memoryview]:
+        """Request the blocks; per block of the present prefix, receive it into ``take(size)``
+        and yield that view. The stream is whole again once the iterator is exhausted."""
+        self._request(OP_GET, fingerprint, keys)
         while True:
-            (size,) = struct.unpack("<Q", self._recv(8))
+            (size,) = struct.unpack("<Q", self._stream.read(8))
             if size == END:
                 break
-            blocks.append(self._recv(size))
+            view = take(size)
+            self._stream.read_into(view)
+            yield view
         self._check()
-        return blocks
 
     def put(
         self,
@@ -204,22 +183,24 @@ class DataPortClient:
         ]
         head.append(struct.pack("<I", len(keys)))
         head.extend(key + struct.pack("<Q", len(block)) for key, block in zip(keys, blocks, strict=True))
-        self._arm()
         try:
-            self.sock.sendall(b"".join(head))
+            self._stream.send(b"".join(head))
             for block in blocks:
-                self.sock.sendall(block)
+                self._stream.send(block)
         except OSError:
             pass  # the server refused early and closed: its status says why
         self._check()
-        (stored,) = struct.unpack("<I", self._recv(4))
+        (stored,) = struct.unpack("<I", self._stream.read(4))
         return int(stored)
 
     def close(self) -> None:
         self.sock.close()
 
 
+_OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
+
+
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
     """The framing has no lengths for ids: refuse a wrong one before it desynchronizes the stream."""
-    if len(fingerprint) != 32 or any(len(k) != 32 for k in keys):
+    if len(fingerprint) != 32 or not set(map(len, keys)) <= {32}:
         raise InvalidArgument("keys and fingerprints are 32 bytes")

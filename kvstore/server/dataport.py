@@ -46,16 +46,14 @@ from kvstore.wire import (
     OP_RELEASE,
     OP_RESOLVE,
     TIER_CODES,
-    recv_exact,
-    recv_into_exact,
+    Stream,
     send_error,
-    send_parts,
-    time_left_s,
 )
 
 log = logging.getLogger(__name__)
 
 _OK = struct.pack("<BI", Status.OK, 0)
+_KEYS_HEAD = struct.Struct("<32sI")  # fingerprint, key count
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 MAX_CONNECTIONS = 1024
@@ -67,16 +65,6 @@ MAX_BLOCKS_PER_REQUEST = 65536
 class _Session:
     caller: Caller
     namespace: str
-    deadline: float = 0.0  # time.monotonic() by which the current request must be done
-
-    def begin(self) -> None:
-        """A request starts: it gets REQUEST_S, all of it, however its bytes trickle in."""
-        self.deadline = time.monotonic() + REQUEST_S
-
-
-def _send(conn: socket.socket, deadline: float, data: bytes) -> None:
-    conn.settimeout(time_left_s(deadline))
-    conn.sendall(data)
 
 
 class DataPort:
@@ -191,19 +179,21 @@ class DataPort:
                     self._conns.add(tls)
                 conn = tls
                 conn.do_handshake()
-            session = self._hello(conn, peer, hello_deadline)
+            stream = Stream(conn, REQUEST_S)
+            stream.begin(hello_deadline)
+            session = self._hello(stream, peer)
             self._admit(session)
             while not self._closing.is_set():
-                op = self._next_op(conn)
-                if not op:
+                if not self._next_request(stream):
                     return
-                session.begin()
+                stream.begin(time.monotonic() + REQUEST_S)  # all of it, however its bytes trickle
+                op = stream.read(1)[0]
                 started = time.perf_counter()
                 try:
-                    self._dispatch(op[0], conn, session)
+                    self._dispatch(op, stream, session)
                 finally:
-                    if self.on_request is not None and op[0] in OP_NAMES:
-                        self.on_request(OP_NAMES[op[0]], time.perf_counter() - started)
+                    if self.on_request is not None and op in OP_NAMES:
+                        self.on_request(OP_NAMES[op], time.perf_counter() - started)
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
@@ -223,19 +213,19 @@ class DataPort:
                 if session is not None and session.caller.tenant in self._per_tenant:
                     self._per_tenant[session.caller.tenant] -= 1
 
-    def _dispatch(self, op: int, conn: socket.socket, session: _Session) -> None:
+    def _dispatch(self, op: int, stream: Stream, session: _Session) -> None:
         if op == OP_LOOKUP:
-            self._lookup(conn, session)
+            self._lookup(stream, session)
         elif op == OP_RESOLVE:
-            self._resolve(conn, session)
+            self._resolve(stream, session)
         elif op == OP_RELEASE:
-            (lease_id,) = struct.unpack("<Q", recv_exact(conn, 8, session.deadline))
+            (lease_id,) = struct.unpack("<Q", stream.read(8))
             self.plane.release(session.caller, lease_id)
-            self._ok(conn, session)
+            stream.send(_OK)
         elif op == OP_GET:
-            self._get(conn, session)
+            self._get(stream, session)
         elif op == OP_PUT:
-            self._put(conn, session)
+            self._put(stream, session)
         else:
             raise InvalidArgument(f"unknown data port operation {op}")
 
@@ -250,77 +240,71 @@ class DataPort:
                 )
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
-    def _ok(self, conn: socket.socket, session: _Session) -> None:
-        conn.settimeout(time_left_s(session.deadline))
-        conn.sendall(_OK)
-
-    def _next_op(self, conn: socket.socket) -> bytes:
-        """Wait up to IDLE_S for the next request (a connection idle longer is closed; the client
-        reconnects). Within a request, the request's deadline bounds every read and write."""
+    def _next_request(self, stream: Stream) -> bool:
+        """Wait up to IDLE_S for the next request to start (a connection idle longer is closed;
+        the client reconnects). Within a request, its deadline bounds every read and write."""
         with self._lock:
             if self._closing.is_set():
-                return b""
-            self._idle.add(conn)
-        conn.settimeout(IDLE_S)
+                return False
+            self._idle.add(stream.sock)
         try:
-            return conn.recv(1)
-        except TimeoutError:
-            return b""
+            return stream.wait(IDLE_S)
         finally:
             with self._lock:
-                self._idle.discard(conn)
+                self._idle.discard(stream.sock)
 
-    def _hello(self, conn: socket.socket, peer: Any, deadline: float) -> _Session:
+    def _hello(self, stream: Stream, peer: Any) -> _Session:
         """Magic, token and scope, all within HELLO_S: a slowloris is cut there."""
-        if recv_exact(conn, 4, deadline) != MAGIC:
+        if stream.read(4) != MAGIC:
             raise InvalidArgument("not a kvstore data port client (bad magic)")
-        (token_len,) = struct.unpack("<H", recv_exact(conn, 2, deadline))
-        token = recv_exact(conn, token_len, deadline).decode(errors="replace")
-        (scope_len,) = struct.unpack("<H", recv_exact(conn, 2, deadline))
-        scope = recv_exact(conn, scope_len, deadline).decode(errors="replace")
+        (token_len,) = struct.unpack("<H", stream.read(2))
+        token = stream.read(token_len).decode(errors="replace")
+        (scope_len,) = struct.unpack("<H", stream.read(2))
+        scope = stream.read(scope_len).decode(errors="replace")
         metadata = [("authorization", f"Bearer {token}")] if token else []
+        conn = stream.sock
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
-        session = _Session(caller, self.auth.namespace(caller, scope), deadline)
-        self._ok(conn, session)
+        session = _Session(caller, self.auth.namespace(caller, scope))
+        stream.send(_OK)
         return session
 
-    def _keys(self, conn: socket.socket, session: _Session) -> tuple[Fingerprint, list[BlockKey]]:
-        fingerprint = Fingerprint(recv_exact(conn, 32, session.deadline))
-        (n,) = struct.unpack("<I", recv_exact(conn, 4, session.deadline))
+    def _keys(self, stream: Stream) -> tuple[Fingerprint, list[BlockKey]]:
+        """A request's fingerprint and keys: each key a slice of the one read of them all."""
+        fingerprint, n = _KEYS_HEAD.unpack(stream.read(_KEYS_HEAD.size))
         if n > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        raw = recv_exact(conn, 32 * n, session.deadline)
-        return fingerprint, [BlockKey(raw[i * 32 : (i + 1) * 32]) for i in range(n)]
+        raw = stream.read(32 * n)
+        return Fingerprint(fingerprint), [BlockKey(raw[i : i + 32]) for i in range(0, 32 * n, 32)]
 
-    def _resolve(self, conn: socket.socket, session: _Session) -> None:
+    def _resolve(self, stream: Stream, session: _Session) -> None:
         """Same-host restore: arena slots of the present prefix, pinned under a lease."""
-        fingerprint, keys = self._keys(conn, session)
-        (ttl_s,) = struct.unpack("<d", recv_exact(conn, 8, session.deadline))
-        if conn.family != socket.AF_UNIX:
+        fingerprint, keys = self._keys(stream)
+        (ttl_s,) = struct.unpack("<d", stream.read(8))
+        if stream.sock.family != socket.AF_UNIX:
             raise FailedPrecondition(
                 "resolve hands out arena slots: same-host clients on the Unix socket only"
             )
         scope = Scope(session.namespace, fingerprint)
         resolved = self.plane.resolve(session.caller, scope, keys, ttl_s if ttl_s > 0 else None)
         name = self.plane.arena().arena.name.encode()
-        body = [struct.pack("<H", len(name)), name, struct.pack("<I", len(resolved.slots))]
+        body = [_OK, struct.pack("<H", len(name)), name, struct.pack("<I", len(resolved.slots))]
         body.extend(
             struct.pack("<QQB", slot.offset, slot.size_bytes, TIER_CODES[tier])
             for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
         )
         body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
-        if resolved.lease is not None and self._caller_left(conn, session, resolved.lease.lease_id):
+        if resolved.lease is not None and self._caller_left(stream, session, resolved.lease.lease_id):
             return
-        self._ok(conn, session)
-        _send(conn, session.deadline, b"".join(body))
+        stream.send(b"".join(body))
 
-    def _caller_left(self, conn: socket.socket, session: _Session, lease_id: int) -> bool:
+    def _caller_left(self, stream: Stream, session: _Session, lease_id: int) -> bool:
         """Whether the client hung up while the store worked: its deadline passed (a client
         closes a connection whose call failed), say while a restore promoted blocks from a slow
         tier. It never learns the lease, so it can release nothing, and the pins would hold the
         blocks in place, against eviction and demotion, until their TTL. Release them now; the
         session ends at its next read."""
+        conn = stream.sock
         if isinstance(conn, ssl.SSLSocket):
             return False  # no peeking under TLS (a same-host resolve is never on TLS)
         try:
@@ -336,52 +320,45 @@ class DataPort:
             log.info("a caller left before its answer (its deadline passed): lease %d released", lease_id)
         return gone
 
-    def _lookup(self, conn: socket.socket, session: _Session) -> None:
-        fingerprint, keys = self._keys(conn, session)
-        (pin_ttl_s,) = struct.unpack("<d", recv_exact(conn, 8, session.deadline))
+    def _lookup(self, stream: Stream, session: _Session) -> None:
+        fingerprint, keys = self._keys(stream)
+        (pin_ttl_s,) = struct.unpack("<d", stream.read(8))
         scope = Scope(session.namespace, fingerprint)
         result = self.plane.lookup(session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None)
-        tiers = bytes(TIER_CODES[t] for t in result.tiers)
+        tiers = bytes([TIER_CODES[t] for t in result.tiers])
         lease_id = result.lease.lease_id if result.lease else 0
-        if lease_id and self._caller_left(conn, session, lease_id):
+        if lease_id and self._caller_left(stream, session, lease_id):
             return
-        self._ok(conn, session)
-        _send(
-            conn, session.deadline, struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id)
-        )
+        stream.send(_OK + struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id))
 
-    def _get(self, conn: socket.socket, session: _Session) -> None:
-        fingerprint, keys = self._keys(conn, session)
+    def _get(self, stream: Stream, session: _Session) -> None:
+        fingerprint, keys = self._keys(stream)
         scope = Scope(session.namespace, fingerprint)
         self.plane.arena()
-        self._ok(conn, session)  # from here on a failure can only close the connection
+        stream.send(_OK)  # from here on a failure can only close the connection
 
         def send(key: BlockKey, payload: memoryview) -> None:  # straight out of the pinned slot
-            conn.settimeout(time_left_s(session.deadline))
-            send_parts(conn, struct.pack("<Q", len(payload)), payload)
+            stream.send_parts(struct.pack("<Q", len(payload)), payload)
 
         for _ in self.plane.read(session.caller, scope, keys, send):
             pass
-        _send(conn, session.deadline, struct.pack("<Q", END))
-        self._ok(conn, session)
+        stream.send(struct.pack("<Q", END) + _OK)
 
-    def _put(self, conn: socket.socket, session: _Session) -> None:
-        deadline = session.deadline
-        fingerprint = Fingerprint(recv_exact(conn, 32, deadline))
-        has_parent, parent_raw = struct.unpack("<B32s", recv_exact(conn, 33, deadline))
-        (n,) = struct.unpack("<I", recv_exact(conn, 4, deadline))
+    def _put(self, stream: Stream, session: _Session) -> None:
+        fingerprint = Fingerprint(stream.read(32))
+        has_parent, parent_raw = struct.unpack("<B32s", stream.read(33))
+        (n,) = struct.unpack("<I", stream.read(4))
         if n > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        headers = recv_exact(conn, 40 * n, deadline)
+        headers = stream.read(40 * n)
         keys = [BlockKey(headers[i * 40 : i * 40 + 32]) for i in range(n)]
         sizes = [struct.unpack_from("<Q", headers, i * 40 + 32)[0] for i in range(n)]
         parent = BlockKey(parent_raw) if has_parent else None
         scope = Scope(session.namespace, fingerprint)
         stored = self.plane.write(
-            session.caller, scope, parent, keys, sizes, lambda i, view: recv_into_exact(conn, view, deadline)
+            session.caller, scope, parent, keys, sizes, lambda i, view: stream.read_into(view)
         )
-        self._ok(conn, session)
-        _send(conn, session.deadline, struct.pack("<I", stored))
+        stream.send(_OK + struct.pack("<I", stored))
 
 
 def _refuse(conn: socket.socket, message: str) -> None:

@@ -126,22 +126,50 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_StoreCollector(store))
+        # Children of the per-tenant counters; a dict read and write is atomic under the GIL,
+        # and two threads that both miss make the same child (labels returns the one it has).
+        self._by_tenant: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._by_tier: dict[tuple[str, str], Any] = {}
+        self._by_method: dict[str, Any] = {}
         self._http: Any = None
         self._thread: threading.Thread | None = None
 
     def observe_request(self, method: str, seconds: float) -> None:
-        self.request_seconds.labels(method).observe(seconds)
+        child = self._by_method.get(method)
+        if child is None:
+            child = self._by_method[method] = self.request_seconds.labels(method)
+        child.observe(seconds)
 
     def record_lookup(
         self, tenant: str, hit_blocks: int, miss_blocks: int, tiers: Sequence[str], tokens_per_block: int
     ) -> None:
-        self.lookup_blocks.labels(tenant, "hit").inc(hit_blocks)
-        self.lookup_blocks.labels(tenant, "miss").inc(miss_blocks)
+        hit, miss, hit_tok, miss_tok = self._lookup_children(tenant)
+        hit.inc(hit_blocks)
+        miss.inc(miss_blocks)
         if tokens_per_block:
-            self.lookup_tokens.labels(tenant, "hit").inc(hit_blocks * tokens_per_block)
-            self.lookup_tokens.labels(tenant, "miss").inc(miss_blocks * tokens_per_block)
+            hit_tok.inc(hit_blocks * tokens_per_block)
+            miss_tok.inc(miss_blocks * tokens_per_block)
             for tier in set(tiers):
-                self.hit_tokens.labels(tenant, tier).inc(tiers.count(tier) * tokens_per_block)
+                self._hit_tokens_child(tenant, tier).inc(tiers.count(tier) * tokens_per_block)
+
+    def _lookup_children(self, tenant: str) -> tuple[Any, Any, Any, Any]:
+        """A tenant's lookup counters, found once (``labels`` takes a lock and builds a key on
+        every call; a lookup asks for several)."""
+        children = self._by_tenant.get(tenant)
+        if children is None:
+            children = self._by_tenant[tenant] = (
+                self.lookup_blocks.labels(tenant, "hit"),
+                self.lookup_blocks.labels(tenant, "miss"),
+                self.lookup_tokens.labels(tenant, "hit"),
+                self.lookup_tokens.labels(tenant, "miss"),
+            )
+        return children
+
+    def _hit_tokens_child(self, tenant: str, tier: str) -> Any:
+        child = self._by_tier.get((tenant, tier))
+        if child is None:
+            child = self._by_tier[(tenant, tier)] = self.hit_tokens.labels(tenant, tier)
+        return child
 
     def serve(self, address: str) -> int:
         """Start the /metrics endpoint; returns the port bound (``host:0`` picks a free one)."""

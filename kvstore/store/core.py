@@ -110,14 +110,15 @@ class TieredStore:
         with p.locked():
             p.governance.sweep()
             scope = p.index.intern(scope)
-            tiers: list[str] = []
+            visible = p.index.visible
             hits: list[Block] = []
             for key in keys:
-                block = p.index.visible((scope, key))
+                block = visible((scope, key))
                 if block is None:
                     break
-                tiers.append(p.tiers[block.fastest].name)
                 hits.append(block)
+            names = [tier.name for tier in p.tiers]
+            tiers = [names[block.fastest] for block in hits]
             p.count(scope, "lookup_hit_blocks", len(hits))
             p.count(scope, "lookup_miss_blocks", len(keys) - len(hits))
             lease = None

@@ -1,0 +1,62 @@
+"""The receive pool: buffers a thread's ``Client.get`` receives blocks into, reused once free.
+
+Fresh memory costs page faults on first touch (a 2 MiB block into a new buffer moves at a
+third of the speed of one into warm memory), so ``get`` receives into buffers it has used
+before. A buffer is reused only when nothing refers to it any more: not the view ``get``
+returned, nor any slice, ``memoryview``, numpy array or tensor made from it (each holds a
+reference to the buffer). A caller who keeps a block keeps its bytes: they are never
+overwritten behind its back; the pool takes a fresh buffer instead. Dropping every reference
+(or calling ``.release()`` on every view of it) gives the buffer back.
+
+    pool = ReceivePool(capacity_bytes=512 << 20)
+    pool.begin()                      # once per get: which pooled buffers are free now
+    view = pool.take(size_bytes)      # a writable view of exactly size_bytes
+
+Whether a buffer is free is read from its reference count (CPython): the pool holds one
+reference and every export of its memory holds another. ``capacity_bytes`` bounds what the pool
+keeps, free or lent out; a take beyond it gets a plain buffer the pool forgets (0: pool
+nothing). Not thread-safe: the client keeps one pool per thread.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# getrefcount's own argument, the loop variable and the pool's list: the count of a free buffer
+_FREE_REFS = 3
+
+
+class ReceivePool:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be at least 0, not {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.held_bytes = 0  # of the buffers the pool keeps, free or lent out
+        self._buffers: list[bytearray] = []
+        self._free: dict[int, list[bytearray]] = {}  # by size, as of the last ``begin``
+
+    def begin(self) -> None:
+        """Find the buffers free now; ``take`` hands them out until the next ``begin``."""
+        free: dict[int, list[bytearray]] = {}
+        self._free = free  # the last call's lists held references too: dropped first
+        for buffer in self._buffers:
+            if sys.getrefcount(buffer) == _FREE_REFS:
+                free.setdefault(len(buffer), []).append(buffer)
+
+    def take(self, size_bytes: int) -> memoryview:
+        """A writable view of ``size_bytes`` bytes nobody else refers to: a free pooled buffer
+        of that size, else a new one (pooled while ``capacity_bytes`` allows)."""
+        same_size = self._free.get(size_bytes)
+        if same_size:
+            return memoryview(same_size.pop())
+        buffer = bytearray(size_bytes)
+        if self.held_bytes + size_bytes <= self.capacity_bytes:
+            self._buffers.append(buffer)
+            self.held_bytes += size_bytes
+        return memoryview(buffer)
+
+    def clear(self) -> None:
+        """Forget every buffer (those lent out stay valid with whoever holds them)."""
+        self._buffers.clear()
+        self._free = {}
+        self.held_bytes = 0
