@@ -9,6 +9,12 @@ Framing (little-endian), one request at a time per connection:
              server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
                      u64 lease id
     release  client: u8 5, u64 lease id                                       server: status
+    reserve  client: u8 6, fingerprint[32], u32 n, n x key[32], u8 has_parent, parent[32],
+                     f64 ttl_s, n x u64 size                                  (Unix socket only)
+             server: status, u16 len + arena name, u64 reservation id,
+                     n x (u8 present, u64 offset, u64 size)
+    commit   client: u8 7, u64 reservation id                         server: status, u32 stored
+    abort    client: u8 8, u64 reservation id                                 server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme, 4 remote), u64 lease id
     get      client: u8 1, fingerprint[32], u32 n, n x key[32]
@@ -41,7 +47,17 @@ from kvstore.status import error_for, status_of
 
 MAGIC = b"KVD1"
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
-OP_NAMES = {OP_GET: "Get", OP_PUT: "Put", OP_LOOKUP: "Lookup", OP_RESOLVE: "Resolve", OP_RELEASE: "Release"}
+OP_RESERVE, OP_COMMIT, OP_ABORT = 6, 7, 8
+OP_NAMES = {
+    OP_GET: "Get",
+    OP_PUT: "Put",
+    OP_LOOKUP: "Lookup",
+    OP_RESOLVE: "Resolve",
+    OP_RELEASE: "Release",
+    OP_RESERVE: "Reserve",
+    OP_COMMIT: "Commit",
+    OP_ABORT: "Abort",
+}
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3, "remote": 4}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1  # the size that ends a get's blocks

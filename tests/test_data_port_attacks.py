@@ -14,7 +14,7 @@ import pytest
 import kvstore.server.dataport as dataport
 from kvstore.client import connect
 from kvstore.status import Status
-from kvstore.wire import MAGIC, OP_GET, read_status
+from kvstore.wire import MAGIC, OP_GET, OP_RESERVE, read_status
 from tests.service_fixtures import BLOCK, MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 from tests.test_service import blocks_for, chain, put_header
@@ -144,3 +144,50 @@ def test_a_drain_takes_one_grace_whatever_the_clients_do(served: Served) -> None
     for sock in socks:
         sock.close()
     assert took < 2 + 3, f"the drain took {took:.1f} s for a 2 s grace"
+
+
+def reserve_request(keys: list[bytes], size: int) -> bytes:
+    tail = struct.pack("<B32sd", 0, bytes(32), 30.0) + struct.pack(f"<{len(keys)}Q", *[size] * len(keys))
+    return struct.pack("<B32sI", OP_RESERVE, MODEL.fingerprint(), len(keys)) + b"".join(keys) + tail
+
+
+def test_a_reservation_is_for_same_host_callers_only(served: Served) -> None:
+    with connect(served.tcp, token="tok-a") as a:
+        a.register(MODEL)
+    sock = hello(served, "tok-a")
+    sock.sendall(reserve_request(chain(2, salt="tcp-reserve"), BLOCK))
+    code, message = read_status(sock)
+    assert code == Status.FAILED_PRECONDITION and "same-host" in message
+    sock.close()
+
+
+def test_a_reservation_whose_caller_left_before_its_answer_is_aborted(served: Served) -> None:
+    """A caller that hangs up while the store makes room (its deadline passed) never learns its
+    reservation: the server aborts it, or the keys would stay claimed, unwritable by anyone,
+    until the reservation's TTL."""
+    keys = chain(3, salt="left-reserve")
+    with connect(served.unix) as kv:
+        kv.register(MODEL)
+        assert served.server.data_socket is not None and served.server.data_socket.unix_path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(served.server.data_socket.unix_path)
+        sock.sendall(MAGIC + struct.pack("<HH", 0, 0))
+        assert read_status(sock)[0] == Status.OK
+        sock.sendall(reserve_request(keys, BLOCK))
+        sock.close()  # gone before the answer: its end is closed when the server looks
+        deadline = time.monotonic() + 5
+        while True:  # the server aborts it as soon as it has reserved and looked
+            pending = kv.reserve(MODEL.fingerprint(), keys, [BLOCK] * len(keys))
+            if all(v is not None for v in pending.views) or time.monotonic() > deadline:
+                break
+            kv.abort(pending.reservation_id)
+            time.sleep(0.05)
+        assert all(v is not None for v in pending.views), (
+            "the departed caller's reservation still holds the keys"
+        )
+        for view in pending.views:
+            assert view is not None
+            view[:] = b"r" * BLOCK
+        assert kv.commit(pending.reservation_id) == len(keys)
+        assert kv.get(MODEL.fingerprint(), keys) == [b"r" * BLOCK] * len(keys)

@@ -6,8 +6,9 @@
         blocks = kv.get(fingerprint, keys)                     # the present prefix's blocks
         n = kv.get_into(fingerprint, keys, buffers)            # ... into the caller's buffers
 
-Lookups, remote puts and gets use the server's raw data port (over TCP, or its Unix twin on the
-same host) when it has one (``data_plane="auto"``, the default), else gRPC (``data_plane="grpc"``).
+Lookups, resolves and reservations (with their releases, commits and aborts), remote puts and
+gets use the server's raw data port (over TCP, or its Unix twin on the same host) when it has
+one (``data_plane="auto"``, the default), else gRPC (``data_plane="grpc"``).
 
 What ``get`` returns: one writable ``memoryview`` per block, of memory that is the caller's for
 as long as it holds the view, or anything made from it (a slice, ``bytes(view)`` is a copy, a
@@ -378,6 +379,15 @@ class Client:
         scope: str = "",
     ) -> PendingWrite:
         arena = self.attach()
+        if (data := self._data_port()) is not None:
+            name, reservation_id, slots = data.call(
+                scope, lambda c: c.reserve(fingerprint, keys, sizes, parent, ttl_s)
+            )
+            arena = self._arena_named(name)
+            return PendingWrite(
+                [None if slot is None else arena.view[slot[0] : slot[0] + slot[1]] for slot in slots],
+                reservation_id,
+            )
         r: pb.ReserveResponse = self._call(
             self._stub.Reserve,
             pb.ReserveRequest(
@@ -393,10 +403,16 @@ class Client:
         views = [arena.view[s.offset : s.offset + s.size_bytes] if s.present else None for s in r.slots]
         return PendingWrite(views, r.reservation_id)
 
-    def commit(self, reservation_id: int) -> int:
+    def commit(self, reservation_id: int, scope: str = "") -> int:
+        if (data := self._data_port()) is not None:
+            stored: int = data.call(scope, lambda c: c.commit(reservation_id))
+            return stored
         return int(self._call(self._stub.Commit, pb.CommitRequest(reservation_id=reservation_id)).stored)
 
-    def abort(self, reservation_id: int) -> None:
+    def abort(self, reservation_id: int, scope: str = "") -> None:
+        if (data := self._data_port()) is not None:
+            data.call(scope, lambda c: c.abort(reservation_id))
+            return
         self._call(self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id))
 
     def write(

@@ -17,10 +17,13 @@ from kvstore.status import Status
 from kvstore.wire import (
     END,
     MAGIC,
+    OP_ABORT,
+    OP_COMMIT,
     OP_GET,
     OP_LOOKUP,
     OP_PUT,
     OP_RELEASE,
+    OP_RESERVE,
     OP_RESOLVE,
     TIER_NAMES,
     Stream,
@@ -124,6 +127,41 @@ class DataPortClient:
         self._stream.send(struct.pack("<BQ", OP_RELEASE, lease_id))
         self._check()
 
+    def reserve(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None,
+        ttl_s: float,
+    ) -> tuple[str, int, list[tuple[int, int] | None]]:
+        """(arena name, reservation id, (offset, size) of each key's slot or None: nothing to write)."""
+        if len(sizes) != len(keys):
+            raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
+        if parent is not None and len(parent) != 32:
+            raise InvalidArgument("parent must be a 32-byte key")
+        tail = _RESERVE_TAIL.pack(parent is not None, parent or bytes(32), ttl_s) + struct.pack(
+            f"<{len(sizes)}Q", *sizes
+        )
+        self._request(OP_RESERVE, fingerprint, keys, tail)
+        read = self._stream.read
+        (name_len,) = struct.unpack("<H", read(2))
+        arena_name = read(name_len).decode()
+        (reservation_id,) = struct.unpack("<Q", read(8))
+        raw = read(_SLOT.size * len(keys))
+        slots = [(offset, size) if present else None for present, offset, size in _SLOT.iter_unpack(raw)]
+        return arena_name, int(reservation_id), slots
+
+    def commit(self, reservation_id: int) -> int:
+        self._stream.send(struct.pack("<BQ", OP_COMMIT, reservation_id))
+        self._check()
+        (stored,) = struct.unpack("<I", self._stream.read(4))
+        return int(stored)
+
+    def abort(self, reservation_id: int) -> None:
+        self._stream.send(struct.pack("<BQ", OP_ABORT, reservation_id))
+        self._check()
+
     def lookup(
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0
     ) -> tuple[int, bytes, int]:
@@ -198,6 +236,8 @@ class DataPortClient:
 
 
 _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
+_RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
+_SLOT = struct.Struct("<BQQ")  # present, offset, size
 
 
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:

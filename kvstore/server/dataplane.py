@@ -4,6 +4,8 @@ adapters over this, so a request has the same outcome, status and metrics whiche
     lookup(caller, scope, keys, pin_ttl_s)     -> LookupResult; counts hits
     resolve(caller, scope, keys, ttl_s)        -> Resolved (same host: slots to read in place)
     release(caller, lease_id)
+    reserve(caller, scope, keys, sizes, parent, ttl_s) -> Reservation (same host: slots to fill)
+    commit(caller, reservation_id) -> blocks stored;  abort(caller, reservation_id)
     read(caller, scope, keys, each)            -> yields, per batch of BATCH_BLOCKS, the results
                                                   of ``each(key, slot view)`` for the present
                                                   prefix; the batch is pinned while ``each`` runs
@@ -32,7 +34,7 @@ from typing import TypeVar
 from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
 from kvstore.server.auth import Caller
-from kvstore.store import LookupResult, Resolved, Scope, TieredStore
+from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStore
 from tiers import InPlaceTier
 
 BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer
@@ -81,6 +83,25 @@ class DataPlane:
 
     def release(self, caller: Caller, lease_id: int) -> None:
         self.store.release(lease_id, owner=caller.tenant)
+
+    def reserve(
+        self,
+        caller: Caller,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        parent: BlockKey | None,
+        ttl_s: float | None,
+    ) -> Reservation:
+        self.arena()
+        self._check_sizes(scope.fingerprint, sizes)
+        return self.store.reserve(scope, keys, sizes, parent=parent, ttl_s=ttl_s, owner=caller.tenant)
+
+    def commit(self, caller: Caller, reservation_id: int) -> int:
+        return self.store.commit(reservation_id, owner=caller.tenant)
+
+    def abort(self, caller: Caller, reservation_id: int) -> None:
+        self.store.abort(reservation_id, owner=caller.tenant)
 
     def read(
         self,

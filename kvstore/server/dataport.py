@@ -39,11 +39,14 @@ from kvstore.wire import (
     END,
     IDLE_S,
     MAGIC,
+    OP_ABORT,
+    OP_COMMIT,
     OP_GET,
     OP_LOOKUP,
     OP_NAMES,
     OP_PUT,
     OP_RELEASE,
+    OP_RESERVE,
     OP_RESOLVE,
     TIER_CODES,
     Stream,
@@ -54,6 +57,9 @@ log = logging.getLogger(__name__)
 
 _OK = struct.pack("<BI", Status.OK, 0)
 _KEYS_HEAD = struct.Struct("<32sI")  # fingerprint, key count
+_RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
+_SLOT = struct.Struct("<BQQ")  # present, offset, size
+_NO_SLOT = _SLOT.pack(0, 0, 0)
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 MAX_CONNECTIONS = 1024
@@ -222,6 +228,16 @@ class DataPort:
             (lease_id,) = struct.unpack("<Q", stream.read(8))
             self.plane.release(session.caller, lease_id)
             stream.send(_OK)
+        elif op == OP_RESERVE:
+            self._reserve(stream, session)
+        elif op == OP_COMMIT:
+            (reservation_id,) = struct.unpack("<Q", stream.read(8))
+            stored = self.plane.commit(session.caller, reservation_id)
+            stream.send(_OK + struct.pack("<I", stored))
+        elif op == OP_ABORT:
+            (reservation_id,) = struct.unpack("<Q", stream.read(8))
+            self.plane.abort(session.caller, reservation_id)
+            stream.send(_OK)
         elif op == OP_GET:
             self._get(stream, session)
         elif op == OP_PUT:
@@ -304,21 +320,39 @@ class DataPort:
         tier. It never learns the lease, so it can release nothing, and the pins would hold the
         blocks in place, against eviction and demotion, until their TTL. Release them now; the
         session ends at its next read."""
-        conn = stream.sock
-        if isinstance(conn, ssl.SSLSocket):
-            return False  # no peeking under TLS (a same-host resolve is never on TLS)
-        try:
-            # readable with nothing to read: the client's end is closed (a pipelined next
-            # request would be bytes to peek at); the check never waits
-            readable, _, _ = select.select([conn], [], [], 0)
-            gone = bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            gone = True
+        gone = _gone(stream)
         if gone:
             with contextlib.suppress(KvStoreError):  # it expired meanwhile: nothing left to free
                 self.plane.release(session.caller, lease_id)
             log.info("a caller left before its answer (its deadline passed): lease %d released", lease_id)
         return gone
+
+    def _reserve(self, stream: Stream, session: _Session) -> None:
+        """Same-host store: arena slots to fill in place, then ``commit`` (or ``abort``)."""
+        fingerprint, keys = self._keys(stream)
+        has_parent, parent_raw, ttl_s = _RESERVE_TAIL.unpack(stream.read(_RESERVE_TAIL.size))
+        sizes = list(struct.unpack(f"<{len(keys)}Q", stream.read(8 * len(keys))))
+        if stream.sock.family != socket.AF_UNIX:
+            raise FailedPrecondition(
+                "reserve hands out arena slots: same-host clients on the Unix socket only"
+            )
+        scope = Scope(session.namespace, fingerprint)
+        parent = BlockKey(parent_raw) if has_parent else None
+        reservation = self.plane.reserve(
+            session.caller, scope, keys, sizes, parent, ttl_s if ttl_s > 0 else None
+        )
+        if _gone(stream):  # its deadline passed while the store made room: nobody will commit
+            with contextlib.suppress(KvStoreError):
+                self.plane.abort(session.caller, reservation.reservation_id)
+            log.info("a caller left before its answer: reservation %d aborted", reservation.reservation_id)
+            return
+        name = self.plane.arena().arena.name.encode()
+        body = [_OK, struct.pack("<H", len(name)), name, struct.pack("<Q", reservation.reservation_id)]
+        body.extend(
+            _SLOT.pack(1, slot.offset, slot.size_bytes) if slot is not None else _NO_SLOT
+            for slot in reservation.slots
+        )
+        stream.send(b"".join(body))
 
     def _lookup(self, stream: Stream, session: _Session) -> None:
         fingerprint, keys = self._keys(stream)
@@ -366,3 +400,17 @@ def _refuse(conn: socket.socket, message: str) -> None:
         conn.settimeout(1.0)
         send_error(conn, ResourceExhausted(message))
     conn.close()
+
+
+def _gone(stream: Stream) -> bool:
+    """Whether the client's end is closed, without waiting: readable with nothing to read (a
+    pipelined next request would be bytes to peek at). Never under TLS: no peeking there (the
+    same-host calls that ask are never on TLS)."""
+    conn = stream.sock
+    if isinstance(conn, ssl.SSLSocket):
+        return False
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
