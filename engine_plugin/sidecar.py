@@ -132,7 +132,7 @@ class SidecarLink:
         def release_all(kv: Client) -> None:
             for lease_id in lease_ids:
                 try:
-                    kv.release(lease_id)
+                    kv.release(lease_id, wait=False)  # no round trip on the data port
                 except NotFound as exc:
                     log.debug("releasing lease %d: %s", lease_id, exc)
 

@@ -191,7 +191,7 @@ def release_after_load(kv: Client, lease_id: int) -> None:
     """The blocks are copied: a release that fails or runs past the load's deadline must not
     turn the load into a failure. The pin expires on its own."""
     try:
-        kv.release(lease_id)
+        kv.release(lease_id, wait=False)  # off the restore's path: no round trip
     except KvStoreError as exc:
         log.debug("releasing lease %d after a load: %s", lease_id, exc)
 

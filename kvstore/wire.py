@@ -9,6 +9,8 @@ Framing (little-endian), one request at a time per connection:
              server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
                      u64 lease id
     release  client: u8 5, u64 lease id                                       server: status
+             (u8 9, u64 lease id: the same without an answer; a lease the server cannot
+             release, expired or unknown, is ignored)
     reserve  client: u8 6, fingerprint[32], u32 n, n x key[32], u8 has_parent, parent[32],
                      f64 ttl_s, n x u64 size                                  (Unix socket only)
              server: status, u16 len + arena name, u64 reservation id,
@@ -47,13 +49,14 @@ from kvstore.status import error_for, status_of
 
 MAGIC = b"KVD1"
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
-OP_RESERVE, OP_COMMIT, OP_ABORT = 6, 7, 8
+OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
 OP_NAMES = {
     OP_GET: "Get",
     OP_PUT: "Put",
     OP_LOOKUP: "Lookup",
     OP_RESOLVE: "Resolve",
     OP_RELEASE: "Release",
+    OP_RELEASE_NOWAIT: "Release",
     OP_RESERVE: "Reserve",
     OP_COMMIT: "Commit",
     OP_ABORT: "Abort",

@@ -481,3 +481,23 @@ def test_request_metrics_are_the_same_whichever_transport(served: Served, data_p
     assert (
         count("Put") > before["Put"] and count("Lookup") > before["Lookup"] and count("Get") > before["Get"]
     )
+
+
+def test_a_release_without_answer_lets_go_and_the_connection_carries_on(served: Served) -> None:
+    """``release(wait=False)`` on the data port: no round trip; another tenant's lease, an
+    unknown one or one released twice is ignored, not an error that would cut the connection."""
+    fp = MODEL.fingerprint()
+    keys = chain(3, salt="nowait")
+    with connect(served.tcp, token="tok-a") as a, connect(served.tcp, token="tok-b") as b:
+        a.put(fp, keys, blocks_for(keys))
+        lease = a.lookup_tiers(fp, keys, pin_ttl_s=30).lease_id
+        assert lease and a.stats()["leases"] >= 1
+        b.release(lease, wait=False)  # not b's: ignored, b's connection carries on
+        b.release(987654, wait=False)
+        assert b.lookup(fp, keys) == 0
+        assert a.stats()["leases"] >= 1  # still pinned: b could not release it
+        a.release(lease, wait=False)
+        a.release(lease, wait=False)  # twice: ignored
+        assert a.lookup(fp, keys) == 3  # the same connection, answered in order
+        with pytest.raises(NotFound):
+            a.release(lease)  # a waited release still says so

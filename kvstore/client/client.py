@@ -241,9 +241,12 @@ class Client:
         r: pb.ServerInfoResponse = self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
         return {"data_port": r.data_port, "data_socket": r.data_socket, "tiers": list(r.tiers)}
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:
+        """Let go of a lease's pins. ``wait=False``, on the data port: send the release and
+        return without the round trip; the server then ignores a lease it cannot release
+        (expired, unknown) rather than answer. Over gRPC it is a plain release."""
         if (data := self._data_port()) is not None:
-            data.call("", lambda c: c.release(lease_id))
+            data.call("", lambda c: c.release(lease_id, wait))
             return
         self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
 

@@ -23,6 +23,7 @@ from kvstore.wire import (
     OP_LOOKUP,
     OP_PUT,
     OP_RELEASE,
+    OP_RELEASE_NOWAIT,
     OP_RESERVE,
     OP_RESOLVE,
     TIER_NAMES,
@@ -123,7 +124,10 @@ class DataPortClient:
         (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
         return arena_name, slots, tuple(tiers), int(lease_id)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:
+        if not wait:  # no answer comes: the next request's status is the next thing to read
+            self._stream.send(struct.pack("<BQ", OP_RELEASE_NOWAIT, lease_id))
+            return
         self._stream.send(struct.pack("<BQ", OP_RELEASE, lease_id))
         self._check()
 

@@ -46,6 +46,7 @@ from kvstore.wire import (
     OP_NAMES,
     OP_PUT,
     OP_RELEASE,
+    OP_RELEASE_NOWAIT,
     OP_RESERVE,
     OP_RESOLVE,
     TIER_CODES,
@@ -228,6 +229,12 @@ class DataPort:
             (lease_id,) = struct.unpack("<Q", stream.read(8))
             self.plane.release(session.caller, lease_id)
             stream.send(_OK)
+        elif op == OP_RELEASE_NOWAIT:  # no answer: nothing to fail the connection for
+            (lease_id,) = struct.unpack("<Q", stream.read(8))
+            try:
+                self.plane.release(session.caller, lease_id)
+            except KvStoreError as exc:
+                log.debug("a release without answer of lease %d: %s", lease_id, exc)
         elif op == OP_RESERVE:
             self._reserve(stream, session)
         elif op == OP_COMMIT:
