@@ -2,14 +2,16 @@
 
 For each block size (256 KiB, 2 MiB, 32 MiB) and a working set of ``total`` bytes:
 
-- `dram` put / get against memcpy (numpy ``copyto``) over the same working set, one block at a
-  time into warm buffers. Gets copy out of the arena, which is shared memory (``/dev/shm``), so
-  their memcpy reads a warm ``/dev/shm`` buffer too: numpy's own buffers get transparent huge
-  pages, shared memory here does not (``shmem_enabled``), and that alone moves a copy by
-  10-25% on this machine (its own row: memcpy out of /dev/shm against anonymous memory). The
-  same get through the tiered store (index, lock, transient pin, one ``get_into_many`` call)
-  is reported beside it. Targets: get >= 0.8x, store get >= 0.9x (DESIGN.md §7). Gets take
-  three times the rounds: one round is ~20 ms of copying, and the machine is shared.
+- `dram` put / get against memcpy over the same working set, one block at a time into warm
+  buffers (puts: numpy ``copyto``; gets: memoryview assignment, the leanest block copy Python
+  has, and the one the tier makes). Gets copy out of the arena, which is shared memory
+  (``/dev/shm``), so their memcpy reads a warm ``/dev/shm`` buffer too: numpy's own buffers get
+  transparent huge pages, shared memory here does not (``shmem_enabled``), which cost a copy
+  up to 10-25% in some runs here (its own row: memcpy out of /dev/shm against anonymous
+  memory). The same get through the tiered store (index, lock, transient pin, one
+  ``get_into_many`` call) is reported beside it. Targets: get >= 0.8x, store get >= 0.9x
+  (DESIGN.md §7). Gets take three times the rounds: a round is ~20 ms of copying, the machine
+  is shared.
 - `nvme` write against raw LMDB with the best flags of the brief (writemap, map_async,
   sync=False, metasync=False, the same batch size per transaction), both ending with one
   ``env.sync``; warm read against raw LMDB zero-copy reads (``buffers=True``, one transaction
@@ -77,13 +79,15 @@ class _Working:
     def block(self, i: int) -> memoryview:
         return self.src_view[i * self.size : (i + 1) * self.size]
 
-    def memcpy(self, src: np.ndarray | None = None) -> float:
+    def memcpy(self, src: memoryview | None = None) -> float:
         """Every block of ``src`` (default: the working set) into one warm block buffer (what a
-        restore does)."""
-        src = self.src if src is None else src
+        restore does), by memoryview assignment: a memcpy with ~0.2 us of Python around it,
+        where ``np.copyto`` of a fresh slice adds ~1 us a block."""
+        src = self.src_view if src is None else src
+        dst, size = self.dst_view, self.size
         start = time.perf_counter()
         for i in range(self.count):
-            np.copyto(self.dst, src[i * self.size : (i + 1) * self.size])
+            dst[:] = src[i * size : (i + 1) * size]
         return time.perf_counter() - start
 
     def memcpy_spread(self) -> float:
@@ -124,7 +128,7 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
     try:
 
         def memcpy_shm() -> float:
-            return w.memcpy(shm.array)
+            return w.memcpy(shm.view)
 
         def put_all() -> float:
             for k in w.keys:
