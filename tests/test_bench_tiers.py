@@ -27,7 +27,7 @@ KEYS = {
 def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
     w = _Working(256 * 1024, 4 << 20)
     rows = bench_dram(w, rounds=1) + bench_nvme(w, rounds=1, folder=tmp_path)
-    assert {r.metric.split()[0] for r in rows} == {"dram", "store", "nvme"}
+    assert {r.metric.split()[0] for r in rows} == {"memcpy", "dram", "store", "nvme"}
     for r in rows:
         assert r.value is not None and r.value > 0
         assert r.reference_value is not None and r.reference_value > 0

@@ -21,6 +21,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from tiers import (
     BlockTooLarge,
@@ -32,7 +33,7 @@ from tiers import (
     TierUnavailable,
     nvme_folder,
 )
-from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.nvme import VERIFY_CHUNK_BYTES, NvmeConfig, NvmeTier, verified_copy
 
 FP = b"\x01" * 32
 FP2 = b"\x02" * 32
@@ -265,26 +266,43 @@ def raw_env(config: NvmeConfig) -> lmdb.Environment:
     return lmdb.open(str(config.path), map_size=config.effective_map_size_bytes, max_dbs=2)
 
 
-def test_corrupt_payload_is_a_counted_miss_and_is_deleted(config: NvmeConfig) -> None:
+# one chunk hashed then copied, and several (the last one short), flipped in the last chunk
+@pytest.mark.parametrize("size", [100_000, 3 * VERIFY_CHUNK_BYTES + 4321])
+def test_corrupt_payload_is_a_counted_miss_and_is_deleted(config: NvmeConfig, size: int) -> None:
     tier = NvmeTier(config)
-    tier.put(key(1), payload(1, 100_000), FP)
-    tier.put(key(2), payload(2, 100_000), FP)
+    tier.put(key(1), payload(1, size), FP)
+    tier.put(key(2), payload(2, size), FP)
     tier.close()
     with raw_env(config) as env:
         payloads = env.open_db(b"payloads")
         with env.begin(write=True, db=payloads) as txn:
             stored = bytearray(txn.get(key(1)) or b"")
-            stored[5000] ^= 0xFF  # one flipped byte, same length
+            stored[size - 5000] ^= 0xFF  # one flipped byte, same length
             txn.put(key(1), bytes(stored))
     tier = NvmeTier(config)
-    assert tier.get_into(key(1), memoryview(bytearray(100_000))) is None
+    assert tier.get_into(key(1), memoryview(bytearray(size))) is None
     assert tier.size_of(key(1)) is None
     assert tier.usage().checksum_failures == 1
     assert tier.usage().blocks == 1
-    assert read(tier, key(2)) == payload(2, 100_000)
+    assert read(tier, key(2)) == payload(2, size)
     tier = reopen(tier, config)
     assert [b.key for b in tier.scan()] == [key(2)]  # the delete reached the disk
     tier.close()
+
+
+def test_verified_copy_checks_every_chunk_and_copies_only_a_good_single_chunk() -> None:
+    data = payload(3, 2 * VERIFY_CHUNK_BYTES + 1)
+    good = xxhash.xxh3_64_intdigest(data)
+    out = bytearray(len(data))
+    assert verified_copy(memoryview(data), memoryview(out), good) and out == data
+    for flip in (0, VERIFY_CHUNK_BYTES, len(data) - 1):  # first, a middle and the last chunk
+        bad = bytearray(data)
+        bad[flip] ^= 1
+        assert not verified_copy(memoryview(bytes(bad)), memoryview(bytearray(len(data))), good)
+    small = data[:1000]
+    untouched = bytearray(1000)
+    assert not verified_copy(memoryview(small), memoryview(untouched), good)
+    assert untouched == bytearray(1000)  # a failed single chunk is never copied
 
 
 def test_unreadable_header_drops_the_block_at_open(config: NvmeConfig) -> None:

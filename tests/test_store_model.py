@@ -2,7 +2,8 @@
 
 The store may forget blocks (it is a cache), but it must never: return bytes other than those
 put under a key, serve a block that was deleted or invalidated, lose a pinned block, strand a
-child by evicting its parent, exceed a tier's capacity or a tenant's quota.
+child by evicting its parent, strand a block where eviction can no longer find it, exceed a
+tier's capacity or a tenant's quota.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ class StoreMachine(RuleBasedStateMachine):
         if got is not None:
             assert (ns, key) in self.model, "served a block that was never put or was removed"
             assert got == self.model[(ns, key)], "served the wrong bytes"
+
+    @rule(ns=st.sampled_from(NAMESPACES), c=st.sampled_from(sorted(CHAINS)))
+    def restore(self, ns: str, c: int) -> None:
+        """A whole chain in one call, as a connector restores (hits raise priorities lazily)."""
+        self.step()
+        buffers = [bytearray(PAGE) for _ in CHAINS[c]]
+        sizes = self.store.get_into_many(Scope(ns, FP), CHAINS[c], [memoryview(b) for b in buffers])
+        for key, n, buf in zip(CHAINS[c], sizes, buffers, strict=True):
+            if n is not None:
+                assert bytes(buf[:n]) == self.model.get((ns, key)), "restored the wrong bytes"
 
     @rule(ns=st.sampled_from(NAMESPACES), c=st.sampled_from(sorted(CHAINS)))
     def lookup(self, ns: str, c: int) -> None:
@@ -183,6 +194,11 @@ class StoreMachine(RuleBasedStateMachine):
                     parent = (ns, keys[keys.index(key) - 1])
                     if parent in self.before and parent not in self.removed_now and (ns, key) in self.before:
                         assert parent in present, "a parent was evicted before its resident child"
+
+    @invariant()
+    def every_block_stays_evictable(self) -> None:
+        stranded = self.store._p.eviction.stranded()
+        assert not stranded, f"blocks eviction can no longer find: {stranded}"
 
     @invariant()
     def capacities_and_quotas_hold(self) -> None:

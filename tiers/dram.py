@@ -159,7 +159,8 @@ class DramTier(SlabTier):
         self.arena.view[slot.offset : slot.offset + slot.size_bytes] = payload
 
     def _read(self, slot: Slot, out: memoryview) -> None:
-        out[: slot.size_bytes] = self.arena.view[slot.offset : slot.offset + slot.size_bytes]
+        offset, size = slot.offset, slot.size_bytes
+        out[:size] = self.arena.view[offset : offset + size]
 
     def _committed(self, key: TierKey, slot: Slot, fingerprint: bytes, meta: bytes) -> None:
         if self._journal is None:

@@ -249,9 +249,11 @@ class SlabTier(Tier):
         self.commit(key)
 
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
-        slot = self.locate(key)
-        if slot is None:
+        with self._lock:  # locate() inline: this runs once per block of every restore
+            entry = self._entries.get(key)
+        if entry is None:
             return None
+        slot = entry.slot
         if len(out) < slot.size_bytes:
             raise ValueError(f"buffer of {len(out)} B is smaller than the {slot.size_bytes} B block")
         self._read(slot, out)

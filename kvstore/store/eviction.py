@@ -11,13 +11,27 @@ One heap per tier of (priority, seq, version, id). Entries go stale whenever a b
 (its ``version`` moves on); stale entries are skipped when popped and dropped when a heap grows
 past four times the index.
 
-Calls (store lock held): touch(block) on a hit or a fresh put; push(block) after its tiers or
-pins changed; push_parent(block) when a child left; pop_victim(t).
+Invariants (what keeps a block from being stranded, out of eviction's sight for good):
+    1. Each tier holding a block has an entry of the block's current version in its heap:
+       whoever adds a tier or bumps ``version`` pushes in the same lock hold. The exceptions
+       are due a push: a block popped while pinned (``parked``, pushed on its last release)
+       or while a child held it in place (pushed by ``push_parent`` when that child leaves).
+    2. Such an entry's priority is at most the block's: ``hit_many`` raises a priority without
+       pushing, and pushes (bumping ``version``) only where the priority fell; ``pop_victim``
+       puts an entry found below its block's priority back at the block's priority. So the
+       victim is still the eligible block of lowest priority, and a hit costs no heap entry.
+
+Calls (store lock held): touch(block) on a fresh put or a single hit (pushes at once);
+hit_many(blocks) for the hits of one restore, blocks already in the heaps; push(block) after
+its tiers or pins changed; push_parent(block) when a child left; pop_victim(t);
+stranded() for tests: the (block, tier) pairs breaking invariant 1 or 2 (none, ever).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from collections.abc import Sequence
 
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block, BlockId
@@ -35,10 +49,29 @@ class Eviction:
     def touch(self, block: Block) -> None:
         """A hit or a fresh put: raise the block's priority in every tier holding it."""
         block.hits += 1
-        aging = max((self._aging[t] for t in block.tiers), default=0.0)
-        block.priority = aging + block.hits * block.cost / max(block.size_bytes, 1)
+        block.priority = self._priority(block)
         block.version += 1
         self.push(block)
+
+    def _priority(self, block: Block) -> float:
+        """GDSF: the highest aging among the block's tiers (0.0 without one; agings never go
+        below it) plus hits x cost / bytes. Plain loops: this runs once per block of a restore."""
+        aging = 0.0
+        for t in block.tiers:
+            if self._aging[t] > aging:
+                aging = self._aging[t]
+        return aging + block.hits * block.cost / (block.size_bytes or 1)
+
+    def hit_many(self, blocks: Sequence[Block]) -> None:
+        """A restore read these blocks (each already in the heaps, see invariant 1): raise
+        their priorities; only a priority that fell (its tiers' aging is lower now) is pushed."""
+        for block in blocks:
+            block.hits += 1
+            before = block.priority
+            block.priority = self._priority(block)
+            if block.priority < before:
+                block.version += 1
+                self.push(block)
 
     def push(self, block: Block) -> None:
         for t in block.tiers:
@@ -65,13 +98,15 @@ class Eviction:
         self._heaps[t] = heap
 
     def evictable_from(self, block: Block, t: int) -> bool:
-        if block.pins or t not in block.tiers:
-            return False
+        return not block.pins and t in block.tiers and not self._child_holds(block, t)
+
+    def _child_holds(self, block: Block, t: int) -> bool:
+        """A child of ``block`` sits in tier ``t`` or a faster one: the parent must stay."""
         for child_key in self._index.children(block.ident):
             child = self._index.get((block.scope, child_key))
             if child is not None and child.tiers and child.fastest <= t:
-                return False
-        return True
+                return True
+        return False
 
     def pop_victim(self, t: int) -> Block | None:
         """The eligible block of tier ``t`` with the lowest priority, off its heap; None when
@@ -82,6 +117,11 @@ class Eviction:
             block = self._index.get(ident)
             if block is None or block.version != version:
                 continue  # stale entry: the block changed since and has a newer one
+            if priority < block.priority:
+                # Hit since this entry was pushed (invariant 2): back in at its present priority.
+                self._seq += 1
+                heapq.heappush(heap, (block.priority, self._seq, version, ident))
+                continue
             if not self.evictable_from(block, t):
                 # Pushed again when it becomes eligible: on its last release if pinned, when
                 # its last child here leaves otherwise.
@@ -90,3 +130,21 @@ class Eviction:
             self._aging[t] = max(self._aging[t], priority)
             return block
         return None
+
+    def stranded(self) -> list[tuple[Block, int]]:
+        """Every (block, tier) whose heap lacks an entry of the block's current version at or
+        below its priority (invariants 1 and 2) with nothing due to push one: such a block
+        could never be evicted from there. Always empty; O(heap size), for tests."""
+        lowest: dict[tuple[BlockId, int, int], float] = {}
+        for t, heap in enumerate(self._heaps):
+            for priority, _, version, ident in heap:
+                entry = (ident, version, t)
+                lowest[entry] = min(priority, lowest.get(entry, priority))
+        return [
+            (block, t)
+            for block in self._index.blocks.values()
+            for t in sorted(block.tiers)
+            if lowest.get((block.ident, block.version, t), math.inf) > block.priority
+            and not (block.parked and block.pins)  # pushed again on its last release
+            and not self._child_holds(block, t)  # pushed again when that child leaves
+        ]

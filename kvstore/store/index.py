@@ -3,6 +3,7 @@
 Calls (all with the store lock held; nothing here touches a tier):
     intern(scope)            the one Scope object the index uses for a scope
     visible(ident)           the block readers may see: present, not deleted, not past retention
+    visible_many(scope, keys)  the same for a batch of keys of one scope, the clock read once
     admit(block)             a new block joins (its birth time and retention deadline set)
     remove(block)            it leaves (its copies are already gone)
     depth_after(scope, key)  the chain depth of a child of ``key``
@@ -19,7 +20,7 @@ from __future__ import annotations
 import collections
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store.model import Block, BlockId, Scope
@@ -56,6 +57,25 @@ class BlockIndex:
         if block.expires_at_s != math.inf and block.expires_at_s <= self._wall():
             return None  # past its retention: gone for readers now, for the tiers at the sweep
         return block
+
+    def visible_many(self, scope: Scope, keys: Sequence[BlockKey]) -> list[Block | None]:
+        """``visible((scope, key))`` for each key, in order; one loop for a whole restore
+        (``scope`` interned). Retention is judged against one reading of the wall clock."""
+        get = self.blocks.get
+        now: float | None = None  # read at the first block with a deadline: most have none
+        out: list[Block | None] = []
+        for key in keys:
+            block = get((scope, key))
+            if block is not None:
+                if block.doomed:
+                    block = None
+                elif block.expires_at_s != math.inf:
+                    if now is None:
+                        now = self._wall()
+                    if block.expires_at_s <= now:
+                        block = None
+            out.append(block)
+        return out
 
     def is_current(self, block: Block) -> bool:
         """Whether ``block`` is still the live entry under its id (not replaced, not deleted)."""

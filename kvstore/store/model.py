@@ -145,7 +145,7 @@ class Reservation:
     expires_at_s: float
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """One block in the index: where its copies are and what eviction and pins know of it.
 

@@ -2,7 +2,8 @@
 
 A pinned block is never evicted or freed. Pins come from leases a client holds (``grant`` ...
 ``release``, or expiry), from a reservation keeping its parent (``hold`` ... ``unhold``), and
-from the store's own transient holds while a copy runs outside its lock (the same two calls).
+from the store's own transient holds while a copy runs outside its lock (the same two calls;
+``hold_many`` for the blocks of one restore, each released by ``unhold``).
 
 On the last unhold of a block:
     doomed (deleted while pinned)   -> ``on_free(block)``: its copies and entry go now
@@ -51,6 +52,10 @@ class Pins:
 
     def hold(self, block: Block) -> None:
         block.pins += 1
+
+    def hold_many(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            block.pins += 1
 
     def unhold(self, block: Block) -> None:
         if block.pins <= 0:

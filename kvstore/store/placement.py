@@ -137,11 +137,27 @@ class Placement:
         return None if n is None else scratch[:n]
 
     def read(self, block: Block, t: int, out: memoryview) -> int | None:
-        try:
-            return self.tiers[t].get_into(block.tkey, out)
-        except TierError as exc:
-            log.warning("reading a block from %s failed: %s", self.tiers[t].name, exc)
-            return None
+        sizes: list[int | None] = []
+        self.read_many([block], [t], [out], sizes)
+        return sizes[0]
+
+    def read_many(
+        self,
+        blocks: Sequence[Block],
+        sources: Sequence[int],
+        outs: Sequence[memoryview],
+        sizes: list[int | None],
+    ) -> None:
+        """Copy each block from tier ``sources[i]`` into ``outs[i]``, appending its length (None
+        where the tier misses or fails) to ``sizes`` as each copy ends: a caller whose copies
+        stop on an exception knows from ``len(sizes)`` which ones ran."""
+        tiers = self.tiers
+        for block, t, out in zip(blocks, sources, outs, strict=True):
+            try:
+                sizes.append(tiers[t].get_into(block.tkey, out))
+            except TierError as exc:
+                log.warning("reading a block from %s failed: %s", tiers[t].name, exc)
+                sizes.append(None)
 
     def failed_read(self, block: Block, t: int) -> None:
         """A read from tier ``t`` failed its checks: that copy is gone."""
