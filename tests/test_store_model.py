@@ -155,6 +155,22 @@ class StoreMachine(RuleBasedStateMachine):
         assert lease.blocks == len(held)
         self.leases[lease.lease_id] = (self.clock.now + ttl, held)
 
+    @rule(ns=st.sampled_from(NAMESPACES), c=st.sampled_from(sorted(CHAINS)))
+    def resolve(self, ns: str, c: int) -> None:
+        """Same host: pin the present prefix in the arena (promoting what only hbm holds) and
+        read it in place, as the connector does; the lease is released by the release rule."""
+        self.step()
+        resolved = self.store.resolve(Scope(ns, FP), CHAINS[c], ttl_s=5.0)
+        arena = self.store.arena
+        assert arena is not None
+        for key, slot in zip(CHAINS[c], resolved.slots, strict=False):
+            assert bytes(arena.arena.view[slot.offset : slot.offset + slot.size_bytes]) == self.model.get(
+                (ns, key)
+            )
+        if resolved.lease is not None:
+            held = {(ns, k) for k in CHAINS[c][: len(resolved.slots)]}
+            self.leases[resolved.lease.lease_id] = (self.clock.now + 5.0, held)
+
     @precondition(lambda self: bool(self.leases))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

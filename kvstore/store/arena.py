@@ -136,8 +136,8 @@ class ArenaCalls:
             # The lease first, then the transient holds go: a block deleted while this call
             # copied outside the lock is doomed, and must stay until the lease ends.
             lease = p.pins.grant(held, ttl_s, owner) if held else None
+            p.eviction.hit_many(held)  # each is in the heaps already: a promotion pushed it
             for block in held:
-                p.eviction.touch(block)
                 p.pins.unhold(block)
             p.count(scope, "lookup_hit_blocks", len(held))
             p.count(scope, "lookup_miss_blocks", len(keys) - len(held))
