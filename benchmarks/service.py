@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import socket
 import ssl
 import sys
@@ -34,6 +35,7 @@ from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
 from kvstore.tls import ClientTls
+from tiers.dram import Arena
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -304,6 +306,28 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Resu
     engine = np.zeros(count * BLOCK, dtype=np.uint8)  # the engine's KV buffer, warm
     outs = [memoryview(engine[i * BLOCK : (i + 1) * BLOCK].data) for i in range(count)]
     source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
+    # The arena's side of each copy is warm shared memory (/dev/shm, without the transparent huge
+    # pages numpy's buffers get here): the references copy out of and into the same kind.
+    shm = Arena.create(f"kvstore-bench-{os.getpid()}-{secrets.token_hex(4)}", count * BLOCK)
+    shm.array[:] = source
+    try:
+        return _same_host(server, fp, keys, blocks, engine, outs, source, shm.array, rounds)
+    finally:
+        shm.close()
+
+
+def _same_host(
+    server: ServerProcess,
+    fp: bytes,
+    keys: list[BlockKey],
+    blocks: list[bytes],
+    engine: np.ndarray,
+    outs: list[memoryview],
+    source: np.ndarray,
+    shared: np.ndarray,
+    rounds: int,
+) -> list[Result]:
+    count = len(keys)
     with connect(server.unix) as kv:
         kv.register(MODEL)
         if kv.write(fp, keys, blocks) != count:
@@ -316,16 +340,23 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Resu
             return time.perf_counter() - start
 
         def memcpy() -> float:
-            """The same bytes, block by block, between warm buffers: the data movement of a
-            restore without the service (blocks are separate in the arena and in the engine)."""
+            """The same bytes, block by block, out of warm shared memory into the engine's
+            buffer: the data movement of a restore without the service."""
             start = time.perf_counter()
             for i in range(count):
-                np.copyto(engine[i * BLOCK : (i + 1) * BLOCK], source[i * BLOCK : (i + 1) * BLOCK])
+                np.copyto(engine[i * BLOCK : (i + 1) * BLOCK], shared[i * BLOCK : (i + 1) * BLOCK])
+            return time.perf_counter() - start
+
+        def memcpy_in() -> float:
+            """The same bytes, block by block, into warm shared memory: a store's data movement."""
+            start = time.perf_counter()
+            for i in range(count):
+                np.copyto(shared[i * BLOCK : (i + 1) * BLOCK], source[i * BLOCK : (i + 1) * BLOCK])
             return time.perf_counter() - start
 
         def memcpy_whole() -> float:
             start = time.perf_counter()
-            np.copyto(engine, source)
+            np.copyto(engine, shared)
             return time.perf_counter() - start
 
         restore()
@@ -340,7 +371,7 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Resu
             kv.write(fp, keys, blocks)
             return time.perf_counter() - start
 
-        write_s, ref_w = interleaved(write_round, memcpy, rounds)
+        write_s, ref_w = interleaved(write_round, memcpy_in, rounds)
     total = count * BLOCK
     return [
         Result(
@@ -364,9 +395,10 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Resu
             "same-host store 2 MiB",
             total / write_s / 1e9,
             "GB/s",
-            "memcpy",
+            "memcpy into /dev/shm",
             total / ref_w / 1e9,
-            note="Reserve + copy into the mapped arena + Commit",
+            ">= 0.9",
+            "Reserve + copy into the mapped arena + Commit (over the Unix data socket)",
         ),
     ]
 
