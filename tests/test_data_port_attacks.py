@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -161,21 +162,35 @@ def test_a_reservation_is_for_same_host_callers_only(served: Served) -> None:
     sock.close()
 
 
-def test_a_reservation_whose_caller_left_before_its_answer_is_aborted(served: Served) -> None:
+def test_a_reservation_whose_caller_left_before_its_answer_is_aborted(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A caller that hangs up while the store makes room (its deadline passed) never learns its
     reservation: the server aborts it, or the keys would stay claimed, unwritable by anyone,
-    until the reservation's TTL."""
+    until the reservation's TTL. The store's reserve is held until the caller has hung up."""
     keys = chain(3, salt="left-reserve")
+    port = served.server.data_socket
+    assert port is not None and port.unix_path
+    hung_up = threading.Event()
+    reserve = port.plane.reserve
+
+    def slow_reserve(*args: Any, **kwargs: Any) -> Any:
+        reservation = reserve(*args, **kwargs)
+        hung_up.wait(10)  # the store made room slowly: the caller is gone by now
+        return reservation
+
+    monkeypatch.setattr(port.plane, "reserve", slow_reserve)
     with connect(served.unix) as kv:
         kv.register(MODEL)
-        assert served.server.data_socket is not None and served.server.data_socket.unix_path
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10)
-        sock.connect(served.server.data_socket.unix_path)
+        sock.connect(port.unix_path)
         sock.sendall(MAGIC + struct.pack("<HH", 0, 0))
         assert read_status(sock)[0] == Status.OK
         sock.sendall(reserve_request(keys, BLOCK))
-        sock.close()  # gone before the answer: its end is closed when the server looks
+        sock.close()  # gone before the answer
+        hung_up.set()
+        monkeypatch.setattr(port.plane, "reserve", reserve)
         deadline = time.monotonic() + 5
         while True:  # the server aborts it as soon as it has reserved and looked
             pending = kv.reserve(MODEL.fingerprint(), keys, [BLOCK] * len(keys))

@@ -51,7 +51,7 @@ class FakeClient:
             raise self._fail_register
         self.registered.append(identity)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:  # as Client.release
         if lease_id == 13:
             raise LeaseExpired("lease 13 expired")
         self.released.append(lease_id)

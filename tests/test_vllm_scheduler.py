@@ -65,7 +65,7 @@ class StoreClient:
         found = self.store.lookup(scope, [BlockKey(k) for k in keys], pin_ttl_s or None)
         return Lookup(found.hit_blocks, found.tiers, found.lease.lease_id if found.lease else 0)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, wait: bool = True) -> None:  # as Client.release
         self._check()
         self.store.release(lease_id)
 
