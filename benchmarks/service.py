@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import secrets
 import socket
 import ssl
 import sys
@@ -308,7 +307,7 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Resu
     source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
     # The arena's side of each copy is warm shared memory (/dev/shm, without the transparent huge
     # pages numpy's buffers get here): the references copy out of and into the same kind.
-    shm = Arena.create(f"kvstore-bench-{os.getpid()}-{secrets.token_hex(4)}", count * BLOCK)
+    shm = Arena.create_unnamed(count * BLOCK)
     shm.array[:] = source
     try:
         return _same_host(server, fp, keys, blocks, engine, outs, source, shm.array, rounds)

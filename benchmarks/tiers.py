@@ -27,7 +27,6 @@ Subject and reference are measured alternately, several rounds, medians reported
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import tempfile
 import time
@@ -122,7 +121,7 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
         DramConfig(capacity_bytes=w.total + 2 * max(w.size, 32 * MiB), page_bytes=max(w.size, 32 * MiB))
     )
     # The same bytes in warm shared memory, the kind the arena is: the gets' memcpy reads this.
-    shm = Arena.create(f"kvstore-bench-{os.getpid()}-{secrets.token_hex(4)}", w.total)
+    shm = Arena.create_unnamed(w.total)
     shm.array[:] = w.src
     get_rounds = 3 * rounds
     try:

@@ -4,12 +4,15 @@ shared-memory arena another process can map by name."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.synchronize
 import os
+import time
+from multiprocessing.queues import Queue
 
 import pytest
 
 from tiers import TierKey
-from tiers.dram import Arena, DramConfig, DramTier
+from tiers.dram import UNNAMED_GRACE_S, Arena, DramConfig, DramTier, sweep_unnamed
 from tiers.slab import SLOT_ALIGN_BYTES, SlabAllocator, Slot
 
 FP = b"\x01" * 32
@@ -99,3 +102,36 @@ def test_another_process_writes_a_slot_in_place() -> None:
     finally:
         tier.close()
     assert not os.path.exists(Arena.path_of(tier.arena.name))
+
+
+def _own_unnamed_arena_then_die(ready: multiprocessing.synchronize.Event, name: Queue[str]) -> None:
+    arena = Arena.create_unnamed(1 << 20)
+    name.put(arena.name)
+    ready.wait()
+    os._exit(0)  # killed in effect: no close(), the file stays in /dev/shm
+
+
+def test_a_dead_processs_unnamed_arena_is_swept_and_a_live_ones_kept() -> None:
+    """A tier without a data folder leaves nothing behind once its process has died, whatever
+    killed it: the next arena created on the host removes it. A live owner's arena, and a dead
+    one's still inside the grace period, stay."""
+    ctx = multiprocessing.get_context("fork")
+    ready, names = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_own_unnamed_arena_then_die, args=(ready, names))
+    child.start()
+    dead_name = names.get(timeout=30)
+    live = Arena.create_unnamed(1 << 20)  # this process's, alive throughout
+    try:
+        later = time.time() + 2 * UNNAMED_GRACE_S
+        assert dead_name not in sweep_unnamed(later)  # its owner still holds the lock
+        ready.set()
+        child.join(timeout=30)
+        assert os.path.exists(Arena.path_of(dead_name))
+        assert dead_name not in sweep_unnamed()  # died just now: inside the grace period
+        assert dead_name in sweep_unnamed(later)  # other dead processes' arenas may go too
+        assert not os.path.exists(Arena.path_of(dead_name))
+        assert os.path.exists(Arena.path_of(live.name))  # locked by its live owner: kept
+        assert live.name not in sweep_unnamed(later)
+    finally:
+        live.close()
+    assert not os.path.exists(Arena.path_of(live.name))

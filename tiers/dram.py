@@ -7,8 +7,13 @@ every later copy lands in warm memory. Another process on the same host maps it 
 arena is registered as pinned memory so host-to-device copies from it run at DMA speed.
 
 Lifetime: the tier that created the arena unlinks it on close(); an attached process keeps its
-mapping until it closes its ``Arena``. A process killed before close() leaves the file behind:
-whoever names arenas (the service names them per data folder) reclaims it. Before creating
+mapping until it closes its ``Arena``. A process killed before close() leaves the file behind.
+A named arena (the service names one per data folder) is reclaimed by whoever names it, after
+salvaging its blocks. An unnamed one (``Arena.create_unnamed``: a tier without a data folder, a
+benchmark's reference buffer) holds nothing to salvage: its owner keeps an exclusive ``flock`` on
+the file for as long as it lives, the kernel drops that lock however the process ends, and every
+``create`` first removes the unnamed arenas whose lock it can take (``sweep_unnamed``), so a
+killed process's arena is gone at the next start instead of filling ``/dev/shm``. Before creating
 the file, ``create`` checks that ``/dev/shm`` has room (``ArenaNoRoom`` otherwise) and reserves
 the pages with ``posix_fallocate``, so a full ``/dev/shm`` is an error at start, never a SIGBUS
 while faulting in or later mid-copy. Buffers returned by ``Arena.view`` are valid until that
@@ -19,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,13 +46,15 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 OS_PAGE_BYTES = 4096
+UNNAMED_PREFIX = "kvstore-tmp-"  # unnamed arenas: kvstore-tmp-<pid>-<random>
+UNNAMED_GRACE_S = 60.0  # younger files are left alone: their owner may not hold its lock yet
 
 
 @dataclass(frozen=True)
 class DramConfig:
     capacity_bytes: int = 1 << 30
     page_bytes: int = 32 << 20
-    arena_name: str | None = None  # default: a fresh unique name per process
+    arena_name: str | None = None  # default: unnamed (kvstore-tmp-<pid>-<random>), swept once dead
     prefault: bool = True
     pin_with_cuda: bool = True
     journal: bool = False  # keep <arena>.journal so a dead server's blocks can be salvaged
@@ -54,11 +63,14 @@ class DramConfig:
 class Arena:
     """A named shared-memory mapping. Create it once (the owner) or attach to it by name."""
 
-    def __init__(self, name: str, size_bytes: int, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(
+        self, name: str, size_bytes: int, mapping: mmap.mmap, owner: bool, lock_fd: int | None = None
+    ) -> None:
         self.name = name
         self.size_bytes = size_bytes
         self._mmap = mapping
         self._owner = owner
+        self._lock_fd = lock_fd  # an unnamed arena's file, locked while its owner lives
         self.view = memoryview(mapping)
         self.array = np.frombuffer(mapping, dtype=np.uint8)
 
@@ -69,8 +81,16 @@ class Arena:
         return os.path.join(SHM_DIR, name)
 
     @classmethod
-    def create(cls, name: str, size_bytes: int, prefault: bool = True) -> Arena:
+    def create_unnamed(cls, size_bytes: int, prefault: bool = True) -> Arena:
+        """An arena nobody will look for by name after its owner is gone: removed by the next
+        ``create`` on this host once its owner has died (see the module docstring)."""
+        name = f"{UNNAMED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        return cls.create(name, size_bytes, prefault, locked=True)
+
+    @classmethod
+    def create(cls, name: str, size_bytes: int, prefault: bool = True, locked: bool = False) -> Arena:
         path = cls.path_of(name)
+        sweep_unnamed()  # a dead process's arena must not count against this one's room
         try:
             free_bytes = shutil.disk_usage(SHM_DIR).free
         except OSError as exc:
@@ -79,6 +99,8 @@ class Arena:
             raise ArenaNoRoom(SHM_DIR, size_bytes, free_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
             os.ftruncate(fd, size_bytes)
             if prefault:
                 # tmpfs backs the pages now: no room is ENOSPC here instead of a SIGBUS later.
@@ -90,8 +112,9 @@ class Arena:
             if exc.errno == errno.ENOSPC:
                 raise ArenaNoRoom(SHM_DIR, size_bytes, shutil.disk_usage(SHM_DIR).free) from exc
             raise TierUnavailable(f"cannot create a {size_bytes} B arena at {path}: {exc}") from exc
-        os.close(fd)
-        arena = cls(name, size_bytes, mapping, owner=True)
+        if not locked:
+            os.close(fd)
+        arena = cls(name, size_bytes, mapping, owner=True, lock_fd=fd if locked else None)
         if prefault:
             # Touch one byte per OS page: the kernel backs the whole arena now, not mid-restore.
             arena.array[::OS_PAGE_BYTES] = 0
@@ -120,6 +143,50 @@ class Arena:
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path_of(self.name))
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # after the unlink: a sweeper never sees it unlocked
+            self._lock_fd = None
+
+
+def sweep_unnamed(now: float | None = None) -> list[str]:
+    """Remove the unnamed arenas (and journals) whose owners have died; the names removed.
+
+    An owner holds an exclusive ``flock`` on its arena until it closes or dies; a file whose lock
+    this call can take has no live owner. Files changed in the last ``UNNAMED_GRACE_S`` seconds
+    are skipped: their owner may be between creating the file and locking it."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(UNNAMED_PREFIX) and "." not in n]
+    except OSError:
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            dead = now - os.fstat(fd).st_ctime >= UNNAMED_GRACE_S
+            if dead:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            dead = False  # its owner is alive (or it is not a plain file we may lock)
+        if not dead:
+            os.close(fd)
+            continue
+        try:
+            for victim in (path, path + JOURNAL_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(victim)
+        except OSError as exc:
+            log.warning("cannot remove arena %s left behind by a dead process: %s", path, exc)
+            continue
+        finally:
+            os.close(fd)
+        removed.append(name)
+        log.warning("removed arena %s left behind by a kvstore process that died", path)
+    return removed
 
 
 class DramTier(SlabTier):
@@ -129,8 +196,12 @@ class DramTier(SlabTier):
 
     def __init__(self, config: DramConfig) -> None:
         super().__init__(config.capacity_bytes, config.page_bytes)
-        arena_name = config.arena_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
-        self.arena = Arena.create(arena_name, self._alloc.capacity_bytes, prefault=config.prefault)
+        capacity = self._alloc.capacity_bytes
+        if config.arena_name:
+            self.arena = Arena.create(config.arena_name, capacity, prefault=config.prefault)
+        else:
+            self.arena = Arena.create_unnamed(capacity, prefault=config.prefault)
+        arena_name = self.arena.name
         self._pinned_address: int | None = None
         if config.pin_with_cuda and cuda.cuda_available():
             address = cuda.buffer_address(self.arena._mmap)
