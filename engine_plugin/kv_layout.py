@@ -18,8 +18,11 @@ on CPU; on CUDA, host to device from the pinned arena (and back for saves) on th
 stream, with ``synchronize`` once per batch before the bytes are used or committed. The CUDA
 paths are exercised by the ``gpu``-marked tests.
 
-Many blocks at once (``BlockCopier``, what the connector uses): on CPU caches each layer's slice
-of a block is one libc ``memmove`` by address, checked against the caches' bounds first. At
+Many blocks at once (``BlockCopier``, what the connector uses): on CPU caches, by address, every
+id and size checked first. With the native copier (``engine_plugin/native/blockcopy.c``, built by
+the install where a C compiler is present) one C call copies every slice of every block, without
+the GIL, on up to ``COPY_THREADS`` threads for a large copy (one thread for a layer at a time:
+layer-wise loads run beside the forward). Without it, numpy copies (see ``BlockCopier``). At
 vLLM's block sizes (tens of KiB per layer) a torch ``copy_`` per slice costs more in dispatch and
 view building than in moving bytes: a 3,000-token restore of the 8-layer test model took ~7 ms
 that way against ~3 ms by address, and a single memcpy of the same bytes ~1.3 ms. On CUDA caches,
@@ -30,6 +33,7 @@ tests run both on the CPU.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -37,8 +41,18 @@ from typing import cast
 import numpy as np
 import torch
 
+try:
+    from engine_plugin import _blockcopy  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the numpy copies
+    _blockcopy = None
+
 BLOCK_MAJOR = "block-major"
 KV_SPLIT = "kv-split"
+# Threads for a whole-block copy of PARALLEL_BYTES or more, where cores are to spare: inside a vLLM
+# CPU engine on 2 cores, two threads copied a 3,000-token restore slower than one (2.4-3.9 ms
+# against 2.1-2.5), the engine's own threads holding the other core.
+COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+PARALLEL_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -151,11 +165,13 @@ class BlockCopier:
     one layer of every block at a time. Each buffer is one stored block (``block_bytes``); a block
     id outside the caches, or a buffer of another size, is a ValueError before anything is copied.
 
-    By address, a run of blocks whose buffers are evenly spaced in one buffer (the arena's slots
-    of one chain, a staging buffer) moves each layer's slice of the whole run in one numpy copy,
-    indexed by the block ids (vLLM hands out ids in any order, often descending), in C without
-    the GIL and without torch's thread pool, whose threads, when the cores are busy, made the
-    same copy several times slower. Anything else is one memmove per slice.
+    By address with the native copier (``native``, the default where it is built): one C call for
+    the whole copy, a memcpy per slice, block after block. Without it, a run of blocks whose
+    buffers are evenly spaced in one buffer (the arena's slots of one chain, a staging buffer)
+    moves each layer's slice of the whole run in one numpy copy, indexed by the block ids (vLLM
+    hands out ids in any order, often descending); anything else is one memmove per slice. Both
+    run in C without torch's thread pool, whose threads, when the cores are busy, made the same
+    copy several times slower.
     """
 
     def __init__(
@@ -164,12 +180,16 @@ class BlockCopier:
         layouts: Sequence[LayerLayout],
         num_blocks: int,
         by_address: bool | None = None,
+        native: bool | None = None,
     ) -> None:
         self._caches = list(caches)
         self._layouts = list(layouts)
         self._num_blocks = num_blocks
         host = all(not c.is_cuda for c in self._caches)
         self.by_address = host if by_address is None else (by_address and host)
+        if native and _blockcopy is None:
+            raise ValueError("the native block copier is not built (no C compiler at install)")
+        self.native = self.by_address and (_blockcopy is not None if native is None else native)
         self._slices: list[list[_Slice]] = []  # per layer
         offset = 0
         for cache, layout in zip(self._caches, self._layouts, strict=True):
@@ -186,6 +206,12 @@ class BlockCopier:
                 offset += size
             self._slices.append(parts)
         self.block_bytes = offset
+        # per layer: [base, stride, offset, size] of each slice, what the native copier reads
+        self._native_parts = [
+            np.array([[x.base, x.stride, x.offset, x.size] for x in parts], dtype=np.int64)
+            for parts in self._slices
+        ]
+        self._all_parts = np.concatenate(self._native_parts)
 
     @property
     def num_layers(self) -> int:
@@ -204,6 +230,9 @@ class BlockCopier:
                         dst.copy_(src[part.offset : part.offset + part.size], non_blocking=dst.is_cuda)
             return
         addresses = [_address(source) for source in sources]
+        if self.native:
+            self._copy_native(0, addresses, block_ids, layers)
+            return
         runs = _runs(sources, addresses, self.block_bytes)
         move = ctypes.memmove
         for layer in self._layers(layers):
@@ -229,6 +258,9 @@ class BlockCopier:
         addresses = [_address(target) for target in targets]
         if any(memoryview(t).readonly for t in targets):
             raise ValueError("a block's target buffer is read-only")
+        if self.native:
+            self._copy_native(1, addresses, block_ids, None)
+            return
         runs = _runs(targets, addresses, self.block_bytes)
         move = ctypes.memmove
         for parts in self._slices:
@@ -240,6 +272,21 @@ class BlockCopier:
                         continue  # ids checked already: "wrap" only spares numpy a buffered copy
                     for i in range(run.first, run.first + run.count):
                         move(addresses[i] + part.offset, part.base + block_ids[i] * part.stride, part.size)
+
+    def _copy_native(
+        self, gather: int, addresses: Sequence[int], block_ids: Sequence[int], layers: Sequence[int] | None
+    ) -> None:
+        """One C call: every slice of every block (of ``layers``), checked by the caller."""
+        parts = self._all_parts if layers is None else np.concatenate([self._native_parts[i] for i in layers])
+        whole = layers is None and len(addresses) * self.block_bytes >= PARALLEL_BYTES
+        assert _blockcopy is not None
+        _blockcopy.copy_blocks(
+            gather,
+            np.asarray(addresses, dtype=np.uint64),
+            np.asarray(block_ids, dtype=np.int64),
+            parts,
+            COPY_THREADS if whole else 1,
+        )
 
     def synchronize(self) -> None:
         synchronize(self._caches)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,6 +182,44 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+# (by_address, native): the native C copier where it is built, numpy's, and torch's copy_ per slice
+COPY_PATHS = [*([(True, True)] if kv_layout._blockcopy is not None else []), (True, False), (False, None)]
+
+
+def test_the_native_copier_was_built_by_the_install() -> None:
+    """scripts/setup.sh installs with a C compiler at hand: the copier the connector uses is the
+    native one (without a compiler the install still succeeds, and this says so)."""
+    assert kv_layout._blockcopy is not None, "engine_plugin._blockcopy is not built: no C compiler?"
+    caches = cpu_caches()
+    assert kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS).native
+
+
+@pytest.mark.skipif(kv_layout._blockcopy is None, reason="the native copier is not built")
+@pytest.mark.parametrize("make", [cpu_caches, kv_split_caches])
+def test_the_native_copier_splits_a_large_copy_between_threads_and_lands_every_byte(
+    make: Callable[[], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every copy goes to threads here (the threshold at 0, three threads for six blocks in an
+    order vLLM could hand out): the caches end as numpy's copy leaves them, and gathering on
+    threads reads the same bytes back."""
+    monkeypatch.setattr(kv_layout, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(kv_layout, "COPY_THREADS", 3)
+    rng = np.random.default_rng(5)
+    stored = [bytes(rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)) for _ in range(6)]
+    block_ids = [5, 0, 3, 1, 4, 2]
+    results = []
+    for native in (True, False):
+        caches = [torch.zeros_like(c) for c in make()]
+        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, native=native)
+        copier.scatter(stored, block_ids)
+        back = [bytearray(BLOCK_BYTES) for _ in stored]
+        copier.gather(block_ids, back)
+        assert [bytes(b) for b in back] == stored
+        results.append(caches)
+    for a, b in zip(*results, strict=True):
+        assert a.view(torch.uint8).equal(b.view(torch.uint8))  # random bytes: NaNs among them
+
+
 @pytest.mark.parametrize("make", [cpu_caches, block_major_caches, kv_split_caches])
 def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
     make: Callable[[], list[torch.Tensor]],
@@ -196,10 +235,12 @@ def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
         expected = torch.cat(kv_layout.block_views(source, layouts_of(source), block_id))
         assert bytes(b) == expected.numpy().tobytes()
     results = []
-    for by_address in (True, False):
+    for by_address, native in COPY_PATHS:
         caches = [torch.zeros_like(c) for c in source]
-        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=by_address)
-        assert copier.by_address is by_address
+        copier = kv_layout.BlockCopier(
+            caches, layouts_of(caches), BLOCKS, by_address=by_address, native=native
+        )
+        assert copier.by_address is by_address and copier.native is bool(native)
         copier.scatter([bytes(b) for b in stored], [1, 3, 5], layers=[2, 0])
         copier.scatter([memoryview(b) for b in stored], [1, 3, 5], layers=[1])
         copier.synchronize()
@@ -207,8 +248,9 @@ def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
         back = [bytearray(BLOCK_BYTES) for _ in range(3)]
         copier.gather([1, 3, 5], back)
         assert back == stored
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for other in results[1:]:  # every path leaves the caches alike
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
     for block_id in (0, 2, 4):  # the blocks not written stay as they were
         assert not any(v.any() for v in kv_layout.block_views(results[0], layouts_of(source), block_id))
 
@@ -251,9 +293,11 @@ def test_the_copier_moves_runs_of_evenly_spaced_slots_in_one_strided_copy_per_la
         (5, 1, 0),  # another buffer: one memmove per slice
     ]
     results = []
-    for by_address in (True, False):
+    for by_address, native in COPY_PATHS:
         caches = [torch.zeros_like(c) for c in source]
-        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=by_address)
+        copier = kv_layout.BlockCopier(
+            caches, layouts_of(caches), BLOCKS, by_address=by_address, native=native
+        )
         copier.scatter(buffers, block_ids)
         results.append(caches)
         back = [memoryview(bytearray(BLOCK_BYTES * 2))[:BLOCK_BYTES] for _ in buffers]
@@ -264,7 +308,8 @@ def test_the_copier_moves_runs_of_evenly_spaced_slots_in_one_strided_copy_per_la
         assert [bytes(spaced[i * spacing : i * spacing + BLOCK_BYTES]) for i in range(6)] == [
             bytes(b) for b in buffers
         ]
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for other in results[1:]:  # every path leaves the caches alike
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
     for a, b in zip(results[0], source, strict=True):
         assert torch.equal(a, b)  # every block of the source came back (ids 0-5, all of them)
