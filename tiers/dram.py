@@ -85,11 +85,12 @@ class Arena:
         """An arena nobody will look for by name after its owner is gone: removed by the next
         ``create`` on this host once its owner has died (see the module docstring)."""
         name = f"{UNNAMED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        return cls.create(name, size_bytes, prefault, locked=True)
+        return cls.create(name, size_bytes, prefault)
 
     @classmethod
-    def create(cls, name: str, size_bytes: int, prefault: bool = True, locked: bool = False) -> Arena:
+    def create(cls, name: str, size_bytes: int, prefault: bool = True) -> Arena:
         path = cls.path_of(name)
+        locked = name.startswith(UNNAMED_PREFIX)  # a sweeper removes any such file it can lock
         sweep_unnamed()  # a dead process's arena must not count against this one's room
         try:
             free_bytes = shutil.disk_usage(SHM_DIR).free
