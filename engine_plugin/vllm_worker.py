@@ -29,11 +29,11 @@ tokens, seconds: the step's time from ``step_started`` to ``wait_for_save`` less
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_plugin import kv_layout
@@ -45,6 +45,9 @@ from kvstore.client import Client
 from kvstore.keys import ModelIdentity
 
 log = logging.getLogger(f"vllm.{__name__}")
+# How often a layer waiting for its load looks at the copy's progress: a layer of a 3,000-token
+# restore copies in ~0.15 ms, and each look releases the GIL for the loader thread's Python.
+LAYER_POLL_S = 20e-6
 
 
 class WorkerSide:
@@ -154,8 +157,9 @@ class WorkerSide:
                 self._release(load, one)
         if not staged:
             return
-        layers = [threading.Event() for _ in range(transfer.num_layers)]
-        self._loading = _Loading(staged, layers, self._loader.submit(self._copy_layers, staged, layers))
+        progress = np.zeros(1, dtype=np.int64)
+        future = self._loader.submit(self._copy_layers, [one for _, one, _ in staged], progress)
+        self._loading = _Loading(staged, transfer.num_layers, progress, future)
 
     def _stage(self, load: TransferJob) -> StagedLoad | None:
         transfer = self._registered()
@@ -174,30 +178,25 @@ class WorkerSide:
 
         self._link.call("release", load.timeout_s, finish)
 
-    def _copy_layers(
-        self, staged: list[tuple[TransferJob, StagedLoad, float]], layers: list[threading.Event]
-    ) -> float:
-        """The loader thread: layer after layer, every staged block; the seconds it took."""
-        transfer = self._registered()
+    def _copy_layers(self, staged: list[StagedLoad], progress: np.ndarray) -> float:
+        """The loader thread: every staged block, layer after layer; the seconds it took."""
         start = time.perf_counter()
-        try:
-            for layer, done in enumerate(layers):
-                for _, one, _ in staged:
-                    transfer.copy_layer(one, layer)
-                done.set()
-        finally:
-            for done in layers:  # a failure must not leave the forward waiting
-                done.set()
+        self._registered().copy_by_layer(staged, progress)
         return time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Hold the attention layer until its layer of every load is in (an unknown layer — none
+        such is registered — waits for them all), polling the copy's progress: a copy that fails
+        stops the wait, and ``_finish_layerwise`` turns its blocks into load errors."""
         loading = self._loading
         if loading is None:
             return
         start = time.perf_counter()
         index = self._layer_index.get(layer_name)
-        for done in loading.layers if index is None else loading.layers[index : index + 1]:
-            done.wait()  # an unknown layer (none such is registered) waits for them all
+        needed = loading.num_layers if index is None else index + 1
+        layers_done = self._registered().layers_done
+        while layers_done(loading.progress) < needed and not loading.future.done():
+            time.sleep(LAYER_POLL_S)
         if index is not None:
             loading.awaited.add(index)
         self._step_load_s += time.perf_counter() - start
@@ -215,7 +214,7 @@ class WorkerSide:
         except Exception:
             log.exception("kvstore connector: a layer-wise load failed; its blocks are recomputed")
             copy_s, failed = 0.0, True
-        unawaited = set(range(len(loading.layers))) - loading.awaited
+        unawaited = set(range(loading.num_layers)) - loading.awaited
         if unawaited and not failed:
             log.warning(
                 "kvstore connector: the forward pass read %d layers without waiting for their load; "
@@ -326,6 +325,7 @@ class _Loading:
     """This step's layer-wise loads: staged, their copies running on the loader thread."""
 
     staged: list[tuple[TransferJob, StagedLoad, float]]  # (job, slots, seconds to stage)
-    layers: list[threading.Event]  # set once that layer of every block is in
+    num_layers: int
+    progress: np.ndarray  # int64[1]: layers of every block copied so far
     future: Future[float]  # the copy's seconds
     awaited: set[int] = field(default_factory=set)  # layers the forward waited for

@@ -255,6 +255,51 @@ def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
         assert not any(v.any() for v in kv_layout.block_views(results[0], layouts_of(source), block_id))
 
 
+@pytest.mark.parametrize("make", [cpu_caches, kv_split_caches])
+def test_a_copy_by_layer_lands_what_a_whole_copy_does_and_counts_every_layer(
+    make: Callable[[], list[torch.Tensor]],
+) -> None:
+    """``scatter_by_layer`` (layer-wise loads: one C call natively) leaves the caches as
+    ``scatter`` does, on the native and numpy paths, and its progress ends at every layer."""
+    rng = np.random.default_rng(9)
+    stored = [bytes(rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)) for _ in range(4)]
+    block_ids = [5, 2, 3, 0]
+    whole = [torch.zeros_like(c) for c in make()]
+    kv_layout.BlockCopier(whole, layouts_of(whole), BLOCKS, by_address=False).scatter(stored, block_ids)
+    for _, native in COPY_PATHS[:-1]:  # by address: where layer-wise loads run
+        caches = [torch.zeros_like(c) for c in whole]
+        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, native=native)
+        progress = np.full(1, -1, dtype=np.int64)
+        copier.scatter_by_layer([memoryview(b) for b in stored], block_ids, progress)
+        assert copier.layers_done(progress) == len(caches) == int(progress[0])
+        for a, b in zip(caches, whole, strict=True):
+            assert a.view(torch.uint8).equal(b.view(torch.uint8))
+
+
+@pytest.mark.skipif(kv_layout._blockcopy is None, reason="the native copier is not built")
+def test_the_native_layer_copy_refuses_layers_outside_its_parts_and_a_missing_count() -> None:
+    """The C entry point checks the layer bounds and the progress buffer before any copy."""
+    native = kv_layout._blockcopy
+    assert native is not None
+    caches = cpu_caches()
+    before = [c.clone() for c in caches]
+    copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS)
+    target = bytearray(BLOCK_BYTES)
+    addresses = np.asarray([kv_layout._address(target)], dtype=np.uint64)
+    ids = np.zeros(1, dtype=np.int64)
+    parts = copier._all_parts
+    with pytest.raises(ValueError, match="outside"):
+        native.copy_layers(
+            addresses, ids, parts, np.array([0, len(parts) + 1], dtype=np.int64), np.zeros(1, np.int64)
+        )
+    with pytest.raises(ValueError, match="inconsistent"):
+        native.copy_layers(addresses, ids, parts, copier._layer_starts, np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match="no count"):
+        native.layers_done(b"")
+    for a, b in zip(caches, before, strict=True):  # nothing was copied
+        assert a.view(torch.uint8).equal(b.view(torch.uint8))
+
+
 def test_the_copier_refuses_a_block_outside_the_caches_or_a_buffer_of_another_size() -> None:
     caches = cpu_caches()
     before = [c.clone() for c in caches]

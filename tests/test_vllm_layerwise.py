@@ -6,6 +6,7 @@ attention layer waits for its own; a layer read without waiting turns the load i
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -62,6 +63,16 @@ def stored_prefix(sidecar: RunningServer, seed: int) -> tuple[list[bytes], dict[
     return keys, source
 
 
+def leases_after_release(sidecar: RunningServer) -> int:
+    """The sidecar's leases once the worker's releases have landed: a release after a load is
+    sent without waiting for its answer (off the restore's path), so it may trail the test."""
+    deadline = time.monotonic() + 5.0
+    with connect(sidecar.unix_address) as kv:
+        while (leases := int(kv.stats()["leases"])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return leases
+
+
 def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: RunningServer) -> None:
     keys, source = stored_prefix(sidecar, 1000)
     target = caches()
@@ -77,8 +88,7 @@ def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: Runnin
                 assert torch.equal(target[name][dst], source[name][src])
         side.wait_for_save(KvstoreConnectorMetadata())
         assert side.get_block_ids_with_load_errors() == set()
-        with connect(sidecar.unix_address) as kv:
-            assert kv.stats()["leases"] == 0  # released after the forward pass
+        assert leases_after_release(sidecar) == 0  # released after the forward pass
     finally:
         side.shutdown()
 
@@ -94,8 +104,7 @@ def test_a_layer_read_without_waiting_makes_its_blocks_load_errors(sidecar: Runn
         side.wait_for_layer_load(LAYERS[0])  # the others never waited for
         side.wait_for_save(KvstoreConnectorMetadata())
         assert side.get_block_ids_with_load_errors() == {1, 2, 6}
-        with connect(sidecar.unix_address) as kv:
-            assert kv.stats()["leases"] == 0
+        assert leases_after_release(sidecar) == 0
     finally:
         side.shutdown()
 
@@ -114,5 +123,31 @@ def test_blocks_the_sidecar_lacks_are_load_errors_before_the_forward_starts(side
             side.wait_for_layer_load(name)
         side.wait_for_save(KvstoreConnectorMetadata())
         assert side.get_block_ids_with_load_errors() == {2}
+    finally:
+        side.shutdown()
+
+
+def test_a_copy_that_fails_ends_every_wait_and_its_blocks_are_load_errors(
+    sidecar: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader thread's copy raises (a fault injected into the copier): no attention layer
+    waits on it for ever, its blocks go to vLLM's recompute, and the slots are released."""
+    keys, _ = stored_prefix(sidecar, 4000)
+    side = worker(sidecar, caches())
+
+    def broken(*args: object) -> None:
+        raise OSError("injected: the copy failed")
+
+    try:
+        transfer = side._registered()
+        monkeypatch.setattr(transfer._copier, "scatter_by_layer", broken)
+        side.step_started()
+        load = TransferJob("r", [keys], [0, 4, 2], 5.0, tiers=("dram",) * 3)
+        side.start_load_kv(KvstoreConnectorMetadata(loads=[load]))
+        for name in LAYERS:
+            side.wait_for_layer_load(name)
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == {0, 4, 2}
+        assert leases_after_release(sidecar) == 0
     finally:
         side.shutdown()
