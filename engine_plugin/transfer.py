@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine_plugin import kv_layout
@@ -138,8 +138,8 @@ class BlockTransfer:
         return self._same_host and self._copier.by_address
 
     def stage(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> StagedLoad:
-        """Resolve the present prefix of ``keys`` to arena slots, pinned, for ``copy_by_layer``
-        (from any one thread) and then ``finish``. Same host only."""
+        """Resolve the present prefix of ``keys`` to arena slots, pinned, for ``start_by_layer``
+        and then ``finish``. Same host only."""
         resolved = kv.resolve(self._fingerprint, keys)
         views = resolved.views[: len(block_ids)]
         staged = StagedLoad(views, list(block_ids[: len(views)]), resolved.tiers, resolved.lease_id)
@@ -150,15 +150,13 @@ class BlockTransfer:
             raise FailedPrecondition(f"cannot restore these blocks: {exc}") from exc
         return staged
 
-    def copy_by_layer(self, staged: Sequence[StagedLoad], progress: np.ndarray) -> None:
-        """Every block of ``staged`` into the caches, a layer at a time, counting the layers done
-        in ``progress`` (``int64[1]``; ``layers_done`` reads it from another thread)."""
+    def start_by_layer(self, staged: Sequence[StagedLoad], loader: Executor) -> kv_layout.LayerCopy:
+        """Start copying every block of ``staged`` into the caches a layer at a time, beside
+        the forward pass (``kv_layout.BlockCopier.start_by_layer``); ``finish`` each only after
+        the copy's ``wait``."""
         views = [view for one in staged for view in one.views]
         block_ids = [block_id for one in staged for block_id in one.block_ids]
-        self._copier.scatter_by_layer(views, block_ids, progress)
-
-    def layers_done(self, progress: np.ndarray) -> int:
-        return self._copier.layers_done(progress)
+        return self._copier.start_by_layer(views, block_ids, loader)
 
     def finish(self, kv: Client, staged: StagedLoad) -> None:
         """The copies are done (or abandoned): let go of the slots."""

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine_plugin import kv_layout
@@ -45,9 +44,6 @@ from kvstore.client import Client
 from kvstore.keys import ModelIdentity
 
 log = logging.getLogger(f"vllm.{__name__}")
-# How often a layer waiting for its load looks at the copy's progress: a layer of a 3,000-token
-# restore copies in ~0.15 ms, and each look releases the GIL for the loader thread's Python.
-LAYER_POLL_S = 20e-6
 
 
 class WorkerSide:
@@ -157,9 +153,16 @@ class WorkerSide:
                 self._release(load, one)
         if not staged:
             return
-        progress = np.zeros(1, dtype=np.int64)
-        future = self._loader.submit(self._copy_layers, [one for _, one, _ in staged], progress)
-        self._loading = _Loading(staged, transfer.num_layers, progress, future)
+        try:
+            copy = transfer.start_by_layer([one for _, one, _ in staged], self._loader)
+        except ValueError as exc:  # a block of another size than this layout's: recompute them all
+            log.warning("kvstore connector: cannot restore these blocks: %s", exc)
+            for load, one, _ in staged:
+                self._load_errors.update(one.block_ids)
+                self._stats.add_failed(len(one.block_ids))
+                self._release(load, one)
+            return
+        self._loading = _Loading(staged, copy)
 
     def _stage(self, load: TransferJob) -> StagedLoad | None:
         transfer = self._registered()
@@ -178,12 +181,6 @@ class WorkerSide:
 
         self._link.call("release", load.timeout_s, finish)
 
-    def _copy_layers(self, staged: list[StagedLoad], progress: np.ndarray) -> float:
-        """The loader thread: every staged block, layer after layer; the seconds it took."""
-        start = time.perf_counter()
-        self._registered().copy_by_layer(staged, progress)
-        return time.perf_counter() - start
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Hold the attention layer until its layer of every load is in (an unknown layer — none
         such is registered — waits for them all), polling the copy's progress: a copy that fails
@@ -193,10 +190,7 @@ class WorkerSide:
             return
         start = time.perf_counter()
         index = self._layer_index.get(layer_name)
-        needed = loading.num_layers if index is None else index + 1
-        layers_done = self._registered().layers_done
-        while layers_done(loading.progress) < needed and not loading.future.done():
-            time.sleep(LAYER_POLL_S)
+        loading.copy.wait_for(loading.copy.num_layers if index is None else index + 1)
         if index is not None:
             loading.awaited.add(index)
         self._step_load_s += time.perf_counter() - start
@@ -209,12 +203,12 @@ class WorkerSide:
         if loading is None:
             return
         try:
-            copy_s = loading.future.result()
+            copy_s = loading.copy.wait()
             failed = False
         except Exception:
             log.exception("kvstore connector: a layer-wise load failed; its blocks are recomputed")
             copy_s, failed = 0.0, True
-        unawaited = set(range(loading.num_layers)) - loading.awaited
+        unawaited = set(range(loading.copy.num_layers)) - loading.awaited
         if unawaited and not failed:
             log.warning(
                 "kvstore connector: the forward pass read %d layers without waiting for their load; "
@@ -322,10 +316,8 @@ class WorkerSide:
 
 @dataclass
 class _Loading:
-    """This step's layer-wise loads: staged, their copies running on the loader thread."""
+    """This step's layer-wise loads: staged, their copy running beside the forward pass."""
 
     staged: list[tuple[TransferJob, StagedLoad, float]]  # (job, slots, seconds to stage)
-    num_layers: int
-    progress: np.ndarray  # int64[1]: layers of every block copied so far
-    future: Future[float]  # the copy's seconds
+    copy: kv_layout.LayerCopy  # every staged block, a layer at a time
     awaited: set[int] = field(default_factory=set)  # layers the forward waited for

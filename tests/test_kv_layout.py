@@ -5,6 +5,7 @@ refusal of anything else."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -259,21 +260,24 @@ def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
 def test_a_copy_by_layer_lands_what_a_whole_copy_does_and_counts_every_layer(
     make: Callable[[], list[torch.Tensor]],
 ) -> None:
-    """``scatter_by_layer`` (layer-wise loads: one C call natively) leaves the caches as
-    ``scatter`` does, on the native and numpy paths, and its progress ends at every layer."""
+    """``start_by_layer`` (layer-wise loads: natively a C thread of its own) leaves the caches
+    as ``scatter`` does, on the native and numpy paths; its count ends at every layer."""
     rng = np.random.default_rng(9)
     stored = [bytes(rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)) for _ in range(4)]
     block_ids = [5, 2, 3, 0]
     whole = [torch.zeros_like(c) for c in make()]
     kv_layout.BlockCopier(whole, layouts_of(whole), BLOCKS, by_address=False).scatter(stored, block_ids)
-    for _, native in COPY_PATHS[:-1]:  # by address: where layer-wise loads run
-        caches = [torch.zeros_like(c) for c in whole]
-        copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, native=native)
-        progress = np.full(1, -1, dtype=np.int64)
-        copier.scatter_by_layer([memoryview(b) for b in stored], block_ids, progress)
-        assert copier.layers_done(progress) == len(caches) == int(progress[0])
-        for a, b in zip(caches, whole, strict=True):
-            assert a.view(torch.uint8).equal(b.view(torch.uint8))
+    with ThreadPoolExecutor(1) as loader:
+        for _, native in COPY_PATHS[:-1]:  # by address: where layer-wise loads run
+            caches = [torch.zeros_like(c) for c in whole]
+            copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, native=native)
+            copy = copier.start_by_layer([memoryview(b) for b in stored], block_ids, loader)
+            copy.wait_for(1)
+            assert copy.layers_done() >= 1
+            assert copy.wait() >= 0.0
+            assert copy.layers_done() == len(caches) == copy.num_layers
+            for a, b in zip(caches, whole, strict=True):
+                assert a.view(torch.uint8).equal(b.view(torch.uint8))
 
 
 @pytest.mark.skipif(kv_layout._blockcopy is None, reason="the native copier is not built")
@@ -290,10 +294,10 @@ def test_the_native_layer_copy_refuses_layers_outside_its_parts_and_a_missing_co
     parts = copier._all_parts
     with pytest.raises(ValueError, match="outside"):
         native.copy_layers(
-            addresses, ids, parts, np.array([0, len(parts) + 1], dtype=np.int64), np.zeros(1, np.int64)
+            addresses, ids, parts, np.array([0, len(parts) + 1], dtype=np.int64), np.zeros(2, np.int64)
         )
     with pytest.raises(ValueError, match="inconsistent"):
-        native.copy_layers(addresses, ids, parts, copier._layer_starts, np.zeros(0, np.int64))
+        native.copy_layers(addresses, ids, parts, copier._layer_starts, np.zeros(1, np.int64))
     with pytest.raises(ValueError, match="no count"):
         native.layers_done(b"")
     for a, b in zip(caches, before, strict=True):  # nothing was copied

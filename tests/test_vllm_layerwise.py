@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine_plugin import kv_layout
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats
@@ -127,20 +128,25 @@ def test_blocks_the_sidecar_lacks_are_load_errors_before_the_forward_starts(side
         side.shutdown()
 
 
+@pytest.mark.parametrize("where", ["at its start", "in the numpy fallback's copy"])
 def test_a_copy_that_fails_ends_every_wait_and_its_blocks_are_load_errors(
-    sidecar: RunningServer, monkeypatch: pytest.MonkeyPatch
+    sidecar: RunningServer, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """The loader thread's copy raises (a fault injected into the copier): no attention layer
-    waits on it for ever, its blocks go to vLLM's recompute, and the slots are released."""
-    keys, _ = stored_prefix(sidecar, 4000)
+    """A copy that fails (a fault injected into the copier: refused as it starts, or raising on
+    the loader thread in the fallback without the C copier) leaves no attention layer waiting,
+    its blocks go to vLLM's recompute, and the slots are released."""
+    keys, _ = stored_prefix(sidecar, 4000 + 100 * len(where))
+    if where != "at its start":
+        monkeypatch.setattr(kv_layout, "_blockcopy", None)  # the copier built below: numpy's
     side = worker(sidecar, caches())
 
-    def broken(*args: object) -> None:
-        raise OSError("injected: the copy failed")
+    def broken(*args: object, **kwargs: object) -> None:
+        raise (ValueError if where == "at its start" else OSError)("injected: the copy failed")
 
     try:
-        transfer = side._registered()
-        monkeypatch.setattr(transfer._copier, "scatter_by_layer", broken)
+        copier = side._registered()._copier
+        assert copier.native is (where == "at its start")
+        monkeypatch.setattr(copier, "start_by_layer" if where == "at its start" else "scatter", broken)
         side.step_started()
         load = TransferJob("r", [keys], [0, 4, 2], 5.0, tiers=("dram",) * 3)
         side.start_load_kv(KvstoreConnectorMetadata(loads=[load]))

@@ -9,9 +9,13 @@
  *   threads the blocks are split between this many threads (1: the caller's alone)
  *
  * copy_layers(blocks, ids, parts, starts, progress)
- *   a restore a layer at a time, beside the forward pass: layer l is the parts
- *   starts[l] .. starts[l+1] (i64[L+1]) of every block; after each layer the count of layers
- *   done is stored into progress (i64[1], writable) with release ordering
+ *   a restore a layer at a time, beside the forward pass, on a thread of its own started here
+ *   (returns at once; True, or False where no thread could be had and it copied before
+ *   returning): layer l is the parts starts[l] .. starts[l+1] (i64[L+1]) of every block; after
+ *   each layer the count of layers done is stored into progress[0] (i64[2], writable) with
+ *   release ordering, and at the end the copy's nanoseconds into progress[1] first. The thread
+ *   takes its own copy of blocks, ids, parts and starts; the caller keeps progress, every
+ *   stored block and the cache alive and unchanged until the count reaches L.
  * layers_done(progress)
  *   that count, read with acquire ordering: layer l is in once it exceeds l
  * addresses(buffers, writable)
@@ -19,15 +23,17 @@
  *   a buffer, where numpy's frombuffer takes ~3 us. The caller keeps the buffers alive.
  *
  * One memcpy per part of each block, block after block (the stored block is read or written in
- * order), without the GIL: copy_layers holds no GIL for its whole run, so the forward pass that
- * waits on its progress never queues behind it for the lock. The caller (kv_layout.BlockCopier)
+ * order), without the GIL: copy_layers' thread never takes it, so neither its start nor its
+ * layers wait for the forward pass, which holds the GIL, and the forward never waits for it. The caller (kv_layout.BlockCopier)
  * has checked every id against the cache and every buffer's size: this module trusts them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define MAX_THREADS 16
 
@@ -99,6 +105,35 @@ done:
     return result;
 }
 
+typedef struct {
+    int64_t *progress;
+    Py_ssize_t n, nlayers;
+    const uint64_t *blocks;
+    const int64_t *ids, *parts, *starts;
+} layers_t; /* one allocation: this header, then blocks, ids, starts and parts */
+
+static void copy_each_layer(const layers_t *j) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (Py_ssize_t l = 0; l < j->nlayers; l++) {
+        const int64_t *s = j->starts;
+        job_t job = {j->blocks, j->ids, j->parts + 4 * s[l], 0, j->n, s[l + 1] - s[l], 0};
+        run(&job);
+        if (l + 1 == j->nlayers) {
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            int64_t ns = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+            __atomic_store_n(j->progress + 1, ns, __ATOMIC_RELAXED);
+        }
+        __atomic_store_n(j->progress, (int64_t)(l + 1), __ATOMIC_RELEASE);
+    }
+}
+
+static void *run_layers(void *arg) {
+    copy_each_layer((const layers_t *)arg);
+    free(arg);
+    return NULL;
+}
+
 static PyObject *copy_layers(PyObject *self, PyObject *args) {
     Py_buffer blocks, ids, parts, starts, progress;
     if (!PyArg_ParseTuple(args, "y*y*y*y*w*", &blocks, &ids, &parts, &starts, &progress))
@@ -107,7 +142,7 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     Py_ssize_t n = blocks.len / 8, nparts = parts.len / 32, nlayers = starts.len / 8 - 1;
     const int64_t *s = starts.buf;
     if (blocks.len % 8 || ids.len != blocks.len || parts.len % 32 || starts.len % 8 || nlayers < 0 ||
-        progress.len < 8) {
+        progress.len < 16) {
         PyErr_SetString(PyExc_ValueError, "blocks, ids, parts, starts and progress have inconsistent lengths");
         goto done;
     }
@@ -116,16 +151,45 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a layer's parts lie outside the parts given");
             goto done;
         }
-    int64_t *count = progress.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t l = 0; l < nlayers; l++) {
-        job_t job = {blocks.buf, ids.buf, (const int64_t *)parts.buf + 4 * s[l], 0, n, s[l + 1] - s[l], 0};
-        run(&job);
-        __atomic_store_n(count, (int64_t)(l + 1), __ATOMIC_RELEASE);
+    char *mem = malloc(sizeof(layers_t) + blocks.len + ids.len + starts.len + parts.len);
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
+    layers_t *job = (layers_t *)mem;
+    char *at = mem + sizeof(layers_t);
+    memcpy(at, blocks.buf, blocks.len);
+    job->blocks = (const uint64_t *)at;
+    at += blocks.len;
+    memcpy(at, ids.buf, ids.len);
+    job->ids = (const int64_t *)at;
+    at += ids.len;
+    memcpy(at, starts.buf, starts.len);
+    job->starts = (const int64_t *)at;
+    at += starts.len;
+    memcpy(at, parts.buf, parts.len);
+    job->parts = (const int64_t *)at;
+    job->progress = progress.buf;
+    job->n = n;
+    job->nlayers = nlayers;
+    int64_t *count = progress.buf;
+    count[0] = 0;
+    count[1] = 0;
+    pthread_attr_t attr;
+    pthread_t tid;
+    int started = pthread_attr_init(&attr) == 0;
+    if (started) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        started = pthread_create(&tid, &attr, run_layers, job) == 0;
+        pthread_attr_destroy(&attr);
+    }
+    if (!started) { /* no thread to be had: copy here, still without the GIL */
+        Py_BEGIN_ALLOW_THREADS
+        copy_each_layer(job);
+        Py_END_ALLOW_THREADS
+        free(job);
+    }
+    result = PyBool_FromLong(started);
 done:
     PyBuffer_Release(&blocks);
     PyBuffer_Release(&ids);
