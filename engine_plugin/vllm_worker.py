@@ -136,8 +136,11 @@ class WorkerSide:
 
     def _stage_layerwise(self, meta: KvstoreConnectorMetadata) -> None:
         """Resolve every load now (the blocks vLLM will not get are known before the forward
-        starts), then copy them a layer at a time on the loader thread while the forward runs;
+        starts), then copy them a layer at a time beside the forward pass;
         ``wait_for_layer_load`` holds each attention layer until its layer is in."""
+        # A step whose wait_for_save never came: its copy must end before its slots and
+        # progress go (the native copy's thread writes them until it ends)
+        self._finish_layerwise()
         transfer = self._registered()
         staged: list[tuple[TransferJob, StagedLoad, float]] = []
         for load in meta.loads:

@@ -157,3 +157,30 @@ def test_a_copy_that_fails_ends_every_wait_and_its_blocks_are_load_errors(
         assert leases_after_release(sidecar) == 0
     finally:
         side.shutdown()
+
+
+def test_a_second_load_before_the_first_steps_end_lets_the_first_copy_finish(sidecar: RunningServer) -> None:
+    """vLLM binding a step's loads before the last step's ``wait_for_save`` (it never does so in
+    order, but a connector must not corrupt memory if it did): the first copy ends and lands,
+    its slots are released, and the second load lands as well."""
+    keys, source = stored_prefix(sidecar, 5000)
+    target = caches()
+    side = worker(sidecar, target)
+    try:
+        side.step_started()
+        side.start_load_kv(
+            KvstoreConnectorMetadata(loads=[TransferJob("a", [keys], [1, 2, 3], 5.0, tiers=("dram",) * 3)])
+        )
+        side.start_load_kv(
+            KvstoreConnectorMetadata(loads=[TransferJob("b", [keys], [5, 6, 7], 5.0, tiers=("dram",) * 3)])
+        )
+        for name in LAYERS:
+            side.wait_for_layer_load(name)
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == {1, 2, 3}  # its layers were never awaited
+        for name in LAYERS:
+            for dst, src in ((1, 0), (2, 1), (3, 2), (5, 0), (6, 1), (7, 2)):
+                assert torch.equal(target[name][dst], source[name][src])
+        assert leases_after_release(sidecar) == 0
+    finally:
+        side.shutdown()
