@@ -64,6 +64,19 @@ def stored_prefix(sidecar: RunningServer, seed: int) -> tuple[list[bytes], dict[
     return keys, source
 
 
+def loading(keys: list[bytes], block_ids: list[int], req_id: str = "r") -> KvstoreConnectorMetadata:
+    """A step's metadata that loads ``keys`` (seen in dram) into ``block_ids``."""
+    job = TransferJob(req_id, [keys], block_ids, 5.0, tiers=("dram",) * len(block_ids))
+    return KvstoreConnectorMetadata(loads=[job])
+
+
+def forward(side: WorkerSide) -> None:
+    """The forward pass: every attention layer waits for its load, then the step ends."""
+    for name in LAYERS:
+        side.wait_for_layer_load(name)
+    side.wait_for_save(KvstoreConnectorMetadata())
+
+
 def leases_after_release(sidecar: RunningServer) -> int:
     """The sidecar's leases once the worker's releases have landed: a release after a load is
     sent without waiting for its answer (off the restore's path), so it may trail the test."""
@@ -80,9 +93,7 @@ def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: Runnin
     side = worker(sidecar, target)
     try:
         side.step_started()
-        side.start_load_kv(
-            KvstoreConnectorMetadata(loads=[TransferJob("r", [keys], [5, 3, 4], 5.0, tiers=("dram",) * 3)])
-        )
+        side.start_load_kv(loading(keys, [5, 3, 4]))
         for name in LAYERS:
             side.wait_for_layer_load(name)
             for dst, src in ((5, 0), (3, 1), (4, 2)):
@@ -99,9 +110,7 @@ def test_a_layer_read_without_waiting_makes_its_blocks_load_errors(sidecar: Runn
     side = worker(sidecar, caches())
     try:
         side.step_started()
-        side.start_load_kv(
-            KvstoreConnectorMetadata(loads=[TransferJob("r", [keys], [1, 2, 6], 5.0, tiers=("dram",) * 3)])
-        )
+        side.start_load_kv(loading(keys, [1, 2, 6]))
         side.wait_for_layer_load(LAYERS[0])  # the others never waited for
         side.wait_for_save(KvstoreConnectorMetadata())
         assert side.get_block_ids_with_load_errors() == {1, 2, 6}
@@ -118,11 +127,8 @@ def test_blocks_the_sidecar_lacks_are_load_errors_before_the_forward_starts(side
     side = worker(sidecar, caches())
     try:
         side.step_started()
-        load = TransferJob("r", [keys[:2] + missing], [0, 1, 2], 5.0, tiers=("dram",) * 3)
-        side.start_load_kv(KvstoreConnectorMetadata(loads=[load]))
-        for name in LAYERS:
-            side.wait_for_layer_load(name)
-        side.wait_for_save(KvstoreConnectorMetadata())
+        side.start_load_kv(loading(keys[:2] + missing, [0, 1, 2]))
+        forward(side)
         assert side.get_block_ids_with_load_errors() == {2}
     finally:
         side.shutdown()
@@ -148,11 +154,8 @@ def test_a_copy_that_fails_ends_every_wait_and_its_blocks_are_load_errors(
         assert copier.native is (where == "at its start")
         monkeypatch.setattr(copier, "start_by_layer" if where == "at its start" else "scatter", broken)
         side.step_started()
-        load = TransferJob("r", [keys], [0, 4, 2], 5.0, tiers=("dram",) * 3)
-        side.start_load_kv(KvstoreConnectorMetadata(loads=[load]))
-        for name in LAYERS:
-            side.wait_for_layer_load(name)
-        side.wait_for_save(KvstoreConnectorMetadata())
+        side.start_load_kv(loading(keys, [0, 4, 2]))
+        forward(side)
         assert side.get_block_ids_with_load_errors() == {0, 4, 2}
         assert leases_after_release(sidecar) == 0
     finally:
@@ -160,23 +163,17 @@ def test_a_copy_that_fails_ends_every_wait_and_its_blocks_are_load_errors(
 
 
 def test_a_second_load_before_the_first_steps_end_lets_the_first_copy_finish(sidecar: RunningServer) -> None:
-    """vLLM binding a step's loads before the last step's ``wait_for_save`` (it never does so in
-    order, but a connector must not corrupt memory if it did): the first copy ends and lands,
-    its slots are released, and the second load lands as well."""
+    """A step's loads bound before the last step's ``wait_for_save`` (vLLM keeps that order, but
+    a connector must not corrupt memory if it did not): the first copy ends and lands, its slots
+    are released, and the second load lands as well."""
     keys, source = stored_prefix(sidecar, 5000)
     target = caches()
     side = worker(sidecar, target)
     try:
         side.step_started()
-        side.start_load_kv(
-            KvstoreConnectorMetadata(loads=[TransferJob("a", [keys], [1, 2, 3], 5.0, tiers=("dram",) * 3)])
-        )
-        side.start_load_kv(
-            KvstoreConnectorMetadata(loads=[TransferJob("b", [keys], [5, 6, 7], 5.0, tiers=("dram",) * 3)])
-        )
-        for name in LAYERS:
-            side.wait_for_layer_load(name)
-        side.wait_for_save(KvstoreConnectorMetadata())
+        side.start_load_kv(loading(keys, [1, 2, 3], "a"))
+        side.start_load_kv(loading(keys, [5, 6, 7], "b"))
+        forward(side)
         assert side.get_block_ids_with_load_errors() == {1, 2, 3}  # its layers were never awaited
         for name in LAYERS:
             for dst, src in ((1, 0), (2, 1), (3, 2), (5, 0), (6, 1), (7, 2)):
