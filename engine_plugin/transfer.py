@@ -8,7 +8,8 @@
 
 Same host (the sidecar's Unix socket, whose client maps its arena): ``fetch`` resolves the
 present prefix to arena slots, pinned under a lease, copies each slot straight into the engine's
-block and releases the lease; ``store`` reserves arena slots, gathers each block's layers
+block and releases the lease; given the slots a pinning lookup found (``InPlace``), it copies
+them and checks that lookup's lease held, one round trip after the copy instead of two; ``store`` reserves arena slots, gathers each block's layers
 straight into its slot and commits (or aborts on any failure). Remote (``host:port``): ``fetch``
 reads the bytes off the data port and copies them in; ``store`` gathers each block into a host
 buffer and puts them. Either way a block is one contiguous copy per layer (two for the
@@ -40,13 +41,27 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
+class InPlace:
+    """Where a load's blocks lie in the sidecar's arena, pinned by someone else's lookup
+    (``Client.lookup_tiers(..., slots=True)``: the connector's scheduler) under ``lease_id``,
+    which this side never releases: it copies the slots and then checks the lease held."""
+
+    arena: str
+    lease_id: int
+    slots: list[tuple[int, int]]  # (offset, size), one per block of the load
+
+
+@dataclass
 class StagedLoad:
-    """A same-host load resolved, not yet copied: arena slots pinned under ``lease_id``."""
+    """A same-host load resolved, not yet copied: arena slots pinned under ``lease_id`` (this
+    side's own, released by ``finish``), or under ``confirm_lease`` (an ``InPlace``'s, checked
+    by ``finish``)."""
 
     views: list[memoryview]
     block_ids: list[int]
     tiers: tuple[str, ...]
     lease_id: int
+    confirm_lease: int = 0
 
 
 class BlockTransfer:
@@ -68,10 +83,17 @@ class BlockTransfer:
         if self._copier.block_bytes != block_bytes:
             raise ValueError(f"the caches hold {self._copier.block_bytes} B per block, not {block_bytes}")
 
-    def fetch(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
-        """Restore the present prefix of ``keys`` into ``block_ids``; how many blocks."""
+    def fetch(
+        self,
+        kv: Client,
+        keys: Sequence[BlockKey],
+        block_ids: Sequence[int],
+        in_place: InPlace | None = None,
+    ) -> int:
+        """Restore the present prefix of ``keys`` into ``block_ids``; how many blocks. Same host
+        with ``in_place`` (every block's slot, already pinned): copy those slots, no resolve."""
         if self._same_host:
-            return self._fetch_from_arena(kv, keys, block_ids)
+            return self._fetch_from_arena(kv, keys, block_ids, in_place)
         blocks = kv.get(self._fingerprint, keys)[: len(block_ids)]
         self._scatter(blocks, block_ids[: len(blocks)])
         return len(blocks)
@@ -121,12 +143,21 @@ class BlockTransfer:
             if resolved.lease_id:
                 release_after_load(kv, resolved.lease_id)
 
-    def _fetch_from_arena(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
-        staged = self.stage(kv, keys, block_ids)
+    def _fetch_from_arena(
+        self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int], in_place: InPlace | None
+    ) -> int:
+        staged = self.stage(kv, keys, block_ids, in_place)
+        copied = False
         try:
             self._scatter(staged.views, staged.block_ids)  # device copies done before the slots go
+            copied = True
         finally:
-            self.finish(kv, staged)
+            stands = self.finish(kv, staged, copied)
+        if not stands:
+            raise FailedPrecondition(
+                f"the pin of lease {staged.confirm_lease} ended before the restore's copy was "
+                "confirmed: its blocks may have been replaced, recompute them"
+            )
         return len(staged.block_ids)
 
     # ----------------------------------------------------------------- layer-wise loads
@@ -137,16 +168,27 @@ class BlockTransfer:
         host caches (a copy on a CUDA stream from another thread would need events per layer)."""
         return self._same_host and self._copier.by_address
 
-    def stage(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> StagedLoad:
-        """Resolve the present prefix of ``keys`` to arena slots, pinned, for ``start_by_layer``
-        and then ``finish``. Same host only."""
-        resolved = kv.resolve(self._fingerprint, keys)
-        views = resolved.views[: len(block_ids)]
-        staged = StagedLoad(views, list(block_ids[: len(views)]), resolved.tiers, resolved.lease_id)
+    def stage(
+        self,
+        kv: Client,
+        keys: Sequence[BlockKey],
+        block_ids: Sequence[int],
+        in_place: InPlace | None = None,
+    ) -> StagedLoad:
+        """Arena slots of the present prefix of ``keys``, pinned, for ``start_by_layer`` and then
+        ``finish``: resolved now, or ``in_place``'s (pinned already). Same host only."""
+        if in_place is not None:
+            views = kv.arena_views(in_place.arena, in_place.slots[: len(block_ids)])
+            tiers = ("dram",) * len(views)  # the arena is the dram tier
+            staged = StagedLoad(views, list(block_ids[: len(views)]), tiers, 0, in_place.lease_id)
+        else:
+            resolved = kv.resolve(self._fingerprint, keys)
+            views = resolved.views[: len(block_ids)]
+            staged = StagedLoad(views, list(block_ids[: len(views)]), resolved.tiers, resolved.lease_id)
         try:
             self._copier.check(staged.views, staged.block_ids)
         except ValueError as exc:
-            self.finish(kv, staged)
+            self.finish(kv, staged, copied=False)
             raise FailedPrecondition(f"cannot restore these blocks: {exc}") from exc
         return staged
 
@@ -158,11 +200,17 @@ class BlockTransfer:
         block_ids = [block_id for one in staged for block_id in one.block_ids]
         return self._copier.start_by_layer(views, block_ids, loader)
 
-    def finish(self, kv: Client, staged: StagedLoad) -> None:
-        """The copies are done (or abandoned): let go of the slots."""
+    def finish(self, kv: Client, staged: StagedLoad, copied: bool = True) -> bool:
+        """The copies are done (or abandoned, not ``copied``): let go of the slots. Whether the
+        copy stands: for slots pinned by another's lease, whether that lease held until now
+        (held now means held throughout: a lease id is never granted again); a failed check
+        raises, and the copy must be thrown away as well."""
         staged.views = []
         if staged.lease_id:
             release_after_load(kv, staged.lease_id)
+        if staged.confirm_lease and copied:
+            return kv.lease_held(staged.confirm_lease)
+        return True
 
     @property
     def num_layers(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_plugin.transfer import InPlace
 from kvstore.keys import BlockKey
 
 try:
@@ -29,6 +30,8 @@ class TransferJob:
     timeout_s: float  # the worker's deadline for it (engine_plugin.sidecar says how it is chosen)
     parents: list[BlockKey | None] = field(default_factory=list)  # saves: per rank, the chain's parent
     tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block (slowest over ranks)
+    # loads: per rank, its blocks' arena slots when the arena holds every one (else None: resolve)
+    in_place: list[InPlace | None] = field(default_factory=list)
 
 
 @dataclass

@@ -69,10 +69,11 @@ from engine_plugin.sidecar import (
     lookup_deadline_s,
     save_deadline_s,
 )
+from engine_plugin.transfer import InPlace
 from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
-from kvstore.client import Client
+from kvstore.client import Client, Lookup
 from kvstore.cost_model import DEFAULT_TIERS, PrefillModel, plan_restore
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 
@@ -103,9 +104,22 @@ class _RankHit:
     hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
     tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
     lease_ids: tuple[int, ...]
+    in_place: tuple[InPlace | None, ...] = ()  # per rank: its hit's arena slots, all or none
 
 
 _NO_HIT = _RankHit(0, (), ())
+
+
+def _in_place(lookup: Lookup) -> InPlace | None:
+    """A rank's pinned hit as arena slots, when the arena holds every block of it."""
+    slots = lookup.slots[: lookup.hit_blocks]
+    if not lookup.lease_id or len(slots) < lookup.hit_blocks or None in slots:
+        return None
+    return InPlace(lookup.arena, lookup.lease_id, [slot for slot in slots if slot is not None])
+
+
+def _first_blocks(in_place: Sequence[InPlace | None], n: int) -> list[InPlace | None]:
+    return [None if one is None else InPlace(one.arena, one.lease_id, one.slots[:n]) for one in in_place]
 
 
 def _lookup_ranks(
@@ -114,7 +128,7 @@ def _lookup_ranks(
     # A failure after some ranks answered leaves their pins to expire (PIN_TTL_S): releasing
     # them would wait on the same sidecar that just failed.
     lookups = [
-        kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S)
+        kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S, slots=True)
         for fp, keys in zip(fingerprints, rank_keys, strict=True)
     ]
     hit = min(lookup.hit_blocks for lookup in lookups)
@@ -122,7 +136,8 @@ def _lookup_ranks(
         max((lookup.tiers[i] for lookup in lookups), key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))
         for i in range(hit)
     )
-    return _RankHit(hit, tiers, tuple(lookup.lease_id for lookup in lookups if lookup.lease_id))
+    lease_ids = tuple(lookup.lease_id for lookup in lookups if lookup.lease_id)
+    return _RankHit(hit, tiers, lease_ids, tuple(_in_place(lookup) for lookup in lookups))
 
 
 @dataclass
@@ -133,6 +148,7 @@ class _Load:
     tiers: tuple[str, ...]  # one per block to load
     timeout_s: float
     lease_ids: tuple[int, ...]
+    in_place: list[InPlace | None]  # per rank, for the worker (``TransferJob.in_place``)
     sent: bool = False  # in a step's metadata: that step's output releases the pins
 
 
@@ -241,7 +257,8 @@ class SchedulerSide:
             return 0, False
         if load_blocks:
             timeout_s = load_deadline_s(plan.all_recompute_s)
-            tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids)
+            in_place = _first_blocks(hit.in_place, load_blocks)
+            tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids, in_place)
         else:
             self._link.release(hit.lease_ids)
         return load_blocks * self._block_size, False
@@ -300,6 +317,7 @@ class SchedulerSide:
                         tracked.block_ids[load.first_block : last],
                         load.timeout_s,
                         tiers=load.tiers,
+                        in_place=load.in_place,
                     )
                 )
                 load.sent = True

@@ -37,7 +37,7 @@ import torch
 
 from engine_plugin import kv_layout
 from engine_plugin.sidecar import SidecarLink
-from engine_plugin.transfer import BlockTransfer, StagedLoad
+from engine_plugin.transfer import BlockTransfer, InPlace, StagedLoad
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client
@@ -153,7 +153,7 @@ class WorkerSide:
             if one is not None and got:
                 staged.append((load, one, time.perf_counter() - start))
             elif one is not None:
-                self._release(load, one)
+                self._release(load, one, copied=False)
         if not staged:
             return
         try:
@@ -163,26 +163,26 @@ class WorkerSide:
             for load, one, _ in staged:
                 self._load_errors.update(one.block_ids)
                 self._stats.add_failed(len(one.block_ids))
-                self._release(load, one)
+                self._release(load, one, copied=False)
             return
         self._loading = _Loading(staged, copy)
 
     def _stage(self, load: TransferJob) -> StagedLoad | None:
         transfer = self._registered()
         keys = load.rank_keys[self._rank]
+        in_place = _in_place_of(load, self._rank)
         staged: StagedLoad | None = self._link.call(
-            "load", load.timeout_s, lambda kv: transfer.stage(kv, keys, load.block_ids)
+            "load", load.timeout_s, lambda kv: transfer.stage(kv, keys, load.block_ids, in_place)
         )
         return staged
 
-    def _release(self, load: TransferJob, staged: StagedLoad) -> None:
+    def _release(self, load: TransferJob, staged: StagedLoad, copied: bool = True) -> bool:
+        """Let go of the slots; whether the copy stands (``BlockTransfer.finish``): one whose
+        lease cannot be confirmed, the sidecar out, does not; one this side pinned does."""
         transfer = self._registered()
-
-        def finish(kv: Client) -> bool:
-            transfer.finish(kv, staged)
-            return True
-
-        self._link.call("release", load.timeout_s, finish)
+        confirming = bool(staged.confirm_lease) and copied
+        stands = self._link.call("release", load.timeout_s, lambda kv: transfer.finish(kv, staged, copied))
+        return bool(stands) if confirming else True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Hold the attention layer until its layer of every load is in (an unknown layer — none
@@ -222,7 +222,15 @@ class WorkerSide:
         total = sum(len(one.block_ids) for _, one, _ in loading.staged)
         for load, one, stage_s in loading.staged:
             n = len(one.block_ids)
-            self._release(load, one)
+            if not self._release(load, one, copied=not failed) and not failed:
+                log.warning(
+                    "kvstore connector: request %s's pin ended before its copy was confirmed; "
+                    "its blocks are recomputed",
+                    load.req_id,
+                )
+                self._load_errors.update(one.block_ids)
+                self._stats.add_failed(n)
+                continue
             if failed:
                 self._load_errors.update(one.block_ids)
                 self._stats.add_failed(n)
@@ -239,7 +247,10 @@ class WorkerSide:
         """Blocks restored (a prefix of ``load``); 0 when the sidecar cannot serve them in time."""
         transfer = self._registered()
         keys = load.rank_keys[self._rank]
-        loaded = self._link.call("load", load.timeout_s, lambda kv: transfer.fetch(kv, keys, load.block_ids))
+        in_place = _in_place_of(load, self._rank)
+        loaded = self._link.call(
+            "load", load.timeout_s, lambda kv: transfer.fetch(kv, keys, load.block_ids, in_place)
+        )
         return loaded or 0
 
     def wait_for_save(self, meta: KvstoreConnectorMetadata) -> None:
@@ -324,3 +335,8 @@ class _Loading:
     staged: list[tuple[TransferJob, StagedLoad, float]]  # (job, slots, seconds to stage)
     copy: kv_layout.LayerCopy  # every staged block, a layer at a time
     awaited: set[int] = field(default_factory=set)  # layers the forward waited for
+
+
+def _in_place_of(load: TransferJob, rank: int) -> InPlace | None:
+    """This rank's arena slots for ``load``, when the scheduler's lookup found them all."""
+    return load.in_place[rank] if rank < len(load.in_place) else None

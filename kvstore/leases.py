@@ -3,7 +3,8 @@
 A lease holds a set of block ids for ``ttl_s`` seconds, on behalf of an ``owner`` (the
 tenant that asked; only it may release the lease, anyone else is told it does not exist). ``release`` ends it early; an expired
 lease is collected by ``expire`` (the store calls it before any eviction and on every pin or
-release). Releasing twice raises LeaseNotFound; releasing after expiry raises LeaseExpired (the
+release). Ids count up from a random start, so an id from before a restart names no lease after
+it (a reader checking ``held`` after copying in place must never find another's lease). Releasing twice raises LeaseNotFound; releasing after expiry raises LeaseExpired (the
 table remembers recently expired ids to tell the two apart).
 
 Not thread-safe: the tiered store calls it under its own lock.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ class Lease:
 class LeaseTable(Generic[T]):
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + secrets.randbelow(1 << 52))  # JSON-safe
         self._held: dict[int, tuple[float, tuple[T, ...], str]] = {}
         self._expiry: list[tuple[float, int]] = []
         self._expired: OrderedDict[int, None] = OrderedDict()
@@ -64,6 +66,11 @@ class LeaseTable(Generic[T]):
                 raise LeaseExpired(f"lease {lease_id} expired before it was released")
             raise LeaseNotFound(f"lease {lease_id} is unknown or already released")
         return held[1]
+
+    def held(self, lease_id: int, owner: str = "") -> bool:
+        """Whether ``owner`` holds ``lease_id`` (granted, neither released nor collected)."""
+        held = self._held.get(lease_id)
+        return held is not None and held[2] == owner
 
     def expire(self) -> list[tuple[T, ...]]:
         """Collect every lease past its expiry; returns what each one held."""

@@ -19,6 +19,11 @@ Framing (little-endian), one request at a time per connection:
     abort    client: u8 8, u64 reservation id                                 server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme, 4 remote), u64 lease id
+    lookup with slots (Unix socket only): client as lookup, with u8 10
+             server: status, u32 hit, hit x u8 tier, u64 lease id, u16 len + arena name,
+                     hit x (u64 offset, u64 size): the slot of each pinned hit the arena holds
+                     (size 0: none; the reader copies the rest through resolve)
+    lease held  client: u8 11, u64 lease id             server: status, u8 1 held / 0 not
     get      client: u8 1, fingerprint[32], u32 n, n x key[32]
              server: status; per block of the present prefix: u64 size + bytes; u64 END; status
     put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
@@ -50,10 +55,13 @@ from kvstore.status import error_for, status_of
 MAGIC = b"KVD1"
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
+OP_LOOKUP_SLOTS, OP_LEASE_HELD = 10, 11
 OP_NAMES = {
     OP_GET: "Get",
     OP_PUT: "Put",
     OP_LOOKUP: "Lookup",
+    OP_LOOKUP_SLOTS: "Lookup",
+    OP_LEASE_HELD: "LeaseHeld",
     OP_RESOLVE: "Resolve",
     OP_RELEASE: "Release",
     OP_RELEASE_NOWAIT: "Release",

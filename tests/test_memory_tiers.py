@@ -66,6 +66,7 @@ def test_reserve_is_invisible_until_commit_and_abort_frees() -> None:
         tier.slot_view(slot)[:] = b"a" * 1000
         tier.commit(TierKey(b"k"))
         assert tier.locate(TierKey(b"k")) == slot
+        assert tier.locate_many([TierKey(b"k"), TierKey(b"other")]) == [slot, None]
         out = bytearray(1000)
         assert tier.get_into(TierKey(b"k"), memoryview(out)) == 1000 and out == b"a" * 1000
         tier.reserve(TierKey(b"j"), 1000, FP)

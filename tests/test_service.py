@@ -501,3 +501,42 @@ def test_a_release_without_answer_lets_go_and_the_connection_carries_on(served: 
         assert a.lookup(fp, keys) == 3  # the same connection, answered in order
         with pytest.raises(NotFound):
             a.release(lease)  # a waited release still says so
+
+
+def test_a_pinning_lookup_hands_out_arena_slots_whose_lease_can_be_checked(served: Served) -> None:
+    """``lookup_tiers(..., slots=True)`` on the Unix socket: where each pinned hit lies in the
+    arena (the same bytes a resolve reads), and ``lease_held`` says whether its pin still
+    holds: true until released, false after, and false for any other tenant's lease."""
+    fp = MODEL.fingerprint()
+    keys = chain(3, salt="in-place")
+    with connect(served.unix) as kv, connect(served.tcp, token="tok-a") as a:
+        stored = blocks_for(keys)
+        kv.put(fp, keys, stored)
+        found = kv.lookup_tiers(fp, [*keys, *chain(1, salt="absent")], pin_ttl_s=30, slots=True)
+        assert found.hit_blocks == 3 and found.tiers == ("dram",) * 3
+        assert found.arena and len(found.slots) == 3 and None not in found.slots
+        views = kv.arena_views(found.arena, [s for s in found.slots if s is not None])
+        assert [bytes(v) for v in views] == stored
+        del views
+        assert kv.lease_held(found.lease_id)
+        assert not a.lease_held(found.lease_id)  # another tenant's: as if there were none
+        kv.release(found.lease_id)
+        assert not kv.lease_held(found.lease_id)
+        assert not kv.lease_held(found.lease_id + 1)  # never granted
+        plain = kv.lookup_tiers(fp, keys, pin_ttl_s=30)
+        assert plain.slots == () and plain.arena == ""  # only when asked for
+        kv.release(plain.lease_id)
+        unpinned = kv.lookup_tiers(fp, keys, slots=True)  # slots mean something only pinned
+        assert unpinned.lease_id == 0 and unpinned.slots == ()
+        a.put(fp, keys, stored)
+        remote = a.lookup_tiers(fp, keys, pin_ttl_s=30, slots=True)  # TCP: no arena to map
+        assert remote.hit_blocks == 3 and remote.slots == ()
+        a.release(remote.lease_id)
+
+
+def test_arena_slots_are_refused_over_tcp_at_the_wire(served: Served) -> None:
+    from kvstore.client.dataport import DataPortClient
+
+    client = DataPortClient("127.0.0.1", served.server.service.data_port, "tok-a", "")
+    with pytest.raises(FailedPrecondition, match="Unix socket"):
+        client.lookup_slots(MODEL.fingerprint(), chain(1), 5.0)

@@ -166,3 +166,64 @@ def test_a_throttled_tier_slows_its_readers_only(tmp_path: Path, store: TieredSt
         assert time.perf_counter() - start >= 0.1
     finally:
         throttled.close()
+
+
+def test_a_pinning_lookup_gives_the_slots_of_what_the_arena_holds(
+    store: TieredStore, clock: FakeClock
+) -> None:
+    """``lookup(..., slots=True)``: a slot for each pinned hit with an arena copy (the bytes a
+    resolve would read), None for one only below; ``lease_held`` until the lease is released,
+    or has expired and been collected (a later call collects it)."""
+    keys = chain(6)
+    store.put(A, keys, [data(k) for k in keys])  # the arena holds the head; the tail goes below
+    arena = store.arena
+    assert arena is not None
+    found = store.lookup(A, keys, pin_ttl_s=5, slots=True)
+    assert found.hit_blocks == 6 and found.lease is not None
+    assert [s is not None for s in found.slots] == [True] * 4 + [False] * 2
+    for key, slot in zip(keys[:4], found.slots[:4], strict=True):
+        assert slot is not None and arena.arena.view[slot.offset : slot.offset + slot.size_bytes] == data(key)
+    assert store.lease_held(found.lease.lease_id)
+    assert not store.lease_held(found.lease.lease_id, owner="someone-else")
+    store.release(found.lease.lease_id)
+    assert not store.lease_held(found.lease.lease_id)
+    assert store.lookup(A, keys, slots=True).slots == ()  # not pinned: no slots to trust
+    assert store.lookup(A, keys, pin_ttl_s=5).slots == ()  # not asked for
+    lapsing = store.lookup(A, keys[:2], pin_ttl_s=2, slots=True).lease
+    assert lapsing is not None
+    clock.now += 3
+    assert store.lease_held(lapsing.lease_id)  # past its time, still pinning until collected
+    store.release(store.lookup(A, keys[:1], pin_ttl_s=1).lease.lease_id)  # type: ignore[union-attr]
+    assert not store.lease_held(lapsing.lease_id)
+
+
+def test_a_throttled_arena_hands_out_no_slots(tmp_path: Path) -> None:
+    """A throttled arena's reader waits out its delay inside ``resolve``: a lookup must not let
+    it read in place for free."""
+    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme-throttled", capacity_bytes=32 * BLOCK))
+    throttled = TieredStore([Throttled(dram, 1e9), nvme], StoreConfig())
+    try:
+        keys = chain(2)
+        throttled.put(A, keys, [data(k) for k in keys])
+        found = throttled.lookup(A, keys, pin_ttl_s=5, slots=True)
+        assert found.hit_blocks == 2 and found.slots == ()
+    finally:
+        throttled.close()
+
+
+def test_lease_ids_of_two_stores_do_not_start_alike(tmp_path: Path) -> None:
+    """A restarted server must not grant an id its predecessor granted: a reader checking a
+    lease from before the restart would find another's and trust a copy it should not."""
+    firsts = set()
+    for _ in range(2):
+        dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+        s = TieredStore([dram], StoreConfig())
+        try:
+            s.put(A, chain(1), [data(chain(1)[0])])
+            lease = s.lookup(A, chain(1), pin_ttl_s=5).lease
+            assert lease is not None
+            firsts.add(lease.lease_id)
+        finally:
+            s.close()
+    assert len(firsts) == 2

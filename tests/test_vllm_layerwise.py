@@ -42,11 +42,11 @@ def caches() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape).to(torch.bfloat16) for name in LAYERS}
 
 
-def worker(sidecar: RunningServer, kv: dict[str, torch.Tensor]) -> WorkerSide:
+def worker(sidecar: RunningServer, kv: dict[str, torch.Tensor], layerwise: bool = True) -> WorkerSide:
     stats = KvstoreConnectorStats()
     address = sidecar.unix_address
     link = SidecarLink(address, lambda: connect(address), [MODEL], stats.add_unreachable)
-    side = WorkerSide(link, stats, MODEL, 0, True, BLOCKS, layerwise=True)
+    side = WorkerSide(link, stats, MODEL, 0, True, BLOCKS, layerwise=layerwise)
     side.register_kv_caches(kv)
     return side
 

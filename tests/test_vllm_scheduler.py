@@ -58,12 +58,18 @@ class StoreClient:
     def register(self, identity: object) -> None:
         self._check()
 
-    def lookup_tiers(self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0) -> Lookup:
+    def lookup_tiers(
+        self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0, slots: bool = False
+    ) -> Lookup:
         self._check()
         self.lookups += 1
         scope = Scope(SCOPE.namespace, Fingerprint(fingerprint))
-        found = self.store.lookup(scope, [BlockKey(k) for k in keys], pin_ttl_s or None)
-        return Lookup(found.hit_blocks, found.tiers, found.lease.lease_id if found.lease else 0)
+        found = self.store.lookup(scope, [BlockKey(k) for k in keys], pin_ttl_s or None, slots=slots)
+        places = tuple(None if s is None else (s.offset, s.size_bytes) for s in found.slots)
+        arena = self.store.arena.arena.name if places and self.store.arena else ""
+        return Lookup(
+            found.hit_blocks, found.tiers, found.lease.lease_id if found.lease else 0, arena, places
+        )
 
     def release(self, lease_id: int, wait: bool = True) -> None:  # as Client.release
         self._check()

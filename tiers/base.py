@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType, Protocol
@@ -224,6 +224,8 @@ class InPlaceTier(Protocol):
     def abort(self, key: TierKey) -> bool: ...
 
     def locate(self, key: TierKey) -> Slot | None: ...
+
+    def locate_many(self, keys: Sequence[TierKey]) -> list[Slot | None]: ...
 
     def slot_view(self, slot: Slot) -> memoryview: ...
 

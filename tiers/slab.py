@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tiers.base import (
@@ -238,6 +238,12 @@ class SlabTier(Tier):
         with self._lock:
             entry = self._entries.get(key)
             return None if entry is None else entry.slot
+
+    def locate_many(self, keys: Sequence[TierKey]) -> list[Slot | None]:
+        """``locate`` of each key, under one taking of the lock."""
+        with self._lock:
+            entries = self._entries
+            return [None if (entry := entries.get(key)) is None else entry.slot for key in keys]
 
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
         slot = self.reserve(key, len(payload), fingerprint, meta)

@@ -20,7 +20,9 @@ from kvstore.wire import (
     OP_ABORT,
     OP_COMMIT,
     OP_GET,
+    OP_LEASE_HELD,
     OP_LOOKUP,
+    OP_LOOKUP_SLOTS,
     OP_PUT,
     OP_RELEASE,
     OP_RELEASE_NOWAIT,
@@ -175,6 +177,26 @@ class DataPortClient:
         tiers = self._stream.read(hit)
         (lease_id,) = struct.unpack("<Q", self._stream.read(8))
         return hit, tiers, lease_id
+
+    def lookup_slots(
+        self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float
+    ) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
+        """``lookup`` pinning, with the arena's name and each hit's (offset, size) in it or None."""
+        self._request(OP_LOOKUP_SLOTS, fingerprint, keys, struct.pack("<d", pin_ttl_s))
+        read = self._stream.read
+        (hit,) = struct.unpack("<I", read(4))
+        tiers = read(hit)
+        lease_id, name_len = struct.unpack("<QH", read(10))
+        name = read(name_len).decode()
+        places = tuple(
+            (offset, size) if size else None for offset, size in struct.iter_unpack("<QQ", read(16 * hit))
+        )
+        return hit, tiers, lease_id, name, places
+
+    def lease_held(self, lease_id: int) -> bool:
+        self._stream.send(struct.pack("<BQ", OP_LEASE_HELD, lease_id))
+        self._check()
+        return bool(self._stream.read(1)[0])
 
     def get_into(self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
         """Copy the present prefix into ``outs`` (each at least as long as its block)."""

@@ -19,6 +19,10 @@ class Lookup:
     hit_blocks: int
     tiers: tuple[str, ...]
     lease_id: int
+    # ``lookup_tiers(..., slots=True)`` over the Unix socket: the arena and the (offset, size)
+    # of each pinned hit it holds (None: read it through ``resolve``), for ``arena_views``
+    arena: str = ""
+    slots: tuple[tuple[int, int] | None, ...] = ()
 
 
 @dataclass(frozen=True)

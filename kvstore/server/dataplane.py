@@ -67,9 +67,14 @@ class DataPlane:
         return arena
 
     def lookup(
-        self, caller: Caller, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None
+        self,
+        caller: Caller,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        pin_ttl_s: float | None,
+        slots: bool = False,
     ) -> LookupResult:
-        result = self.store.lookup(scope, keys, pin_ttl_s=pin_ttl_s, owner=caller.tenant)
+        result = self.store.lookup(scope, keys, pin_ttl_s=pin_ttl_s, owner=caller.tenant, slots=slots)
         self._record_hits(caller, scope.fingerprint, len(keys), result.tiers)
         return result
 
@@ -83,6 +88,9 @@ class DataPlane:
 
     def release(self, caller: Caller, lease_id: int) -> None:
         self.store.release(lease_id, owner=caller.tenant)
+
+    def lease_held(self, caller: Caller, lease_id: int) -> bool:
+        return self.store.lease_held(lease_id, owner=caller.tenant)
 
     def reserve(
         self,

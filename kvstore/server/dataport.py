@@ -42,7 +42,9 @@ from kvstore.wire import (
     OP_ABORT,
     OP_COMMIT,
     OP_GET,
+    OP_LEASE_HELD,
     OP_LOOKUP,
+    OP_LOOKUP_SLOTS,
     OP_NAMES,
     OP_PUT,
     OP_RELEASE,
@@ -61,6 +63,7 @@ _KEYS_HEAD = struct.Struct("<32sI")  # fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
 _NO_SLOT = _SLOT.pack(0, 0, 0)
+_NO_PLACE = bytes(16)  # lookup with slots: this hit has no arena slot to read in place
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 MAX_CONNECTIONS = 1024
@@ -223,6 +226,11 @@ class DataPort:
     def _dispatch(self, op: int, stream: Stream, session: _Session) -> None:
         if op == OP_LOOKUP:
             self._lookup(stream, session)
+        elif op == OP_LOOKUP_SLOTS:
+            self._lookup(stream, session, slots=True)
+        elif op == OP_LEASE_HELD:
+            (lease_id,) = struct.unpack("<Q", stream.read(8))
+            stream.send(_OK + bytes([self.plane.lease_held(session.caller, lease_id)]))
         elif op == OP_RESOLVE:
             self._resolve(stream, session)
         elif op == OP_RELEASE:
@@ -361,16 +369,30 @@ class DataPort:
         )
         stream.send(b"".join(body))
 
-    def _lookup(self, stream: Stream, session: _Session) -> None:
+    def _lookup(self, stream: Stream, session: _Session, slots: bool = False) -> None:
+        """A lookup; ``slots``: also where each pinned hit lies in the arena (Unix socket only)."""
         fingerprint, keys = self._keys(stream)
         (pin_ttl_s,) = struct.unpack("<d", stream.read(8))
+        if slots and stream.sock.family != socket.AF_UNIX:
+            raise FailedPrecondition("arena slots are for same-host clients on the Unix socket only")
         scope = Scope(session.namespace, fingerprint)
-        result = self.plane.lookup(session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None)
+        result = self.plane.lookup(
+            session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None, slots=slots
+        )
         tiers = bytes([TIER_CODES[t] for t in result.tiers])
         lease_id = result.lease.lease_id if result.lease else 0
         if lease_id and self._caller_left(stream, session, lease_id):
             return
-        stream.send(_OK + struct.pack("<I", result.hit_blocks) + tiers + struct.pack("<Q", lease_id))
+        body = [_OK, struct.pack("<I", result.hit_blocks), tiers, struct.pack("<Q", lease_id)]
+        if slots:
+            name = self.plane.arena().arena.name.encode() if result.slots else b""
+            body += [struct.pack("<H", len(name)), name]
+            body.extend(
+                struct.pack("<QQ", slot.offset, slot.size_bytes) if slot is not None else _NO_PLACE
+                for slot in result.slots
+            )
+            body.append(_NO_PLACE * (result.hit_blocks - len(result.slots)))
+        stream.send(b"".join(body))
 
     def _get(self, stream: Stream, session: _Session) -> None:
         fingerprint, keys = self._keys(stream)

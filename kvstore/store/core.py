@@ -39,6 +39,7 @@ from kvstore.leases import Lease, LeaseTable
 from kvstore.store.arena import ArenaCalls
 from kvstore.store.behind import PersistBehind
 from kvstore.store.model import (
+    ArenaSlot,
     Block,
     LookupResult,
     Reservation,
@@ -102,9 +103,17 @@ class TieredStore:
     # ----------------------------------------------------------------- queries
 
     def lookup(
-        self, scope: Scope, keys: Sequence[BlockKey], pin_ttl_s: float | None = None, owner: str = ""
+        self,
+        scope: Scope,
+        keys: Sequence[BlockKey],
+        pin_ttl_s: float | None = None,
+        owner: str = "",
+        slots: bool = False,
     ) -> LookupResult:
-        """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``."""
+        """The longest run of present blocks from ``keys[0]``; pins them when ``pin_ttl_s``, and
+        then, with ``slots``, tells where each one the arena holds lies in it (``LookupResult``):
+        a reader copying those in place checks with ``lease_held`` after its copy that the
+        lease held throughout (one call instead of a ``resolve``)."""
         p = self._p
         check_keys(keys)
         with p.locked():
@@ -125,10 +134,30 @@ class TieredStore:
             if pin_ttl_s is not None and hits:
                 p.expire()  # a lookup that pins must not let expired pins pile up
                 lease = p.pins.grant(hits, pin_ttl_s, owner)
+            in_place = self._slots_of(hits) if slots and lease is not None else ()
         # Past the local prefix, the fleet's remote tier (outside the lock; it is not pinned:
         # a restore that finds a block gone there gets a shorter prefix)
         more = self._remote.more(scope, keys[len(hits) :]) if self._remote is not None else 0
-        return LookupResult(len(hits) + more, (*tiers, *(REMOTE,) * more), lease)
+        return LookupResult(len(hits) + more, (*tiers, *(REMOTE,) * more), lease, in_place)
+
+    def _slots_of(self, blocks: Sequence[Block]) -> tuple[ArenaSlot | None, ...]:
+        """Under the lock: each pinned block's arena slot, None where the arena holds no copy; no
+        slots at all when the arena reads throttled (its delay is waited out in ``resolve``)."""
+        p = self._p
+        if p.arena_index is None:
+            return ()
+        a, arena = p.arena()
+        if not blocks or p.tiers[a].in_place_read_s(blocks[0].size_bytes):
+            return ()
+        found = arena.locate_many([block.tkey for block in blocks])
+        return tuple(slot if a in block.tiers else None for slot, block in zip(found, blocks, strict=True))
+
+    def lease_held(self, lease_id: int, owner: str = "") -> bool:
+        """Whether ``owner``'s lease ``lease_id`` still pins its blocks: neither released nor
+        collected after expiry (a lease past its time still pins until collected). Held now
+        means held since it was granted: an id is never granted twice."""
+        with self._p.locked():
+            return self._p.pins.leases.held(lease_id, owner)
 
     def exists(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bool]:
         check_keys(keys)

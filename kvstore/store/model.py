@@ -113,6 +113,9 @@ class LookupResult:
     hit_blocks: int
     tiers: tuple[str, ...]
     lease: Lease | None = None
+    # With ``slots``, a pinned lookup's arena slot of each local hit (None: the arena holds no
+    # copy); none at all when the arena reads throttled. Read in place while ``lease`` holds
+    slots: tuple[ArenaSlot | None, ...] = ()
 
 
 @dataclass(frozen=True)
