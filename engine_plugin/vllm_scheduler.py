@@ -25,7 +25,9 @@ A tracked request's load (``_Load``, the hit blocks the plan restores) goes thro
 Pins: the lookup pins every hit block of every rank under a lease (``PIN_TTL_S``), so eviction
 cannot take a planned block before the worker copies it. The leases live on the ``_Load`` and
 are released on every arrow into ``(none)`` above; a plan that loads nothing releases them at
-once. A lease the sidecar no longer knows is no error, and one that cannot be released (the
+once. Over the Unix socket the lookup also says where each hit lies in the arena: a rank whose
+loaded blocks are all there gets their slots in the load (``TransferJob.in_place``), copies
+them without a resolve and checks this lease held, before the step's output releases it. A lease the sidecar no longer knows is no error, and one that cannot be released (the
 sidecar is out) expires on its own.
 
 A tracked request's decision record (``engine_plugin.vllm_decisions``): opened by the plan;
@@ -104,22 +106,22 @@ class _RankHit:
     hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
     tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
     lease_ids: tuple[int, ...]
-    in_place: tuple[InPlace | None, ...] = ()  # per rank: its hit's arena slots, all or none
+    lookups: tuple[Lookup, ...] = ()  # per rank, as the sidecar answered (arena slots)
 
 
 _NO_HIT = _RankHit(0, (), ())
 
 
-def _in_place(lookup: Lookup) -> InPlace | None:
-    """A rank's pinned hit as arena slots, when the arena holds every block of it."""
-    slots = lookup.slots[: lookup.hit_blocks]
-    if not lookup.lease_id or len(slots) < lookup.hit_blocks or None in slots:
-        return None
-    return InPlace(lookup.arena, lookup.lease_id, [slot for slot in slots if slot is not None])
-
-
-def _first_blocks(in_place: Sequence[InPlace | None], n: int) -> list[InPlace | None]:
-    return [None if one is None else InPlace(one.arena, one.lease_id, one.slots[:n]) for one in in_place]
+def _in_place(lookups: Sequence[Lookup], n: int) -> list[InPlace | None]:
+    """Per rank, the first ``n`` blocks of its pinned hit as arena slots, when the arena holds
+    every one of them (else None: that rank's worker resolves them)."""
+    out: list[InPlace | None] = []
+    for lookup in lookups:
+        slots = lookup.slots[:n]
+        held = [slot for slot in slots if slot is not None]
+        whole = bool(lookup.lease_id) and len(held) == n
+        out.append(InPlace(lookup.arena, lookup.lease_id, held) if whole else None)
+    return out
 
 
 def _lookup_ranks(
@@ -137,7 +139,7 @@ def _lookup_ranks(
         for i in range(hit)
     )
     lease_ids = tuple(lookup.lease_id for lookup in lookups if lookup.lease_id)
-    return _RankHit(hit, tiers, lease_ids, tuple(_in_place(lookup) for lookup in lookups))
+    return _RankHit(hit, tiers, lease_ids, tuple(lookups))
 
 
 @dataclass
@@ -257,7 +259,7 @@ class SchedulerSide:
             return 0, False
         if load_blocks:
             timeout_s = load_deadline_s(plan.all_recompute_s)
-            in_place = _first_blocks(hit.in_place, load_blocks)
+            in_place = _in_place(hit.lookups, load_blocks)
             tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids, in_place)
         else:
             self._link.release(hit.lease_ids)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
-from engine_plugin.vllm_scheduler import _lookup_ranks
+from engine_plugin.vllm_scheduler import _in_place, _lookup_ranks
 from kvstore.client import Client, connect
 from kvstore.server.serve import RunningServer
 from tests.service_fixtures import MODEL
@@ -21,8 +21,9 @@ __all__ = ["sidecar"]
 def in_place_load(kv: Client, keys: list[bytes], block_ids: list[int]) -> tuple[TransferJob, int]:
     """The scheduler's pinning lookup of ``keys`` and the load it sends: (job, its lease)."""
     hit = _lookup_ranks(kv, [MODEL.fingerprint()], [keys])
-    assert hit.hit_blocks == len(keys) and hit.in_place[0] is not None
-    job = TransferJob("r", [keys], block_ids, 5.0, tiers=hit.tiers, in_place=list(hit.in_place))
+    in_place = _in_place(hit.lookups, len(keys))
+    assert hit.hit_blocks == len(keys) and in_place[0] is not None
+    job = TransferJob("r", [keys], block_ids, 5.0, tiers=hit.tiers, in_place=in_place)
     return job, hit.lease_ids[0]
 
 
@@ -76,3 +77,17 @@ def test_a_load_whose_pin_ended_is_recomputed(sidecar: RunningServer, layerwise:
             assert side.get_block_ids_with_load_errors() == {1, 3, 7}
     finally:
         side.shutdown()
+
+
+def test_a_rank_reads_in_place_only_when_the_arena_holds_every_block_it_loads() -> None:
+    """The plan may load a prefix of the hit: slots past it do not matter, a block before it
+    that only a slower tier holds sends that rank's worker through a resolve."""
+    from kvstore.client import Lookup
+
+    tail_below = Lookup(4, ("dram", "dram", "nvme", "nvme"), 7, "arena", ((0, 8), (8, 8), None, None))
+    head_below = Lookup(4, ("nvme", "dram", "dram", "dram"), 9, "arena", (None, (8, 8), (16, 8), (24, 8)))
+    unpinned = Lookup(4, ("dram",) * 4, 0, "arena", ((0, 8), (8, 8), (16, 8), (24, 8)))
+    first, second, third = _in_place([tail_below, head_below, unpinned], 2)
+    assert first is not None and (first.arena, first.lease_id, first.slots) == ("arena", 7, [(0, 8), (8, 8)])
+    assert second is None and third is None
+    assert _in_place([tail_below], 3) == [None]
