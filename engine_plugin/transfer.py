@@ -9,8 +9,9 @@
 Same host (the sidecar's Unix socket, whose client maps its arena): ``fetch`` resolves the
 present prefix to arena slots, pinned under a lease, copies each slot straight into the engine's
 block and releases the lease; given the slots a pinning lookup found (``InPlace``), it copies
-them and checks that lookup's lease held, one round trip after the copy instead of two; ``store`` reserves arena slots, gathers each block's layers
-straight into its slot and commits (or aborts on any failure). Remote (``host:port``): ``fetch``
+them and checks that lookup's lease held, one round trip after the copy instead of two.
+``store`` reserves arena slots, gathers each block's layers straight into its slot and commits
+(or aborts on any failure). Remote (``host:port``): ``fetch``
 reads the bytes off the data port and copies them in; ``store`` gathers each block into a host
 buffer and puts them. Either way a block is one contiguous copy per layer (two for the
 ``kv-split`` layout: ``engine_plugin.kv_layout``), and the device copies are synchronized before

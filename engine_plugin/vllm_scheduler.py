@@ -27,8 +27,9 @@ cannot take a planned block before the worker copies it. The leases live on the 
 are released on every arrow into ``(none)`` above; a plan that loads nothing releases them at
 once. Over the Unix socket the lookup also says where each hit lies in the arena: a rank whose
 loaded blocks are all there gets their slots in the load (``TransferJob.in_place``), copies
-them without a resolve and checks this lease held, before the step's output releases it. A lease the sidecar no longer knows is no error, and one that cannot be released (the
-sidecar is out) expires on its own.
+them without a resolve and checks this lease held, before the step's output releases it. A
+lease the sidecar no longer knows is no error, and one that cannot be released (the sidecar is
+out) expires on its own.
 
 A tracked request's decision record (``engine_plugin.vllm_decisions``): opened by the plan;
 marked prefilled by the ``build_connector_meta`` that schedules the prompt's last token; closed
@@ -105,11 +106,14 @@ def parse_policy(value: object) -> Policy:
 class _RankHit:
     hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
     tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
-    lease_ids: tuple[int, ...]
-    lookups: tuple[Lookup, ...] = ()  # per rank, as the sidecar answered (arena slots)
+    lookups: tuple[Lookup, ...] = ()  # per rank, as the sidecar answered (leases, arena slots)
+
+    @property
+    def lease_ids(self) -> tuple[int, ...]:
+        return tuple(lookup.lease_id for lookup in self.lookups if lookup.lease_id)
 
 
-_NO_HIT = _RankHit(0, (), ())
+_NO_HIT = _RankHit(0, ())
 
 
 def _in_place(lookups: Sequence[Lookup], n: int) -> list[InPlace | None]:
@@ -138,8 +142,7 @@ def _lookup_ranks(
         max((lookup.tiers[i] for lookup in lookups), key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))
         for i in range(hit)
     )
-    lease_ids = tuple(lookup.lease_id for lookup in lookups if lookup.lease_id)
-    return _RankHit(hit, tiers, lease_ids, tuple(lookups))
+    return _RankHit(hit, tiers, tuple(lookups))
 
 
 @dataclass

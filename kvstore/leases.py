@@ -4,8 +4,9 @@ A lease holds a set of block ids for ``ttl_s`` seconds, on behalf of an ``owner`
 tenant that asked; only it may release the lease, anyone else is told it does not exist). ``release`` ends it early; an expired
 lease is collected by ``expire`` (the store calls it before any eviction and on every pin or
 release). Ids count up from a random start, so an id from before a restart names no lease after
-it (a reader checking ``held`` after copying in place must never find another's lease). Releasing twice raises LeaseNotFound; releasing after expiry raises LeaseExpired (the
-table remembers recently expired ids to tell the two apart).
+it (a reader checking ``held`` after copying in place must never find another's lease).
+Releasing twice raises LeaseNotFound; releasing after expiry raises LeaseExpired (the table
+remembers recently expired ids to tell the two apart).
 
 Not thread-safe: the tiered store calls it under its own lock.
 """

@@ -371,8 +371,7 @@ class Client:
         arena = self.attach()
         if (data := self._data_port()) is not None:
             name, slots, tiers, lease_id = data.call(scope, lambda c: c.resolve(fingerprint, keys, ttl_s))
-            arena = self._arena_named(name)
-            return ResolvedBlocks([arena.view[o : o + n] for o, n in slots], tiers, lease_id)
+            return ResolvedBlocks(self.arena_views(name, slots), tiers, lease_id)
         r: pb.ResolveResponse = self._call(
             self._stub.Resolve,
             pb.ResolveRequest(fingerprint=fingerprint, keys=list(keys), ttl_s=ttl_s, scope=scope),
