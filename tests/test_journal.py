@@ -85,3 +85,20 @@ def test_a_large_live_set_is_not_rewritten_at_every_commit(tmp_path: Path) -> No
             rewrites += 1
     assert rewrites < 200, f"rewritten {rewrites} times for 2000 commits"
     journal.close(remove=True)
+
+
+def test_a_batch_of_commits_is_one_append_whose_torn_tail_drops_only_its_last_records(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "j")
+    journal = Journal(path)
+    journal.commit(JournalRecord(0, 10, b"k0", FP, b"m"))
+    before = os.path.getsize(path)
+    journal.commit_many([JournalRecord(4096 * i, 10 * i, b"k%d" % i, FP, b"meta") for i in range(1, 5)])
+    journal.close(remove=False)
+    assert sorted(replay(path)) == [0, 4096, 8192, 12288, 16384]
+    assert replay(path)[12288] == JournalRecord(12288, 30, b"k3", FP, b"meta")
+    whole = Path(path).read_bytes()
+    record = (len(whole) - before) // 4
+    Path(path).write_bytes(whole[: len(whole) - record - 1])  # torn inside the batch's third record
+    assert sorted(replay(path)) == [0, 4096, 8192]

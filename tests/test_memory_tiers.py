@@ -105,6 +105,23 @@ def test_another_process_writes_a_slot_in_place() -> None:
     assert not os.path.exists(Arena.path_of(tier.arena.name))
 
 
+def test_commit_many_publishes_all_or_none() -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB))
+    try:
+        keys = [TierKey(b"a"), TierKey(b"b")]
+        for key in keys:
+            tier.reserve(key, MIB, FP)
+        with pytest.raises(KeyError):
+            tier.commit_many([(keys[0], None), (TierKey(b"never reserved"), None)])
+        assert tier.locate(keys[0]) is None  # nothing published by the failed batch
+        tier.commit_many([(keys[0], b"meta-a"), (keys[1], None)])
+        assert [tier.locate(k) is not None for k in keys] == [True, True]
+        assert {b.key: b.meta for b in tier.scan()} == {b"a": b"meta-a", b"b": b""}
+        assert tier.usage().used_bytes == 2 * MIB
+    finally:
+        tier.close()
+
+
 def _own_unnamed_arena_then_die(ready: multiprocessing.synchronize.Event, name: Queue[str]) -> None:
     arena = Arena.create_unnamed(1 << 20)
     name.put(arena.name)

@@ -52,6 +52,108 @@ def test_same_host_write_then_read_in_place(served: Served, data_plane: str) -> 
         assert kv.write(fp, keys, blocks) == 0  # already there
 
 
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipelined same-host writes in chunks of two blocks."""
+    from kvstore.client import inplace
+
+    monkeypatch.setattr(inplace, "CHUNK_BYTES", BLOCK)
+    monkeypatch.setattr(inplace, "CHUNK_MIN_BLOCKS", 2)
+
+
+def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(served: Served, small_chunks: None) -> None:
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(9)  # chunks 2 2 2 2 1
+        blocks = blocks_for(keys)
+        assert kv.write(fp, [*keys[:1]], blocks[:1]) == 1  # the chain's root stored before
+        assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 8
+        assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 0  # all there
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 9
+        assert [bytes(o) for o in outs] == blocks
+    index = store._p.index
+    found = [b for b in index.blocks.values() if b.key in set(keys)]
+    assert sorted((b.depth, b.parent) for b in found) == [(0, None), *((i, keys[i - 1]) for i in range(1, 9))]
+    assert store.stats().leases == 0  # the read's release went out without its answer, and landed
+
+
+def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
+    served: Served, small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.client import inplace
+
+    copies = []
+    real_copy = inplace.copy_into
+
+    def failing_copy(dst: memoryview, src: bytes) -> None:
+        if len(copies) == 5:
+            raise ValueError("the caller's buffer went away")
+        copies.append(1)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(inplace, "copy_into", failing_copy)
+    arena = served.server.store.arena
+    assert arena is not None
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(8, salt="fails")
+        with pytest.raises(ValueError, match="went away"):
+            kv.write(fp, keys, blocks_for(keys))
+        usage = arena.usage()
+        assert usage.stored_bytes == usage.used_bytes  # no slot left reserved
+        present = kv.lookup(fp, keys)
+        assert present == 4  # the two chunks committed before the failing one
+        monkeypatch.setattr(inplace, "copy_into", real_copy)
+        blocks = blocks_for(keys)
+        assert kv.write(fp, keys, blocks) == 8 - present  # the connection after the failure works
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 8
+        assert [bytes(o) for o in outs][present:] == blocks[present:]
+
+
+def test_read_into_reads_blocks_outside_the_arena_through_resolve(served: Served) -> None:
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(4, salt="demoted")
+        blocks = blocks_for(keys)
+        kv.write(fp, keys, blocks)
+        assert store.demote("dram", fingerprint=fp) == 4
+        assert kv.lookup_tiers(fp, keys).tiers == ("nvme",) * 4
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 4
+        assert [bytes(o) for o in outs] == blocks
+        assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 4  # promoted by the resolve
+    assert store.stats().leases == 0
+
+
+def test_read_into_refuses_a_copy_that_outlasted_its_pin(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from kvstore.client import client as client_module
+
+    real_copy = client_module.copy_into
+
+    def slow_copy(dst: memoryview, src: memoryview) -> None:
+        time.sleep(0.3)
+        real_copy(dst, src)
+
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(2, salt="slow")
+        kv.write(fp, keys, blocks_for(keys))
+        monkeypatch.setattr(client_module, "READ_TTL_S", 1.0)
+        monkeypatch.setattr(client_module, "READ_MARGIN_S", 0.5)
+        monkeypatch.setattr(client_module, "copy_into", slow_copy)
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        with pytest.raises(LeaseExpired, match="outlasted"):
+            kv.read_into(fp, keys, outs)
+
+
 @pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])
 def test_remote_put_and_get_over_tcp(served: Served, data_plane: str) -> None:
     with connect(served.tcp, token="tok-a", data_plane=data_plane) as kv:

@@ -98,6 +98,19 @@ def test_two_writers_of_one_key_one_wins(store: TieredStore) -> None:
     assert store.commit(second.reservation_id) == 0
 
 
+def test_a_chunk_reserved_before_its_parent_is_committed_takes_its_depth_at_commit(
+    store: TieredStore,
+) -> None:
+    keys = chain(4, salt="pipelined")
+    head = store.reserve(A, keys[:2], [BLOCK, BLOCK])
+    tail = store.reserve(A, keys[2:], [BLOCK, BLOCK], parent=keys[1])  # keys[1] not stored yet
+    assert store.commit(head.reservation_id) == 2
+    assert store.commit(tail.reservation_id) == 2
+    index = store._p.index
+    assert [index.get((A, k)).depth for k in keys] == [0, 1, 2, 3]  # type: ignore[union-attr]
+    assert [index.get((A, k)).parent for k in keys] == [None, *keys[:3]]  # type: ignore[union-attr]
+
+
 def test_abort_and_expiry_give_slots_back(store: TieredStore, clock: FakeClock) -> None:
     arena = store.arena
     assert arena is not None

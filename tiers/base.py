@@ -204,7 +204,8 @@ class InPlaceTier(Protocol):
     """A memory tier whose slots other processes map (same-host reads and writes in place).
 
     Two-phase writes: ``reserve`` a slot readers cannot see, fill ``slot_view(slot)``, then
-    ``commit`` (publishes it) or ``abort`` (gives it back). ``locate`` finds a committed block's
+    ``commit`` (publishes it; ``commit_many`` several at once, all or none) or ``abort`` (gives
+    it back). ``locate`` finds a committed block's
     slot; its view stays valid while the caller keeps the block from being deleted.
     """
 
@@ -220,6 +221,8 @@ class InPlaceTier(Protocol):
     def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot: ...
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None: ...
+
+    def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None: ...
 
     def abort(self, key: TierKey) -> bool: ...
 

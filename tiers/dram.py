@@ -31,7 +31,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +40,7 @@ from tiers import cuda
 from tiers.base import BytesLike, Slot, TierKey
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
-from tiers.slab import SlabTier
+from tiers.slab import SlabEntry, SlabTier
 
 log = logging.getLogger(__name__)
 
@@ -234,17 +234,20 @@ class DramTier(SlabTier):
         offset, size = slot.offset, slot.size_bytes
         out[:size] = self.arena.view[offset : offset + size]
 
-    def _committed(self, key: TierKey, slot: Slot, fingerprint: bytes, meta: bytes) -> None:
+    def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
         if self._journal is None:
             return
-        self._journal.commit(JournalRecord(slot.offset, slot.size_bytes, bytes(key), fingerprint, meta))
+        records = [
+            JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
+            for k, e in published
+        ]
+        self._journal.commit_many(records)
         if self._journal.needs_compaction:
-            live = [JournalRecord(slot.offset, slot.size_bytes, bytes(key), fingerprint, meta)]
-            live += [
+            records += [
                 JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
                 for k, e in self._entries.items()
             ]
-            self._journal.rewrite(live)
+            self._journal.rewrite(records)
 
     def _freeing(self, slot: Slot) -> None:
         if self._journal is not None:

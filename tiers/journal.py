@@ -26,7 +26,7 @@ import contextlib
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 COMMIT, FREE = 1, 2
@@ -44,16 +44,17 @@ class JournalRecord:
     meta: bytes
 
 
+_BODY_HEAD = struct.Struct("<IBQQH")  # length, kind, offset, size, key length
+_U16 = struct.Struct("<H")
+
+
 def _encode(kind: int, offset: int, size: int, key: bytes, fingerprint: bytes, meta: bytes) -> bytes:
-    body = (
-        struct.pack("<BQQ", kind, offset, size)
-        + struct.pack("<H", len(key))
-        + key
-        + fingerprint.ljust(32, b"\0")[:32]
-        + struct.pack("<H", len(meta))
-        + meta
+    if len(fingerprint) != 32:
+        fingerprint = fingerprint.ljust(32, b"\0")[:32]
+    length = _BODY_HEAD.size - 4 + len(key) + 32 + 2 + len(meta) + _CRC.size
+    record = b"".join(
+        (_BODY_HEAD.pack(length, kind, offset, size, len(key)), key, fingerprint, _U16.pack(len(meta)), meta)
     )
-    record = struct.pack("<I", len(body) + _CRC.size) + body
     return record + _CRC.pack(zlib.crc32(record))
 
 
@@ -70,8 +71,12 @@ class Journal:
         return self._size > max(self.compact_bytes, 2 * self._rewritten_size)
 
     def commit(self, record: JournalRecord) -> None:
+        self.commit_many([record])
+
+    def commit_many(self, records: Sequence[JournalRecord]) -> None:
+        """One commit record per block, appended in one write (O_APPEND keeps them together)."""
         self._append(
-            _encode(COMMIT, record.offset, record.size_bytes, record.key, record.fingerprint, record.meta)
+            b"".join(_encode(COMMIT, r.offset, r.size_bytes, r.key, r.fingerprint, r.meta) for r in records)
         )
 
     def free(self, offset: int) -> None:

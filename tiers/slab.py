@@ -137,7 +137,7 @@ class SlabAllocator:
 
 
 @dataclass
-class _Entry:
+class SlabEntry:
     slot: Slot
     fingerprint: bytes
     meta: bytes
@@ -154,8 +154,8 @@ class SlabTier(Tier):
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         self._alloc = SlabAllocator(capacity_bytes, page_bytes)
         self._lock = threading.Lock()
-        self._entries: dict[TierKey, _Entry] = {}
-        self._pending: dict[TierKey, _Entry] = {}
+        self._entries: dict[TierKey, SlabEntry] = {}
+        self._pending: dict[TierKey, SlabEntry] = {}
         self._used_bytes = 0
         self._closed = False
 
@@ -170,9 +170,9 @@ class SlabTier(Tier):
         """Free the region itself; called once by close()."""
 
     # Subclasses may record what the region holds (the dram arena's journal). Called with the
-    # lock held: ``_committed`` before the block is visible, ``_freeing`` before its slot can be
-    # handed out again.
-    def _committed(self, key: TierKey, slot: Slot, fingerprint: bytes, meta: bytes) -> None:
+    # lock held: ``_committed`` (each key with its entry) before the blocks are visible,
+    # ``_freeing`` before a slot can be handed out again.
+    def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
         return
 
     def _freeing(self, slot: Slot) -> None:
@@ -202,27 +202,39 @@ class SlabTier(Tier):
             slot = self._alloc.alloc(size_bytes)
             if slot is None:
                 raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
-            self._pending[key] = _Entry(slot, bytes(fingerprint), bytes(meta), committed=False)
+            self._pending[key] = SlabEntry(slot, bytes(fingerprint), bytes(meta), committed=False)
             return slot
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None:
         """Publish the reserved slot of ``key`` (with ``meta`` if given, else the reserved
         one); an older block under the key is freed."""
-        if meta is not None:
-            check_meta(meta)
-        with self._lock:
-            entry = self._pending.pop(key, None)
-            if entry is None:
-                raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
-            entry.committed = True
+        self.commit_many([(key, meta)])
+
+    def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None:
+        """``commit`` of each (key, meta), under one taking of the lock and with one record of
+        them all (``_committed``); KeyError, committing none, when a key has no reserved slot."""
+        for _, meta in items:
             if meta is not None:
-                entry.meta = bytes(meta)
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._forget(old)
-            self._committed(key, entry.slot, entry.fingerprint, entry.meta)
-            self._entries[key] = entry
-            self._used_bytes += entry.slot.size_bytes
+                check_meta(meta)
+        with self._lock:
+            pending = self._pending
+            for key, _ in items:
+                if key not in pending:
+                    raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
+            published: list[tuple[TierKey, SlabEntry]] = []
+            for key, meta in items:
+                entry = pending.pop(key)
+                entry.committed = True
+                if meta is not None:
+                    entry.meta = bytes(meta)
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._forget(old)
+                published.append((key, entry))
+            self._committed(published)
+            for key, entry in published:
+                self._entries[key] = entry
+                self._used_bytes += entry.slot.size_bytes
 
     def abort(self, key: TierKey) -> bool:
         """Give back the reserved slot of ``key``; whether there was one."""
@@ -277,7 +289,7 @@ class SlabTier(Tier):
             self._forget(entry)
             return True
 
-    def _forget(self, entry: _Entry) -> None:
+    def _forget(self, entry: SlabEntry) -> None:
         self._used_bytes -= entry.slot.size_bytes
         self._freeing(entry.slot)
         self._alloc.free(entry.slot)

@@ -54,9 +54,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 
 from kvstore.client.connections import DataConnections
+from kvstore.client.inplace import chunks, copy_into, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
 from kvstore.client.translate import translated
@@ -64,7 +64,10 @@ from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    KvStoreError,
+    LeaseExpired,
     StoreFull,
+    Unavailable,
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import Fingerprint, ModelIdentity
@@ -75,6 +78,9 @@ from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.dram import Arena
 
 _MAX_MESSAGE_BYTES = 256 << 20
+READ_TTL_S = 30.0  # the pin of a read_into: the copy must end inside it
+READ_MARGIN_S = 5.0
+WRITE_TTL_S = 30.0  # a pipelined write's reservations, should it die before committing them
 RECEIVE_POOL_BYTES = 512 << 20  # per thread: what ``get`` keeps of the buffers it receives into
 _SERVICE = pb.DESCRIPTOR.services_by_name["KvStore"]
 
@@ -338,7 +344,7 @@ class Client:
         for payload in self._stream(fingerprint, keys, scope):
             if n >= len(outs) or memoryview(outs[n]).nbytes < len(payload):
                 raise InvalidArgument(f"block {n} of {len(payload)} B does not fit its buffer")
-            _copy(outs[n], payload)
+            copy_into(outs[n], payload)
             n += 1
         return n
 
@@ -390,11 +396,33 @@ class Client:
     def read_into(
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
     ) -> int:
-        """Restore the present prefix into ``outs`` straight from the arena; blocks copied."""
-        resolved = self.resolve(fingerprint, keys, scope=scope)
+        """Restore the present prefix into ``outs`` straight from the arena; blocks copied.
+        Over the data port, when the arena holds every block of the prefix (the usual case),
+        one pinning lookup names the slots and the release goes out without waiting for its
+        answer; otherwise a ``resolve`` first copies the others into the arena."""
+        self.attach()
+        if self._data_port() is not None:
+            asked = time.monotonic()
+            found = self.lookup_tiers(fingerprint, keys, pin_ttl_s=READ_TTL_S, scope=scope, slots=True)
+            if found.hit_blocks == 0:
+                return 0
+            places = [slot for slot in found.slots if slot is not None]
+            if len(places) == found.hit_blocks:
+                try:
+                    for view, out in zip(self.arena_views(found.arena, places), outs, strict=False):
+                        copy_into(out, view)
+                finally:
+                    self.release(found.lease_id, wait=False)
+                if time.monotonic() - asked > READ_TTL_S - READ_MARGIN_S:
+                    # The pin may have run out mid-copy: a slot reused since then would have
+                    # given another block's bytes.
+                    raise LeaseExpired(f"the copy outlasted its {READ_TTL_S:g} s pin; read again")
+                return found.hit_blocks
+            self.release(found.lease_id, wait=False)
+        resolved = self.resolve(fingerprint, keys, ttl_s=READ_TTL_S, scope=scope)
         try:
             for view, out in zip(resolved.views, outs, strict=False):
-                _copy(out, view)
+                copy_into(out, view)
         finally:
             if resolved.lease_id:
                 self.release(resolved.lease_id)
@@ -414,11 +442,7 @@ class Client:
             name, reservation_id, slots = data.call(
                 scope, lambda c: c.reserve(fingerprint, keys, sizes, parent, ttl_s)
             )
-            arena = self._arena_named(name)
-            return PendingWrite(
-                [None if slot is None else arena.view[slot[0] : slot[0] + slot[1]] for slot in slots],
-                reservation_id,
-            )
+            return PendingWrite(self._slot_views(name, slots), reservation_id)
         r: pb.ReserveResponse = self._call(
             self._stub.Reserve,
             pb.ReserveRequest(
@@ -455,17 +479,35 @@ class Client:
         scope: str = "",
     ) -> int:
         """Store a chain by writing the arena in place; how many blocks were new. Raises
-        ``StoreFull`` (with ``.stored``) when some blocks found no room and are not stored."""
-        pending = self.reserve(fingerprint, keys, [len(b) for b in blocks], parent=parent, scope=scope)
-        try:
-            for view, block in zip(pending.views, blocks, strict=True):
-                if view is not None:
-                    _copy(view, block)
-        except BaseException:
-            self.abort(pending.reservation_id)
-            raise
-        stored = self.commit(pending.reservation_id)
-        skipped = [k for k, v in zip(keys, pending.views, strict=True) if v is None]
+        ``StoreFull`` (with ``.stored``) when some blocks found no room and are not stored.
+        Over the data port a chain of more than one chunk (``kvstore.client.inplace``) is
+        pipelined: the server reserves and commits chunks while this thread copies others."""
+        self.attach()
+        data = self._data_port()
+        if data is not None and len(chunks([len(b) for b in blocks])) > 1:
+            unconfirmed: list[int] = []
+            try:
+                stored, gaps = data.call(
+                    scope,
+                    lambda c: write_pipelined(
+                        c, self._slot_views, fingerprint, keys, blocks, parent, WRITE_TTL_S, unconfirmed
+                    ),
+                )
+            except BaseException:
+                self._abort_quietly(unconfirmed, scope)
+                raise
+            skipped = [keys[i] for i in gaps]
+        else:
+            pending = self.reserve(fingerprint, keys, [len(b) for b in blocks], parent=parent, scope=scope)
+            try:
+                for view, block in zip(pending.views, blocks, strict=True):
+                    if view is not None:
+                        copy_into(view, block)
+            except BaseException:
+                self.abort(pending.reservation_id)
+                raise
+            stored = self.commit(pending.reservation_id)
+            skipped = [k for k, v in zip(keys, pending.views, strict=True) if v is None]
         if skipped:  # present already, or no room: only the second is a failure
             missing = sum(not present for present in self.exists(fingerprint, skipped, scope=scope))
             if missing:
@@ -476,6 +518,20 @@ class Client:
                 error.stored = stored
                 raise error
         return stored
+
+    def _abort_quietly(self, reservation_ids: Sequence[int], scope: str) -> None:
+        """Hand back what a failed write reserved; a server that is gone lets them expire."""
+        for reservation_id in reservation_ids:
+            try:
+                self.abort(reservation_id, scope)
+            except Unavailable:
+                return
+            except KvStoreError:  # committed after all, or expired: nothing to give back
+                continue
+
+    def _slot_views(self, name: str, slots: Sequence[tuple[int, int] | None]) -> list[memoryview | None]:
+        arena = self._arena_named(name)
+        return [None if slot is None else arena.view[slot[0] : slot[0] + slot[1]] for slot in slots]
 
     # ----------------------------------------------------------------- lifetime
 
@@ -508,11 +564,6 @@ def connect(
     if not address:
         raise InvalidArgument("empty address")
     return Client(address, token, timeout_s, data_plane, tls, receive_pool_bytes)
-
-
-def _copy(dst: memoryview | bytearray, src: bytes | bytearray | memoryview) -> None:
-    # numpy releases the GIL for the copy, so other client threads keep going meanwhile
-    np.copyto(np.frombuffer(dst, dtype=np.uint8)[: len(src)], np.frombuffer(src, dtype=np.uint8))
 
 
 def _method_path(name: str) -> str:

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from kvstore.client.dataport import DataPortClient
 from kvstore.client.translate import translated
-from kvstore.errors import KvStoreError
 from kvstore.tls import ClientTls
 from kvstore.wire import IDLE_S
 
@@ -66,7 +65,9 @@ class DataConnections:
         try:
             with translated("the data port call"):
                 return call(conn)
-        except KvStoreError:
+        except BaseException:
+            # The stream may have stopped mid-message (and the server closes a connection on
+            # an error it sends): never reuse it.
             self._conns().pop(scope, None)
             conn.close()
             raise

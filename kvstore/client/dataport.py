@@ -142,24 +142,50 @@ class DataPortClient:
         ttl_s: float,
     ) -> tuple[str, int, list[tuple[int, int] | None]]:
         """(arena name, reservation id, (offset, size) of each key's slot or None: nothing to write)."""
+        self.send_reserve(fingerprint, keys, sizes, parent, ttl_s)
+        return self.read_reserve(len(keys))
+
+    # A request may go out before the answers of earlier ones are read (the server answers in
+    # order, one request at a time): ``send_*`` then ``read_*`` in the order they were sent.
+
+    def send_reserve(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parent: bytes | None,
+        ttl_s: float,
+    ) -> None:
         if len(sizes) != len(keys):
             raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
         if parent is not None and len(parent) != 32:
             raise InvalidArgument("parent must be a 32-byte key")
+        _check_ids(fingerprint, keys)
         tail = _RESERVE_TAIL.pack(parent is not None, parent or bytes(32), ttl_s) + struct.pack(
             f"<{len(sizes)}Q", *sizes
         )
-        self._request(OP_RESERVE, fingerprint, keys, tail)
+        self._stream.send(b"".join([_OP_KEYS.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail]))
+
+    def read_reserve(self, n_keys: int) -> tuple[str, int, list[tuple[int, int] | None]]:
+        """The answer of a ``send_reserve`` of ``n_keys`` keys."""
+        self._check()
         read = self._stream.read
         (name_len,) = struct.unpack("<H", read(2))
         arena_name = read(name_len).decode()
         (reservation_id,) = struct.unpack("<Q", read(8))
-        raw = read(_SLOT.size * len(keys))
+        raw = read(_SLOT.size * n_keys)
         slots = [(offset, size) if present else None for present, offset, size in _SLOT.iter_unpack(raw)]
         return arena_name, int(reservation_id), slots
 
     def commit(self, reservation_id: int) -> int:
+        self.send_commit(reservation_id)
+        return self.read_commit()
+
+    def send_commit(self, reservation_id: int) -> None:
         self._stream.send(struct.pack("<BQ", OP_COMMIT, reservation_id))
+
+    def read_commit(self) -> int:
+        """The answer of a ``send_commit``: how many blocks it stored."""
         self._check()
         (stored,) = struct.unpack("<I", self._stream.read(4))
         return int(stored)

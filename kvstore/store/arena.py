@@ -237,28 +237,32 @@ class ArenaCalls:
             p.expire()
             (pending,) = self._reservations.release(reservation_id, owner)
             self._unreserve(pending)
-            stored = 0
+            scope = pending.scope
+            first_depth = pending.first_depth
+            if pending.parent is not None and p.index.get((scope, pending.parent)) is not None:
+                # A pipelined write reserves a chunk before its parent's chunk is committed:
+                # the chain's depth is the parent's as it stands now.
+                first_depth = p.index.depth_after(scope, pending.parent)
+            new: list[tuple[Block, ArenaSlot]] = []
             prev = pending.parent
             for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
                 if slot is not None:
-                    existing = p.index.get((pending.scope, key))
-                    if existing is not None:
-                        arena.abort(tier_key(pending.scope, key))  # stored meanwhile by another path
+                    if p.index.get((scope, key)) is not None:
+                        arena.abort(tier_key(scope, key))  # stored meanwhile by another path
                     else:
-                        block = new_block(
-                            p.config, pending.scope, key, slot.size_bytes, prev, pending.first_depth + i
-                        )
-                        arena.commit(block.tkey, meta=block.meta)
-                        block.tiers.add(a)
-                        p.index.admit(block)
-                        p.eviction.touch(block)
-                        self._on_new_block(block, arena.slot_view(slot))
-                        stored += 1
-                        p.count(pending.scope, "put_blocks")
+                        block = new_block(p.config, scope, key, slot.size_bytes, prev, first_depth + i)
+                        new.append((block, slot))
                 prev = key
+            arena.commit_many([(block.tkey, block.meta) for block, _ in new])
+            for block, slot in new:
+                block.tiers.add(a)
+                p.index.admit(block)
+                p.eviction.touch(block)
+                self._on_new_block(block, arena.slot_view(slot))
+            p.count(scope, "put_blocks", len(new))
             if pending.pinned_parent is not None:
                 p.pins.unhold(pending.pinned_parent)
-            return stored
+            return len(new)
 
     def abort(self, reservation_id: int, owner: str = "") -> None:
         """Give back a reservation's slots without storing anything."""
