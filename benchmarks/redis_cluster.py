@@ -25,6 +25,13 @@ from benchmarks.ports import wait_port
 START_TIMEOUT_S = 20.0
 
 
+START_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """A node exited at start: another process took its port first."""
+
+
 class RedisUnavailable(RuntimeError):
     """redis-server or redis-cli is not installed."""
 
@@ -44,9 +51,22 @@ class RedisClusterProcess:
         self.close()
 
     def start(self) -> None:
+        """Start the nodes and create the cluster. A free port can be taken by another process
+        between the pick and the bind (the node then exits and ``wait_port`` meets the other
+        listener): such a start is retried on fresh ports."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._start_once()
+                return
+            except _PortTaken:
+                if attempt + 1 == START_ATTEMPTS:
+                    raise RuntimeError(f"redis nodes lost their ports {START_ATTEMPTS} times") from None
+
+    def _start_once(self) -> None:
         server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
         if server is None or cli is None:
             raise RedisUnavailable("redis-server is not installed: apt-get install -y redis-server")
+        self._procs = []
         self._dir = tempfile.mkdtemp(prefix="kvs-redis-")
         ports = _free_ports(self.masters)
         try:
@@ -69,6 +89,9 @@ class RedisClusterProcess:
                 check=False,
             )
             if created.returncode != 0:
+                time.sleep(0.2)
+                if any(proc.poll() is not None for proc in self._procs):
+                    raise _PortTaken
                 raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout}{created.stderr}")
             self._wait_ok(cli, ports)
         except BaseException:
