@@ -18,6 +18,7 @@ The server runs as its own process (``kvstore serve``), as it would be deployed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -300,39 +301,23 @@ def bench_remote(server: ServerProcess, count: int, rounds: int, data_plane: str
 
 
 def bench_same_host(server: ServerProcess, count: int, rounds: int) -> list[Result]:
-    fp = MODEL.fingerprint()
-    keys, blocks = _blocks(count, 11)
-    engine = np.zeros(count * BLOCK, dtype=np.uint8)  # the engine's KV buffer, warm
-    outs = [memoryview(engine[i * BLOCK : (i + 1) * BLOCK].data) for i in range(count)]
-    source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
-    # A private shared-memory region, the same size, for the second reference of each row.
-    shm = Arena.create_unnamed(count * BLOCK)
-    shm.array[:] = source
-    try:
-        return _same_host(server, fp, keys, blocks, engine, outs, source, shm.array, rounds)
-    finally:
-        shm.close()
-
-
-def _same_host(
-    server: ServerProcess,
-    fp: bytes,
-    keys: list[BlockKey],
-    blocks: list[bytes],
-    engine: np.ndarray,
-    outs: list[memoryview],
-    source: np.ndarray,
-    private: np.ndarray,
-    rounds: int,
-) -> list[Result]:
     """The references copy the same bytes block by block out of, and into, slots of the very
     arena the service hands out (mapped the same way, in this process): what a row's ratio
     leaves out is the data movement, what it shows is what the service adds. Memory of the
     server's arena copies slower here than a region this process created (see BENCHMARKS.md),
     so that second reference is shown beside each row, for what it says about the machine."""
-    count = len(keys)
+    fp = MODEL.fingerprint()
+    keys, blocks = _blocks(count, 11)
     spare_keys, _ = _blocks(count, 12)
-    with connect(server.unix) as kv:
+    engine = np.zeros(count * BLOCK, dtype=np.uint8)  # the engine's KV buffer, warm
+    outs = [memoryview(engine[i * BLOCK : (i + 1) * BLOCK].data) for i in range(count)]
+    source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
+    with contextlib.ExitStack() as stack:
+        # A private shared-memory region, the same size, for the second reference of each row.
+        shm = Arena.create_unnamed(count * BLOCK)
+        stack.callback(shm.close)
+        shm.array[:] = source
+        kv = stack.enter_context(connect(server.unix))
         kv.register(MODEL)
         if kv.write(fp, keys, blocks) != count:
             raise RuntimeError("same-host write stored fewer blocks than sent")
@@ -341,15 +326,13 @@ def _same_host(
         # is never committed.
         held = kv.resolve(fp, keys, ttl_s=600)
         spare = kv.reserve(fp, spare_keys, [BLOCK] * count, ttl_s=600)
-        try:
-            arena_in = [v for v in spare.views if v is not None]
-            if len(held.views) != count or len(arena_in) != count:
-                raise RuntimeError("the arena gave the references fewer slots than blocks")
-            return _same_host_rounds(
-                kv, fp, keys, blocks, engine, outs, source, private, held, arena_in, rounds
-            )
-        finally:
-            kv.abort(spare.reservation_id)
+        stack.callback(kv.abort, spare.reservation_id)
+        arena_in = [v for v in spare.views if v is not None]
+        if len(held.views) != count or len(arena_in) != count:
+            raise RuntimeError("the arena gave the references fewer slots than blocks")
+        return _same_host_rounds(
+            kv, fp, keys, blocks, engine, outs, source, shm.array, held, arena_in, rounds
+        )
 
 
 def _same_host_rounds(

@@ -483,14 +483,25 @@ class Client:
         Over the data port a chain of more than one chunk (``kvstore.client.inplace``) is
         pipelined: the server reserves and commits chunks while this thread copies others."""
         self.attach()
+        sizes = [len(b) for b in blocks]
+        parts = chunks(sizes)
         data = self._data_port()
-        if data is not None and len(chunks([len(b) for b in blocks])) > 1:
+        if data is not None and len(parts) > 1:
             unconfirmed: list[int] = []
             try:
                 stored, gaps = data.call(
                     scope,
                     lambda c: write_pipelined(
-                        c, self._slot_views, fingerprint, keys, blocks, parent, WRITE_TTL_S, unconfirmed
+                        c,
+                        self._slot_views,
+                        fingerprint,
+                        keys,
+                        blocks,
+                        sizes,
+                        parts,
+                        parent,
+                        WRITE_TTL_S,
+                        unconfirmed,
                     ),
                 )
             except BaseException:
@@ -498,7 +509,7 @@ class Client:
                 raise
             skipped = [keys[i] for i in gaps]
         else:
-            pending = self.reserve(fingerprint, keys, [len(b) for b in blocks], parent=parent, scope=scope)
+            pending = self.reserve(fingerprint, keys, sizes, parent=parent, scope=scope)
             try:
                 for view, block in zip(pending.views, blocks, strict=True):
                     if view is not None:

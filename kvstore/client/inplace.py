@@ -60,15 +60,15 @@ def write_pipelined(
     fingerprint: bytes,
     keys: Sequence[bytes],
     blocks: Sequence[Data],
+    sizes: Sequence[int],
+    parts: Sequence[tuple[int, int]],
     parent: bytes | None,
     ttl_s: float,
     unconfirmed: list[int],
 ) -> tuple[int, list[int]]:
-    """Write a chain in place, chunk by chunk; (blocks stored, indices of the blocks given no
-    slot). ``unconfirmed``: the reservations read whose commit answer is not, kept up to date
-    for the caller to abort after a failure."""
-    sizes = [len(b) for b in blocks]
-    parts = chunks(sizes)
+    """Write a chain in place in the chunks ``parts`` (of ``chunks(sizes)``); (blocks stored,
+    indices of the blocks given no slot). ``unconfirmed``: the reservations read whose commit
+    answer is not, kept up to date for the caller to abort after a failure."""
     stored = 0
     skipped: list[int] = []
 

@@ -47,7 +47,6 @@ class _Pending:
     keys: tuple[BlockKey, ...]
     slots: tuple[ArenaSlot | None, ...]
     parent: BlockKey | None
-    first_depth: int
     pinned_parent: Block | None
 
 
@@ -223,9 +222,7 @@ class ArenaCalls:
                         except TierError:
                             slot = None  # another client is writing this key, or no room after all
                 slots.append(slot)
-            pending = _Pending(
-                scope, tuple(keys), tuple(slots), parent, p.index.depth_after(scope, parent), pinned_parent
-            )
+            pending = _Pending(scope, tuple(keys), tuple(slots), parent, pinned_parent)
             lease = self._reservations.grant([pending], ttl_s, owner)
             return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
 
@@ -238,11 +235,9 @@ class ArenaCalls:
             (pending,) = self._reservations.release(reservation_id, owner)
             self._unreserve(pending)
             scope = pending.scope
-            first_depth = pending.first_depth
-            if pending.parent is not None and p.index.get((scope, pending.parent)) is not None:
-                # A pipelined write reserves a chunk before its parent's chunk is committed:
-                # the chain's depth is the parent's as it stands now.
-                first_depth = p.index.depth_after(scope, pending.parent)
+            # The parent as it stands now: a pipelined write reserves a chunk before the chunk
+            # holding its parent is committed.
+            first_depth = p.index.depth_after(scope, pending.parent)
             new: list[tuple[Block, ArenaSlot]] = []
             prev = pending.parent
             for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
