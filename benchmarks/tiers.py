@@ -4,18 +4,23 @@ For each block size (256 KiB, 2 MiB, 32 MiB) and a working set of ``total`` byte
 
 - `dram` put / get against memcpy over the same working set, one block at a time into warm
   buffers (puts: numpy ``copyto``; gets: memoryview assignment, the leanest block copy Python
-  has, and the one the tier makes). Gets copy out of the arena, which is shared memory
-  (``/dev/shm``), so their memcpy reads a warm ``/dev/shm`` buffer too: numpy's own buffers get
-  transparent huge pages, shared memory here does not (``shmem_enabled``), which cost a copy
-  up to 10-25% in some runs here (its own row: memcpy out of /dev/shm against anonymous
-  memory). The same get through the tiered store (index, lock, transient pin, one
-  ``get_into_many`` call) is reported beside it. Targets: get >= 0.8x, store get >= 0.9x
-  (DESIGN.md §7). Gets take three times the rounds: a round is ~20 ms of copying, the machine
-  is shared.
+  has, and the one the tier makes). Gets copy out of the arena's slots, so their reference is
+  the same memcpy out of those very slots, block for block: the ratio is then the tier's own
+  work (index, lock, pins) and nothing else. A copy out of a second, separately made region of
+  shared memory was the reference once; its speed differed by up to 15% from the arena's for
+  the same bytes (four identical regions here copied at 18.5, 22.0, 22.2 and 22.2 GB/s: where
+  the kernel placed their pages), which said more about placement luck than about the tier.
+  The medium itself has its own row: memcpy out of ``/dev/shm`` against anonymous memory
+  (numpy's buffers get transparent huge pages, shared memory here does not, per
+  ``shmem_enabled``). The same get through the tiered store (index, lock, transient pin, one
+  ``get_into_many`` call, the dram tier's batched copy) is reported beside it. Targets: get >=
+  0.8x, store get >= 0.9x (DESIGN.md §7). Gets take three times the rounds: a round is ~20 ms
+  of copying, the machine is shared.
 - `nvme` write against raw LMDB with the best flags of the brief (writemap, map_async,
   sync=False, metasync=False, the same batch size per transaction), both ending with one
   ``env.sync``; warm read against raw LMDB zero-copy reads (``buffers=True``, one transaction
-  per block, copied into the caller's buffer). Targets: read >= 0.8x, write >= 0.7x.
+  per block, copied into the caller's buffer). Targets: write >= 0.7x, cold read >= 0.8x, warm
+  read >= 0.85x (the warm read has no medium to hide the tier's work behind).
   Cold reads are not measured: dropping the page cache needs privileges CI lacks.
 - `hbm` (CUDA only) host-to-device put and device-to-host get against ``torch`` copies of the
   same bytes between a pinned host tensor and device memory.
@@ -89,6 +94,14 @@ class _Working:
             dst[:] = src[i * size : (i + 1) * size]
         return time.perf_counter() - start
 
+    def memcpy_each(self, srcs: list[memoryview]) -> float:
+        """Each of ``srcs`` into the warm block buffer, as ``memcpy`` does with its blocks."""
+        dst = self.dst_view
+        start = time.perf_counter()
+        for src in srcs:
+            dst[:] = src
+        return time.perf_counter() - start
+
     def memcpy_spread(self) -> float:
         """Every block into its own place in a second warm buffer (what storing does)."""
         start = time.perf_counter()
@@ -114,6 +127,12 @@ def shmem_huge_pages() -> str:
     except OSError:
         return "unknown"
     return next((m.strip("[]") for m in modes if m.startswith("[")), "unknown")
+
+
+def _slots_of(tier: DramTier) -> list[memoryview]:
+    """Every block's slot in the arena, in arena order (the order the blocks were put)."""
+    slots = [slot for b in tier.scan() if (slot := tier.locate(b.key)) is not None]
+    return [tier.slot_view(slot) for slot in sorted(slots, key=lambda slot: slot.offset)]
 
 
 def bench_dram(w: _Working, rounds: int) -> list[Result]:
@@ -142,7 +161,8 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
                 tier.get_into(k, w.dst_view)
 
         put_s, ref_put = interleaved(put_all, w.memcpy_spread, rounds)
-        get_s, ref_get = interleaved(_timed(get_all), memcpy_shm, get_rounds)
+        slots = _slots_of(tier)
+        get_s, ref_get = interleaved(_timed(get_all), lambda: w.memcpy_each(slots), get_rounds)
         shm_s, anon_s = interleaved(memcpy_shm, w.memcpy, get_rounds)
 
         for k in w.keys:  # the raw rounds' blocks: the store would find them unnamed and warn
@@ -153,11 +173,13 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
         store.put(scope, keys, [w.block(i) for i in range(w.count)])
 
         outs = [w.dst_view] * len(keys)
+        slots = _slots_of(tier)
+        assert len(slots) == len(keys), "the raw rounds' blocks are gone: only the store's are left"
 
         def store_get_all() -> None:
             store.get_into_many(scope, keys, outs)
 
-        sget_s, ref_sget = interleaved(_timed(store_get_all), memcpy_shm, get_rounds)
+        sget_s, ref_sget = interleaved(_timed(store_get_all), lambda: w.memcpy_each(slots), get_rounds)
     finally:
         tier.close()
         shm.close()
@@ -180,11 +202,11 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
             note="the arena's medium against numpy's buffers (transparent huge pages); "
             f"shared-memory huge pages here: {shmem_huge_pages()}",
         ),
-        row("dram get", get_s, "memcpy (shm)", ref_get, ">= 0.8"),
+        row("dram get", get_s, "memcpy (its slots)", ref_get, ">= 0.8"),
         row(
             "store get (dram)",
             sget_s,
-            "memcpy (shm)",
+            "memcpy (its slots)",
             ref_sget,
             ">= 0.9",
             "one get_into_many call per restore, through the index and lock",
@@ -315,7 +337,7 @@ def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE
             "GB/s",
             "raw LMDB",
             _gbps(w.total, ref_read),
-            ">= 0.8",
+            ">= 0.85",
             "page cache warm; " + reads,
         ),
     ]

@@ -153,3 +153,62 @@ def test_a_dead_processs_unnamed_arena_is_swept_and_a_live_ones_kept() -> None:
     finally:
         live.close()
     assert not os.path.exists(Arena.path_of(live.name))
+
+
+@pytest.fixture(params=["native", "python"])
+def gather_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The dram tier's batched copy both ways: through tiers._gather, and the Python loop a
+    build without a C compiler runs."""
+    import tiers.dram
+
+    if request.param == "python":
+        monkeypatch.setattr(tiers.dram, "_gather", None)
+    else:
+        assert tiers.dram._gather is not None, "tiers._gather is not built: no C compiler?"
+    return str(request.param)
+
+
+def test_dram_get_into_many_copies_every_block_either_way(gather_path: str) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=8 * MIB, page_bytes=MIB, prefault=False))
+    try:
+        blocks = {TierKey(b"k%d" % i): os.urandom(size) for i, size in enumerate([300_000, 4096, 1, 2 * MIB])}
+        for k, data in blocks.items():
+            tier.put(k, data, FP)
+        keys = list(blocks)
+        bufs = [bytearray(len(blocks[k]) + 7) for k in keys]  # larger than needed is fine
+        sizes: list[int | None] = []
+        tier.get_into_many(keys, [memoryview(b) for b in bufs], sizes)
+        assert sizes == [len(blocks[k]) for k in keys]
+        assert all(bytes(b[: len(blocks[k])]) == blocks[k] for b, k in zip(bufs, keys, strict=True))
+    finally:
+        tier.close()
+
+
+def test_dram_get_into_many_with_a_short_buffer_copies_nothing(gather_path: str) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
+    try:
+        tier.put(TierKey(b"a"), b"\x11" * 5000, FP)
+        tier.put(TierKey(b"b"), b"\x22" * 5000, FP)
+        first, short = bytearray(5000), bytearray(4999)
+        with pytest.raises(ValueError, match="smaller"):
+            tier.get_into_many([TierKey(b"a"), TierKey(b"b")], [memoryview(first), memoryview(short)], [])
+        assert first == bytearray(5000) and short == bytearray(4999)  # checked before any copy
+    finally:
+        tier.close()
+
+
+def test_native_gather_refuses_a_span_outside_the_region_and_a_read_only_buffer() -> None:
+    from tiers import _gather  # type: ignore[attr-defined]
+
+    region = memoryview(bytes(range(256)) * 4)
+    out = bytearray(16)
+    _gather.gather(region, [1000], [16], [out])
+    assert out == region[1000:1016]
+    with pytest.raises(ValueError, match="outside"):
+        _gather.gather(region, [1020], [16], [bytearray(16)])
+    with pytest.raises(ValueError, match="negative"):
+        _gather.gather(region, [-1], [16], [bytearray(16)])
+    with pytest.raises(BufferError):
+        _gather.gather(region, [0], [4], [b"read"])
+    with pytest.raises(ValueError, match="length"):
+        _gather.gather(region, [0, 4], [4], [bytearray(4)])

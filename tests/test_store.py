@@ -7,13 +7,14 @@ page per block, so every eviction below is forced and predictable. Restart behav
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from kvstore.errors import InvalidArgument, LeaseExpired, LeaseNotFound, QuotaExceeded, StoreFull
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Scope, StoreConfig, TieredStore
+from tiers import Tier, TierKey, TierUnavailable
 from tiers.dram import DramConfig, DramTier
 from tiers.hbm import HbmConfig, HbmTier
 
@@ -342,3 +343,38 @@ def test_retention_removes_blocks_from_every_tier_after_their_time() -> None:
         assert store.lookup(A, keys_a[:1]).hit_blocks == 1
     finally:
         store.close()
+
+
+class _FlakyDram(DramTier):
+    """A dram tier whose reads of the keys in ``failing`` raise, as a remote tier's do when its
+    peer is gone: a read batch stops at that block."""
+
+    failing: frozenset[bytes] = frozenset()
+
+    def get_into(self, key: TierKey, out: memoryview) -> int | None:
+        if bytes(key) in self.failing:
+            raise TierUnavailable("peer went away")
+        return super().get_into(key, out)
+
+    def get_into_many(
+        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
+    ) -> None:
+        Tier.get_into_many(self, keys, outs, sizes)  # block by block, stopping at a failure
+
+
+def test_a_read_that_raises_mid_batch_misses_that_block_and_serves_the_rest() -> None:
+    tier = _FlakyDram(DramConfig(capacity_bytes=8 * PAGE, page_bytes=PAGE, prefault=False))
+    s = TieredStore([tier], clock=FakeClock())
+    try:
+        keys = chain(5)
+        s.put(A, keys, [data(k) for k in keys])
+        bad = s._p.index.visible((s._p.index.intern(A), keys[2]))
+        assert bad is not None
+        tier.failing = frozenset([bytes(bad.tkey)])
+        outs = [memoryview(bytearray(PAGE)) for _ in keys]
+        assert s.get_into_many(A, keys, outs) == [PAGE, PAGE, None, PAGE, PAGE]
+        assert all(bytes(outs[i]) == data(keys[i]) for i in (0, 1, 3, 4))
+        assert s.tier_of(A, keys[2]) is None  # that copy is gone; the others stay
+        assert s.tier_of(A, keys[4]) == tier.name
+    finally:
+        s.close()

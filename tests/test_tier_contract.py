@@ -147,3 +147,17 @@ def test_concurrent_puts_and_gets_from_many_threads(tier: Tier) -> None:
         t.join()
     assert not errors, errors
     assert tier.usage().blocks == 80
+
+
+def test_get_into_many_copies_hits_and_reports_misses_in_order(tier: Tier) -> None:
+    sizes_in = [10_000, 0, 70_000]
+    for i, size in enumerate(sizes_in):
+        tier.put(key(i), payload(i, size), FP)
+    keys = [key(0), key(9), key(1), key(2)]  # key(9) was never stored
+    bufs = [bytearray(80_000) for _ in keys]
+    sizes: list[int | None] = []
+    tier.get_into_many(keys, [memoryview(b) for b in bufs], sizes)
+    assert sizes == [10_000, None, 0, 70_000]
+    assert bytes(bufs[0][:10_000]) == payload(0, 10_000)
+    assert bytes(bufs[1]) == bytes(80_000)  # a miss leaves its buffer alone
+    assert bytes(bufs[3][:70_000]) == payload(2, 70_000)

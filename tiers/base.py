@@ -160,6 +160,14 @@ class Tier(ABC):
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
 
+    def get_into_many(
+        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
+    ) -> None:
+        """``get_into`` of each key into its buffer, appending each length (None for a miss) to
+        ``sizes`` as it ends: after an exception, ``len(sizes)`` says which copies ran."""
+        for key, out in zip(keys, outs, strict=True):
+            sizes.append(self.get_into(key, out))
+
     @abstractmethod
     def size_of(self, key: TierKey) -> int | None: ...
 

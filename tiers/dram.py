@@ -37,6 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiers import cuda
+
+try:
+    from tiers import _gather  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the copies run in Python, block by block
+    _gather = None
 from tiers.base import BytesLike, Slot, TierKey
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
@@ -233,6 +238,12 @@ class DramTier(SlabTier):
     def _read(self, slot: Slot, out: memoryview) -> None:
         offset, size = slot.offset, slot.size_bytes
         out[:size] = self.arena.view[offset : offset + size]
+
+    def _read_many(self, slots: list[Slot], outs: list[memoryview]) -> None:
+        if _gather is None:  # built without a C compiler
+            super()._read_many(slots, outs)
+            return
+        _gather.gather(self.arena.view, [s.offset for s in slots], [s.size_bytes for s in slots], outs)
 
     def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
         if self._journal is None:

@@ -166,6 +166,14 @@ class SlabTier(Tier):
     @abstractmethod
     def _read(self, slot: Slot, out: memoryview) -> None: ...
 
+    def _read_many(self, slots: list[Slot], outs: list[memoryview]) -> None:
+        """Each slot into its buffer (checked large enough); ValueError before any copy otherwise."""
+        for slot, out in zip(slots, outs, strict=True):
+            if len(out) < slot.size_bytes:
+                raise ValueError(f"buffer of {len(out)} B is smaller than the {slot.size_bytes} B block")
+        for slot, out in zip(slots, outs, strict=True):
+            self._read(slot, out)
+
     def _release_region(self) -> None:
         """Free the region itself; called once by close()."""
 
@@ -276,6 +284,24 @@ class SlabTier(Tier):
             raise ValueError(f"buffer of {len(out)} B is smaller than the {slot.size_bytes} B block")
         self._read(slot, out)
         return slot.size_bytes
+
+    def get_into_many(
+        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
+    ) -> None:
+        """One taking of the lock for the whole restore, then the copies (``_read_many``)."""
+        with self._lock:
+            entries = self._entries
+            found = [None if (entry := entries.get(key)) is None else entry.slot for key in keys]
+        if len(found) != len(outs):
+            raise ValueError(f"{len(found)} keys but {len(outs)} buffers")
+        if None in found:  # a miss among them: the hits still copy, in one batch
+            at = [i for i, slot in enumerate(found) if slot is not None]
+            self._read_many([found[i] for i in at], [outs[i] for i in at])  # type: ignore[misc]
+            sizes.extend(None if slot is None else slot.size_bytes for slot in found)
+            return
+        slots: list[Slot] = found  # type: ignore[assignment]
+        self._read_many(slots, list(outs))
+        sizes.extend([slot.size_bytes for slot in slots])
 
     def size_of(self, key: TierKey) -> int | None:
         slot = self.locate(key)

@@ -151,13 +151,24 @@ class Placement:
         """Copy each block from tier ``sources[i]`` into ``outs[i]``, appending its length (None
         where the tier misses or fails) to ``sizes`` as each copy ends: a caller whose copies
         stop on an exception knows from ``len(sizes)`` which ones ran."""
+        if not len(blocks) == len(sources) == len(outs):
+            raise ValueError(f"{len(blocks)} blocks, {len(sources)} sources and {len(outs)} buffers")
         tiers = self.tiers
-        for block, t, out in zip(blocks, sources, outs, strict=True):
+        base = len(sizes)  # the caller may hand in a list already holding earlier results
+        start, n = 0, len(blocks)
+        while start < n:  # each run of blocks from one tier is one call into that tier
+            t = sources[start]
+            end = start + 1
+            while end < n and sources[end] == t:
+                end += 1
             try:
-                sizes.append(tiers[t].get_into(block.tkey, out))
-            except TierError as exc:
+                tiers[t].get_into_many([b.tkey for b in blocks[start:end]], outs[start:end], sizes)
+            except TierError as exc:  # the block it stopped at fails; the run goes on after it
                 log.warning("reading a block from %s failed: %s", tiers[t].name, exc)
                 sizes.append(None)
+                start = len(sizes) - base
+                continue
+            start = end
 
     def failed_read(self, block: Block, t: int) -> None:
         """A read from tier ``t`` failed its checks: that copy is gone."""

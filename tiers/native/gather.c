@@ -1,0 +1,103 @@
+/* tiers._gather: many blocks out of one region into the caller's buffers, in one call.
+ *
+ * gather(region, offsets, sizes, outs)
+ *   region   a readable contiguous buffer (the dram arena's mapping)
+ *   offsets  list of int: where each block starts in region
+ *   sizes    list of int: each block's length
+ *   outs     list of writable contiguous buffers, one per block, each at least its block's size
+ *
+ * Everything is checked before the first byte moves (a span outside the region, a buffer too
+ * small or not writable: ValueError or BufferError, nothing copied); then the memcpys run one
+ * after the other without the GIL. A restore of 256 KiB blocks copies each in ~15 us, and the
+ * Python loop this replaces (a lookup, two slices and an assignment per block) cost ~0.5 us of
+ * that. The caller keeps every block's slot from being reused until the call returns (the
+ * store's pins); this module only reads the region and writes the buffers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    Py_buffer out; /* held until the copies are done: no other thread can resize it meanwhile */
+    const char *src;
+    size_t size;
+} span_t;
+
+static int as_size(PyObject *item, Py_ssize_t *out) {
+    *out = PyLong_AsSsize_t(item);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    if (*out < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets and sizes must not be negative");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *region_obj, *offsets_obj, *sizes_obj, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &region_obj, &offsets_obj, &sizes_obj, &outs_obj))
+        return NULL;
+    if (!PyList_Check(offsets_obj) || !PyList_Check(sizes_obj) || !PyList_Check(outs_obj)) {
+        PyErr_SetString(PyExc_TypeError, "offsets, sizes and outs must be lists");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(outs_obj);
+    if (PyList_GET_SIZE(offsets_obj) != n || PyList_GET_SIZE(sizes_obj) != n) {
+        PyErr_SetString(PyExc_ValueError, "offsets, sizes and outs differ in length");
+        return NULL;
+    }
+    Py_buffer region;
+    if (PyObject_GetBuffer(region_obj, &region, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t held = 0;
+    span_t *spans = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(span_t) : 1);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t offset, size;
+        if (as_size(PyList_GET_ITEM(offsets_obj, i), &offset) < 0 || as_size(PyList_GET_ITEM(sizes_obj, i), &size) < 0)
+            goto done;
+        if (offset > region.len || size > region.len - offset) {
+            PyErr_Format(PyExc_ValueError, "block %zd: %zd B at %zd lies outside the %zd B region", i, size, offset,
+                         region.len);
+            goto done;
+        }
+        span_t *span = &spans[i];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(outs_obj, i), &span->out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto done;
+        held++;
+        if (span->out.len < size) {
+            PyErr_Format(PyExc_ValueError, "block %zd: buffer of %zd B is smaller than the %zd B block", i,
+                         span->out.len, size);
+            goto done;
+        }
+        span->src = (const char *)region.buf + offset;
+        span->size = (size_t)size;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(spans[i].out.buf, spans[i].src, spans[i].size);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&spans[i].out);
+    PyMem_Free(spans);
+    PyBuffer_Release(&region);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS, "Copy blocks out of one region into buffers; see the module source."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gather", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module); }
