@@ -345,6 +345,28 @@ def test_retention_removes_blocks_from_every_tier_after_their_time() -> None:
         store.close()
 
 
+def test_a_block_past_its_retention_is_stored_again_before_the_sweep_reaches_it() -> None:
+    wall = FakeClock()
+    tier = DramTier(DramConfig(capacity_bytes=8 * PAGE, page_bytes=PAGE, prefault=False))
+    store = TieredStore(
+        [tier], StoreConfig(retention_s={"tenant-a": 0.5}), clock=FakeClock(), wall_clock=wall
+    )
+    try:
+        keys = chain(1)
+        assert store.put(A, keys, [data(keys[0])]) == 1
+        assert store.lookup(A, keys).hit_blocks == 1  # this swept, nothing due: the next is 1 s away
+        wall.now += 0.6  # past its retention, and the sweep has not come round
+        assert store.lookup(A, keys).hit_blocks == 0
+        assert store.put(A, keys, [data(keys[0])]) == 1  # a new life, not a duplicate of the old
+        assert store.lookup(A, keys).hit_blocks == 1
+        assert store.get(A, keys) == [data(keys[0])]
+        assert tier.usage().blocks == 1
+        counters = store.stats().counters
+        assert counters["retention_expired_blocks"] == 1 and counters.get("put_dedup_blocks", 0) == 0
+    finally:
+        store.close()
+
+
 class _FlakyDram(DramTier):
     """A dram tier whose reads of the keys in ``failing`` raise, as a remote tier's do when its
     peer is gone: a read batch stops at that block."""

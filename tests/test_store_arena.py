@@ -240,3 +240,30 @@ def test_lease_ids_of_two_stores_do_not_start_alike(tmp_path: Path) -> None:
         finally:
             s.close()
     assert len(firsts) == 2
+
+
+def test_a_key_deleted_under_a_reader_is_stored_again_once_the_reader_lets_go(store: TieredStore) -> None:
+    keys = chain(2)
+    store.put(A, keys, [data(k) for k in keys])
+    resolved = store.resolve(A, keys)
+    assert resolved.lease is not None
+    assert store.delete(A, keys[1:]) == 1  # the reader still holds its slot: doomed, not freed
+    arena = store.arena
+    assert arena is not None
+    slot = resolved.slots[1]
+    assert arena.arena.view[slot.offset : slot.offset + slot.size_bytes] == data(keys[1])
+    # Its storage is still the reader's: a new copy cannot go under the key yet, and neither
+    # path hands out a slot to write in vain; both say so in the counters.
+    assert store.put(A, keys[1:], [data(keys[1])]) == 0
+    reservation = store.reserve(A, keys[1:], [BLOCK], parent=keys[0])
+    assert reservation.slots == (None,)
+    store.abort(reservation.reservation_id)
+    assert store.stats().counters["put_doomed_blocks"] == 2
+    assert store.lookup(A, keys).hit_blocks == 1
+    store.release(resolved.lease.lease_id)  # the doomed block is freed now ...
+    reservation = store.reserve(A, keys[1:], [BLOCK], parent=keys[0])  # ... and the key is free
+    (slot,) = reservation.slots
+    assert slot is not None
+    arena.arena.view[slot.offset : slot.offset + BLOCK] = data(keys[1])
+    assert store.commit(reservation.reservation_id) == 1
+    assert store.get(A, keys) == [data(k) for k in keys]

@@ -4,7 +4,8 @@
                                    a lease; blocks found only in other tiers are copied into
                                    the arena first. The caller reads the slots, then releases.
     reserve(scope, keys, sizes)    -> Reservation: arena slots for new blocks (None for keys
-                                   already present); the caller writes them, then
+                                   already present, or deleted while a reader still holds
+                                   them); the caller writes them, then
     commit(reservation_id)         publishes them, or abort(reservation_id) gives them back.
                                    An uncommitted reservation expires like a lease.
 
@@ -209,7 +210,10 @@ class ArenaCalls:
             slots: list[ArenaSlot | None] = []
             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 slot = None
-                if p.index.visible((scope, key)) is None:
+                existing = p.vacate((scope, key))
+                if existing is not None and existing.doomed:
+                    p.counters["put_doomed_blocks"] += 1  # no slot: the writer skips this block
+                elif existing is None:
                     try:
                         p.governance.check(scope, size, i, len(keys))
                     except QuotaExceeded:

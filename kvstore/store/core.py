@@ -306,10 +306,10 @@ class TieredStore:
             prev = parent
             depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
             for key, data in zip(keys, blocks, strict=True):
-                existing = p.index.get((scope, key))
+                existing = p.vacate((scope, key))
                 if existing is not None:
                     # A doomed block (deleted while a reader holds it) keeps its storage until
-                    # released; a new copy under the same key waits until then.
+                    # released; a new copy under the same key is not stored before then.
                     p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
                 else:
                     block = new_block(self.config, scope, key, len(data), prev, depth)

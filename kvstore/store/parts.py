@@ -22,7 +22,7 @@ from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.store.eviction import Eviction
 from kvstore.store.governance import Governance
 from kvstore.store.index import BlockIndex
-from kvstore.store.model import Block, Scope, StoreConfig
+from kvstore.store.model import Block, BlockId, Scope, StoreConfig
 from kvstore.store.pins import Pins
 from kvstore.store.placement import Placement
 from tiers import InPlaceTier, Tier, TierError
@@ -78,6 +78,19 @@ class StoreParts:
         expired = self.pins.expire()
         if expired:
             self.counters["leases_expired"] += expired
+
+    def vacate(self, ident: BlockId) -> Block | None:
+        """Under the lock, before a new block goes under ``ident``: the entry that still stands
+        in its way, or None. A block past its retention that the sweep has not reached yet goes
+        now (as the sweep would), so the new one is stored instead of taken for a duplicate; a
+        block deleted while a reader holds it (doomed) stands until that reader lets go, since
+        its storage goes only then."""
+        block = self.index.get(ident)
+        if block is None or block.doomed or self.index.visible(ident) is not None:
+            return block
+        self.pins.doom(block)  # past its retention: freed now, or doomed if a reader holds it
+        self.counters["retention_expired_blocks"] += 1
+        return self.index.get(ident)
 
     def count(self, scope: Scope, name: str, n: int = 1) -> None:
         self.counters[name] += n
