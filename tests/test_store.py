@@ -400,3 +400,17 @@ def test_a_read_that_raises_mid_batch_misses_that_block_and_serves_the_rest() ->
         assert s.tier_of(A, keys[4]) == tier.name
     finally:
         s.close()
+
+
+def test_a_block_larger_than_the_fast_tier_goes_below_without_emptying_it() -> None:
+    store = make_store(fast_blocks=4, slow_blocks=8)
+    try:
+        keys = chain(3)
+        store.put(A, keys, [data(k) for k in keys])
+        assert where(store, A, keys) == ["hbm"] * 3
+        big = chain(1, salt="too big for hbm")
+        assert store.put(A, big, [b"\x07" * (5 * PAGE)]) == 1  # hbm holds 4 pages, dram 8
+        assert where(store, A, big) == ["dram"]
+        assert where(store, A, keys) == ["hbm"] * 3  # nothing in hbm was demoted for it
+    finally:
+        store.close()

@@ -267,3 +267,15 @@ def test_a_key_deleted_under_a_reader_is_stored_again_once_the_reader_lets_go(st
     arena.arena.view[slot.offset : slot.offset + BLOCK] = data(keys[1])
     assert store.commit(reservation.reservation_id) == 1
     assert store.get(A, keys) == [data(k) for k in keys]
+
+
+def test_a_reservation_larger_than_the_arena_evicts_nothing(store: TieredStore) -> None:
+    keys = chain(3)
+    store.put(A, keys, [data(k) for k in keys])
+    assert [store.tier_of(A, k) for k in keys] == ["dram"] * 3
+    big = chain(1, salt="too big")
+    reservation = store.reserve(A, big, [5 * BLOCK])  # the arena holds 4 blocks in all
+    assert reservation.slots == (None,)
+    store.abort(reservation.reservation_id)
+    assert [store.tier_of(A, k) for k in keys] == ["dram"] * 3  # nothing was demoted for it
+    assert store.stats().counters.get("evictions", 0) == 0

@@ -37,7 +37,7 @@ from kvstore.store.model import (
     tier_key,
 )
 from kvstore.store.parts import StoreParts
-from tiers import InPlaceTier, TierError
+from tiers import InPlaceTier, TierError, TierFull, TierKey
 
 PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
 
@@ -46,6 +46,7 @@ PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion lo
 class _Pending:
     scope: Scope
     keys: tuple[BlockKey, ...]
+    tkeys: tuple[TierKey, ...]  # each key's name in the arena, computed once
     slots: tuple[ArenaSlot | None, ...]
     parent: BlockKey | None
     pinned_parent: Block | None
@@ -208,7 +209,8 @@ class ArenaCalls:
             if pinned_parent is not None:
                 p.pins.hold(pinned_parent)  # its child is on the way: keep it until commit
             slots: list[ArenaSlot | None] = []
-            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            tkeys = tuple(tier_key(scope, key) for key in keys)
+            for i, (key, tkey, size) in enumerate(zip(keys, tkeys, sizes, strict=True)):
                 slot = None
                 existing = p.vacate((scope, key))
                 if existing is not None and existing.doomed:
@@ -219,16 +221,32 @@ class ArenaCalls:
                     except QuotaExceeded:
                         slots.extend([None] * (len(keys) - i))  # the rest of the chain cannot hang on
                         break
-                    if p.placement.make_room(a, size):
-                        try:
-                            slot = arena.reserve(tier_key(scope, key), size, scope.fingerprint)
-                            p.governance.reserve(scope.namespace, size)
-                        except TierError:
-                            slot = None  # another client is writing this key, or no room after all
+                    slot = self._take_slot(a, arena, tkey, size, scope.fingerprint)
+                    if slot is not None:
+                        p.governance.reserve(scope.namespace, size)
                 slots.append(slot)
-            pending = _Pending(scope, tuple(keys), tuple(slots), parent, pinned_parent)
+            pending = _Pending(scope, tuple(keys), tkeys, tuple(slots), parent, pinned_parent)
             lease = self._reservations.grant([pending], ttl_s, owner)
             return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
+
+    def _take_slot(
+        self, a: int, arena: InPlaceTier, tkey: TierKey, size: int, fingerprint: bytes
+    ) -> ArenaSlot | None:
+        """Under the lock: a reserved arena slot for a new block, making room when the arena
+        has none; None when it cannot, or another client is writing this key. The slot is
+        asked for first, so the usual case (room) costs one call into the tier."""
+        try:
+            return arena.reserve(tkey, size, fingerprint)
+        except TierFull:
+            pass  # make room below, then once more
+        except TierError:
+            return None  # another client is writing this key, or a block that never fits
+        if not self._p.placement.make_room(a, size):
+            return None
+        try:
+            return arena.reserve(tkey, size, fingerprint)
+        except TierError:
+            return None
 
     def commit(self, reservation_id: int, owner: str = "") -> int:
         """Publish a reservation's written slots as blocks; how many were stored."""
@@ -244,12 +262,14 @@ class ArenaCalls:
             first_depth = p.index.depth_after(scope, pending.parent)
             new: list[tuple[Block, ArenaSlot]] = []
             prev = pending.parent
-            for i, (key, slot) in enumerate(zip(pending.keys, pending.slots, strict=True)):
+            for i, (key, tkey, slot) in enumerate(
+                zip(pending.keys, pending.tkeys, pending.slots, strict=True)
+            ):
                 if slot is not None:
                     if p.index.get((scope, key)) is not None:
-                        arena.abort(tier_key(scope, key))  # stored meanwhile by another path
+                        arena.abort(tkey)  # stored meanwhile by another path
                     else:
-                        block = new_block(p.config, scope, key, slot.size_bytes, prev, first_depth + i)
+                        block = new_block(p.config, scope, key, slot.size_bytes, prev, first_depth + i, tkey)
                         new.append((block, slot))
                 prev = key
             arena.commit_many([(block.tkey, block.meta) for block, _ in new])
@@ -273,9 +293,9 @@ class ArenaCalls:
     def _abort_pending(self, pending: _Pending) -> None:
         _, arena = self._p.arena()
         self._unreserve(pending)
-        for key, slot in zip(pending.keys, pending.slots, strict=True):
+        for tkey, slot in zip(pending.tkeys, pending.slots, strict=True):
             if slot is not None:
-                arena.abort(tier_key(pending.scope, key))
+                arena.abort(tkey)
         if pending.pinned_parent is not None:
             self._p.pins.unhold(pending.pinned_parent)
 

@@ -190,11 +190,18 @@ class Block:
 
 
 def new_block(
-    config: StoreConfig, scope: Scope, key: BlockKey, size_bytes: int, parent: BlockKey | None, depth: int
+    config: StoreConfig,
+    scope: Scope,
+    key: BlockKey,
+    size_bytes: int,
+    parent: BlockKey | None,
+    depth: int,
+    tkey: TierKey | None = None,
 ) -> Block:
-    """A fresh index entry; its recompute cost grows with its depth in the chain."""
+    """A fresh index entry; its recompute cost grows with its depth in the chain. ``tkey``:
+    ``tier_key(scope, key)`` where the caller has it already."""
     cost = 1.0 + config.attention_cost_per_block * depth
-    return Block(scope, key, tier_key(scope, key), size_bytes, parent, depth, cost)
+    return Block(scope, key, tkey or tier_key(scope, key), size_bytes, parent, depth, cost)
 
 
 _META = struct.Struct("<Id")  # depth, stored_at_s; then the parent key if any

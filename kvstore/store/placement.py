@@ -56,8 +56,12 @@ class Placement:
         self._before_evicting = before_evicting  # expired leases and reservations go first
 
     def make_room(self, t: int, size_bytes: int) -> bool:
-        self._before_evicting()
         tier = self.tiers[t]
+        if tier.can_store(size_bytes):  # the usual case: nothing to collect or evict
+            return True
+        if size_bytes > tier.usage().capacity_bytes:
+            return False  # it would not fit an empty tier: evicting everything would not help
+        self._before_evicting()
         stuck: list[Block] = []  # could neither move down nor go: back in the heap afterwards
         try:
             while not tier.can_store(size_bytes):
