@@ -119,15 +119,9 @@ class TieredStore:
         with p.locked():
             p.governance.sweep()
             scope = p.index.intern(scope)
-            visible = p.index.visible
-            hits: list[Block] = []
-            for key in keys:
-                block = visible((scope, key))
-                if block is None:
-                    break
-                hits.append(block)
+            hits = p.index.prefix(scope, keys)
             names = [tier.name for tier in p.tiers]
-            tiers = [names[block.fastest] for block in hits]
+            tiers = [names[min(block.tiers)] for block in hits]  # each one's fastest tier
             p.count(scope, "lookup_hit_blocks", len(hits))
             p.count(scope, "lookup_miss_blocks", len(keys) - len(hits))
             lease = None

@@ -21,6 +21,7 @@ import collections
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store.model import Block, BlockId, Scope
@@ -58,9 +59,12 @@ class BlockIndex:
             return None  # past its retention: gone for readers now, for the tiers at the sweep
         return block
 
-    def visible_many(self, scope: Scope, keys: Sequence[BlockKey]) -> list[Block | None]:
+    def visible_many(
+        self, scope: Scope, keys: Sequence[BlockKey], prefix: bool = False
+    ) -> list[Block | None]:
         """``visible((scope, key))`` for each key, in order; one loop for a whole restore
-        (``scope`` interned). Retention is judged against one reading of the wall clock."""
+        (``scope`` interned). Retention is judged against one reading of the wall clock.
+        ``prefix``: stop before the first miss (a lookup's answer: only blocks, no None)."""
         get = self.blocks.get
         now: float | None = None  # read at the first block with a deadline: most have none
         out: list[Block | None] = []
@@ -74,8 +78,14 @@ class BlockIndex:
                         now = self._wall()
                     if block.expires_at_s <= now:
                         block = None
+            if block is None and prefix:
+                break
             out.append(block)
         return out
+
+    def prefix(self, scope: Scope, keys: Sequence[BlockKey]) -> list[Block]:
+        """The visible blocks of ``keys`` up to the first that is not (``scope`` interned)."""
+        return cast(list[Block], self.visible_many(scope, keys, prefix=True))
 
     def is_current(self, block: Block) -> bool:
         """Whether ``block`` is still the live entry under its id (not replaced, not deleted)."""
