@@ -37,15 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiers import cuda
+from tiers.base import BytesLike, Slot, TierKey
+from tiers.errors import ArenaNoRoom, TierUnavailable
+from tiers.journal import Journal, JournalRecord, records_in, replay
+from tiers.slab import SlabEntry, SlabTier
 
 try:
     from tiers import _gather  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the copies run in Python, block by block
     _gather = None
-from tiers.base import BytesLike, Slot, TierKey
-from tiers.errors import ArenaNoRoom, TierUnavailable
-from tiers.journal import Journal, JournalRecord, records_in, replay
-from tiers.slab import SlabEntry, SlabTier
 
 log = logging.getLogger(__name__)
 

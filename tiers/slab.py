@@ -289,11 +289,11 @@ class SlabTier(Tier):
         self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
     ) -> None:
         """One taking of the lock for the whole restore, then the copies (``_read_many``)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         with self._lock:
             entries = self._entries
             found = [None if (entry := entries.get(key)) is None else entry.slot for key in keys]
-        if len(found) != len(outs):
-            raise ValueError(f"{len(found)} keys but {len(outs)} buffers")
         if None in found:  # a miss among them: the hits still copy, in one batch
             at = [i for i, slot in enumerate(found) if slot is not None]
             self._read_many([found[i] for i in at], [outs[i] for i in at])  # type: ignore[misc]

@@ -63,8 +63,12 @@ class Governance:
                     break  # stored later than everything behind it: nothing more is due
                 queue.popleft()
                 if block is not None and not block.doomed and block.expires_at_s <= now:
-                    self._doom(block)
-                    self._counters["retention_expired_blocks"] += 1
+                    self.retire(block)
+
+    def retire(self, block: Block) -> None:
+        """A block past its retention goes: freed now, or doomed while a reader holds it."""
+        self._doom(block)
+        self._counters["retention_expired_blocks"] += 1
 
     def check(self, scope: Scope, size_bytes: int, stored: int, chain: int) -> None:
         """Make room within the namespace's quota for one more block, or raise QuotaExceeded."""

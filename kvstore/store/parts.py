@@ -88,8 +88,7 @@ class StoreParts:
         block = self.index.get(ident)
         if block is None or block.doomed or self.index.visible(ident) is not None:
             return block
-        self.pins.doom(block)  # past its retention: freed now, or doomed if a reader holds it
-        self.counters["retention_expired_blocks"] += 1
+        self.governance.retire(block)  # past its retention, as the sweep would find it
         return self.index.get(ident)
 
     def count(self, scope: Scope, name: str, n: int = 1) -> None:
