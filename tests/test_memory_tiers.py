@@ -79,6 +79,27 @@ def test_reserve_is_invisible_until_commit_and_abort_frees() -> None:
         tier.close()
 
 
+def test_reserve_many_skips_busy_and_oversize_keys_and_stops_where_the_tier_is_full() -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
+    try:
+        tier.reserve(TierKey(b"busy"), MIB, FP)  # another writer's slot
+        items = [(TierKey(b"a"), MIB), (TierKey(b"busy"), MIB), (TierKey(b"huge"), 8 * MIB)]
+        items += [(TierKey(b"b"), MIB), (TierKey(b"c"), MIB), (TierKey(b"d"), MIB), (TierKey(b"e"), MIB)]
+        slots = tier.reserve_many(items, FP)
+        assert [s is not None for s in slots] == [True, False, False, True, True]  # full at "d"
+        assert len({s.offset for s in slots if s is not None}) == 3  # distinct slots
+        assert tier.usage().stored_bytes == 4 * MIB  # the tier is full: 3 reserved here + "busy"
+        assert tier.locate(TierKey(b"a")) is None  # reserved, not visible
+        tier.abort(TierKey(b"busy"))
+        assert [s is not None for s in tier.reserve_many(items[5:], FP)] == [True]  # room for "d" only
+        tier.commit_many([(TierKey(k), None) for k in (b"a", b"b", b"c", b"d")])
+        assert all(tier.locate(TierKey(k)) is not None for k in (b"a", b"b", b"c", b"d"))
+        with pytest.raises(ValueError):
+            tier.reserve_many([(TierKey(b"x"), 10)], b"short fingerprint")
+    finally:
+        tier.close()
+
+
 def _write_through_attached_arena(name: str, offset: int, data: bytes) -> None:
     arena = Arena.attach(name)
     arena.view[offset : offset + len(data)] = data

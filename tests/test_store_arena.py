@@ -279,3 +279,19 @@ def test_a_reservation_larger_than_the_arena_evicts_nothing(store: TieredStore) 
     store.abort(reservation.reservation_id)
     assert [store.tier_of(A, k) for k in keys] == ["dram"] * 3  # nothing was demoted for it
     assert store.stats().counters.get("evictions", 0) == 0
+
+
+def test_a_reservation_in_a_full_arena_makes_room_for_each_block_it_can(store: TieredStore) -> None:
+    old = chain(4, salt="old")
+    store.put(A, old, [data(k) for k in old])  # the arena (4 blocks) is full
+    held = store.resolve(A, old[:2])  # two of them pinned: they stay
+    assert held.lease is not None
+    new = chain(3, salt="new")
+    reservation = store.reserve(A, new, [BLOCK] * 3)
+    assert [s is not None for s in reservation.slots] == [True, True, False]  # room for two only
+    assert [store.tier_of(A, k) for k in old] == ["dram", "dram", "nvme", "nvme"]  # demoted, not lost
+    assert store._p.governance.reserved[A.namespace] == 2 * BLOCK  # only the slots given count
+    assert store.commit(reservation.reservation_id) == 2
+    assert not store._p.governance.reserved
+    store.release(held.lease.lease_id)
+    assert store.get(A, old) == [data(k) for k in old]

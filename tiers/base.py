@@ -211,7 +211,8 @@ class MappedRegion(Protocol):
 class InPlaceTier(Protocol):
     """A memory tier whose slots other processes map (same-host reads and writes in place).
 
-    Two-phase writes: ``reserve`` a slot readers cannot see, fill ``slot_view(slot)``, then
+    Two-phase writes: ``reserve`` a slot readers cannot see (``reserve_many`` several, stopping
+    where the tier is full), fill ``slot_view(slot)``, then
     ``commit`` (publishes it; ``commit_many`` several at once, all or none) or ``abort`` (gives
     it back). ``locate`` finds a committed block's
     slot; its view stays valid while the caller keeps the block from being deleted.
@@ -227,6 +228,8 @@ class InPlaceTier(Protocol):
     def pinned(self) -> bool: ...
 
     def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot: ...
+
+    def reserve_many(self, items: Sequence[tuple[TierKey, int]], fingerprint: bytes) -> list[Slot | None]: ...
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None: ...
 

@@ -27,7 +27,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 COMMIT, FREE = 1, 2
 _HEAD = struct.Struct("<IBQQ")  # length, kind, offset, size
@@ -35,8 +35,7 @@ _CRC = struct.Struct("<I")
 DEFAULT_COMPACT_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
-class JournalRecord:
+class JournalRecord(NamedTuple):  # a tuple: one is built for every block committed
     offset: int
     size_bytes: int
     key: bytes
@@ -44,16 +43,25 @@ class JournalRecord:
     meta: bytes
 
 
-_BODY_HEAD = struct.Struct("<IBQQH")  # length, kind, offset, size, key length
-_U16 = struct.Struct("<H")
+_LAYOUTS: dict[tuple[int, int], struct.Struct] = {}  # (key length, meta length) -> the record
+
+
+def _layout(key_len: int, meta_len: int) -> struct.Struct:
+    """The whole record but its CRC, as one struct: one pack for a record of these lengths."""
+    layout = _LAYOUTS.get((key_len, meta_len))
+    if layout is None:
+        if len(_LAYOUTS) > 256:  # lengths a deployment uses are few; never let it grow without end
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key_len, meta_len] = struct.Struct(f"<IBQQH{key_len}s32sH{meta_len}s")
+    return layout
 
 
 def _encode(kind: int, offset: int, size: int, key: bytes, fingerprint: bytes, meta: bytes) -> bytes:
     if len(fingerprint) != 32:
         fingerprint = fingerprint.ljust(32, b"\0")[:32]
-    length = _BODY_HEAD.size - 4 + len(key) + 32 + 2 + len(meta) + _CRC.size
-    record = b"".join(
-        (_BODY_HEAD.pack(length, kind, offset, size, len(key)), key, fingerprint, _U16.pack(len(meta)), meta)
+    layout = _layout(len(key), len(meta))
+    record = layout.pack(
+        layout.size - 4 + _CRC.size, kind, offset, size, len(key), key, fingerprint, len(meta), meta
     )
     return record + _CRC.pack(zlib.crc32(record))
 

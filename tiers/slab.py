@@ -90,7 +90,9 @@ class SlabAllocator:
     def alloc(self, size_bytes: int) -> Slot | None:
         """A free slot for ``size_bytes``, or None when the region has no room for it."""
         slot_bytes = slot_size_for(size_bytes)
-        cls = self._classes.setdefault(slot_bytes, _SizeClass(slot_bytes))
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = _SizeClass(slot_bytes)
         if not cls.partial:
             npages = self._pages_for(slot_bytes)
             first = self._find_free_run(npages)
@@ -201,17 +203,41 @@ class SlabTier(Tier):
         check_meta(meta)
         with self._lock:
             self._check_open()
+            return self._reserve_locked(key, size_bytes, bytes(fingerprint), bytes(meta))
+
+    def reserve_many(self, items: Sequence[tuple[TierKey, int]], fingerprint: bytes) -> list[Slot | None]:
+        """``reserve`` of each (key, size), in order, under one taking of the lock: a slot for
+        each, None for a key with a reserved slot already or a block larger than the tier. It
+        stops at the first block the tier has no room for, so the answer is shorter than
+        ``items`` when the tier filled up: make room, then ask again for the rest."""
+        check_fingerprint(fingerprint)
+        for key, _ in items:
+            check_key(key)
+        fp = bytes(fingerprint)
+        slots: list[Slot | None] = []
+        with self._lock:
+            self._check_open()
+            for key, size_bytes in items:
+                try:
+                    slots.append(self._reserve_locked(key, size_bytes, fp, b""))
+                except TierFull:
+                    break
+                except (SlotBusy, BlockTooLarge):
+                    slots.append(None)
+        return slots
+
+    def _reserve_locked(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes) -> Slot:
+        if key in self._pending:
+            raise SlotBusy(f"{self.name}: key {key.hex()} already has a reserved slot")
+        slot = self._alloc.alloc(size_bytes)
+        if slot is None:
             if not self._alloc.fits_ever(size_bytes):
                 raise BlockTooLarge(
                     f"{size_bytes} B block exceeds the {self.name} tier ({self._alloc.capacity_bytes} B)"
                 )
-            if key in self._pending:
-                raise SlotBusy(f"{self.name}: key {key.hex()} already has a reserved slot")
-            slot = self._alloc.alloc(size_bytes)
-            if slot is None:
-                raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
-            self._pending[key] = SlabEntry(slot, bytes(fingerprint), bytes(meta), committed=False)
-            return slot
+            raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
+        self._pending[key] = SlabEntry(slot, fingerprint, meta, committed=False)
+        return slot
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None:
         """Publish the reserved slot of ``key`` (with ``meta`` if given, else the reserved

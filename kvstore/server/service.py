@@ -161,11 +161,12 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         identity = self._models.get(fingerprint)
         if identity is None:
             return
+        expected = identity.block_bytes
         for size in sizes:
-            if size != identity.block_bytes:
+            if size != expected:
                 raise InvalidArgument(
                     f"block of {size} B does not match the layout registered for fingerprint "
-                    f"{fingerprint.hex()[:16]}: {identity.block_bytes} B per block"
+                    f"{fingerprint.hex()[:16]}: {expected} B per block"
                 )
 
     def _tokens_per_block(self, fingerprint: bytes) -> int:

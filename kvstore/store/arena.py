@@ -37,7 +37,7 @@ from kvstore.store.model import (
     tier_key,
 )
 from kvstore.store.parts import StoreParts
-from tiers import InPlaceTier, TierError, TierFull, TierKey
+from tiers import InPlaceTier, TierError, TierKey
 
 PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
 
@@ -208,45 +208,44 @@ class ArenaCalls:
             pinned_parent = p.index.visible((scope, parent)) if parent is not None else None
             if pinned_parent is not None:
                 p.pins.hold(pinned_parent)  # its child is on the way: keep it until commit
-            slots: list[ArenaSlot | None] = []
             tkeys = tuple(tier_key(scope, key) for key in keys)
-            for i, (key, tkey, size) in enumerate(zip(keys, tkeys, sizes, strict=True)):
-                slot = None
+            wanted: list[int] = []  # the blocks to give a slot, their bytes held against the quota
+            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 existing = p.vacate((scope, key))
-                if existing is not None and existing.doomed:
-                    p.counters["put_doomed_blocks"] += 1  # no slot: the writer skips this block
-                elif existing is None:
-                    try:
-                        p.governance.check(scope, size, i, len(keys))
-                    except QuotaExceeded:
-                        slots.extend([None] * (len(keys) - i))  # the rest of the chain cannot hang on
-                        break
-                    slot = self._take_slot(a, arena, tkey, size, scope.fingerprint)
-                    if slot is not None:
-                        p.governance.reserve(scope.namespace, size)
-                slots.append(slot)
+                if existing is not None:
+                    if existing.doomed:
+                        p.counters["put_doomed_blocks"] += 1  # no slot: the writer skips this block
+                    continue
+                try:
+                    p.governance.check(scope, size, i, len(keys))
+                except QuotaExceeded:
+                    break  # the rest of the chain cannot hang on
+                p.governance.reserve(scope.namespace, size)
+                wanted.append(i)
+            taken = self._take_slots(a, arena, [(tkeys[i], sizes[i]) for i in wanted], scope.fingerprint)
+            slots: list[ArenaSlot | None] = [None] * len(keys)
+            for i, slot in zip(wanted, taken, strict=True):
+                if slot is None:
+                    p.governance.unreserve(scope.namespace, sizes[i])
+                slots[i] = slot
             pending = _Pending(scope, tuple(keys), tkeys, tuple(slots), parent, pinned_parent)
             lease = self._reservations.grant([pending], ttl_s, owner)
             return Reservation(lease.lease_id, pending.slots, lease.expires_at_s)
 
-    def _take_slot(
-        self, a: int, arena: InPlaceTier, tkey: TierKey, size: int, fingerprint: bytes
-    ) -> ArenaSlot | None:
-        """Under the lock: a reserved arena slot for a new block, making room when the arena
-        has none; None when it cannot, or another client is writing this key. The slot is
-        asked for first, so the usual case (room) costs one call into the tier."""
-        try:
-            return arena.reserve(tkey, size, fingerprint)
-        except TierFull:
-            pass  # make room below, then once more
-        except TierError:
-            return None  # another client is writing this key, or a block that never fits
-        if not self._p.placement.make_room(a, size):
-            return None
-        try:
-            return arena.reserve(tkey, size, fingerprint)
-        except TierError:
-            return None
+    def _take_slots(
+        self, a: int, arena: InPlaceTier, items: list[tuple[TierKey, int]], fingerprint: bytes
+    ) -> list[ArenaSlot | None]:
+        """Under the lock: a reserved arena slot for each (key, size) of new blocks, making room
+        where the arena has none; None for one it cannot make room for, or whose key another
+        client is writing. The slots are asked for first, all in one call, so the usual case
+        (room) costs one call into the tier."""
+        slots = arena.reserve_many(items, fingerprint)
+        while len(slots) < len(items):  # the arena is full at items[len(slots)]
+            more = []
+            if self._p.placement.make_room(a, items[len(slots)][1]):
+                more = arena.reserve_many(items[len(slots) :], fingerprint)
+            slots += more or [None]
+        return slots
 
     def commit(self, reservation_id: int, owner: str = "") -> int:
         """Publish a reservation's written slots as blocks; how many were stored."""
@@ -273,10 +272,12 @@ class ArenaCalls:
                         new.append((block, slot))
                 prev = key
             arena.commit_many([(block.tkey, block.meta) for block, _ in new])
-            for block, slot in new:
+            blocks = [block for block, _ in new]
+            for block in blocks:
                 block.tiers.add(a)
-                p.index.admit(block)
-                p.eviction.touch(block)
+            p.index.admit_many(blocks)
+            p.eviction.touch_many(blocks)
+            for block, slot in new:
                 self._on_new_block(block, arena.slot_view(slot))
             p.count(scope, "put_blocks", len(new))
             if pending.pinned_parent is not None:

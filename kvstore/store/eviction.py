@@ -21,7 +21,8 @@ Invariants (what keeps a block from being stranded, out of eviction's sight for 
        puts an entry found below its block's priority back at the block's priority. So the
        victim is still the eligible block of lowest priority, and a hit costs no heap entry.
 
-Calls (store lock held): touch(block) on a fresh put or a single hit (pushes at once);
+Calls (store lock held): touch(block) on a fresh put or a single hit (pushes at once;
+touch_many(blocks) for the fresh blocks of one commit);
 hit_many(blocks) for the hits of one restore, blocks already in the heaps; push(block) after
 its tiers or pins changed; push_parent(block) when a child left; pop_victim(t);
 stranded() for tests: the (block, tier) pairs breaking invariant 1 or 2 (none, ever).
@@ -48,10 +49,15 @@ class Eviction:
 
     def touch(self, block: Block) -> None:
         """A hit or a fresh put: raise the block's priority in every tier holding it."""
-        block.hits += 1
-        block.priority = self._priority(block)
-        block.version += 1
-        self.push(block)
+        self.touch_many((block,))
+
+    def touch_many(self, blocks: Sequence[Block]) -> None:
+        """``touch`` of each (the fresh blocks of one commit)."""
+        for block in blocks:
+            block.hits += 1
+            block.priority = self._priority(block)
+            block.version += 1
+            self.push(block)
 
     def _priority(self, block: Block) -> float:
         """GDSF: the highest aging among the block's tiers (0.0 without one; agings never go

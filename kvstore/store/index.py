@@ -4,7 +4,8 @@ Calls (all with the store lock held; nothing here touches a tier):
     intern(scope)            the one Scope object the index uses for a scope
     visible(ident)           the block readers may see: present, not deleted, not past retention
     visible_many(scope, keys)  the same for a batch of keys of one scope, the clock read once
-    admit(block)             a new block joins (its birth time and retention deadline set)
+    admit(block)             a new block joins (its birth time and retention deadline set);
+                             admit_many(blocks) several, the clock read once
     remove(block)            it leaves (its copies are already gone)
     depth_after(scope, key)  the chain depth of a child of ``key``
     children(ident)          keys of its children in the index
@@ -108,18 +109,33 @@ class BlockIndex:
         return None if block.parent is None else self.blocks.get((block.scope, block.parent))
 
     def admit(self, block: Block) -> None:
-        ident = block.ident
-        if not block.stored_at_s:
-            block.stored_at_s = self._wall()
-        retention = self._retention_of(block.scope.namespace)
-        if retention is not None:
-            block.expires_at_s = block.stored_at_s + retention
-            self.by_age.setdefault(block.scope.namespace, collections.deque()).append(ident)
-        self.blocks[ident] = block
-        self.by_namespace.setdefault(block.scope.namespace, {})[ident] = block
-        self.namespace_bytes[block.scope.namespace] += block.size_bytes
-        if block.parent is not None:
-            self._children.setdefault((block.scope, block.parent), set()).add(block.key)
+        self.admit_many((block,))
+
+    def admit_many(self, blocks: Sequence[Block]) -> None:
+        """``admit`` of each new block, the clock read once (a commit admits a chunk of them)."""
+        now = self._wall()
+        children = self._children
+        for block in blocks:
+            scope = block.scope
+            ns = scope.namespace
+            ident = (scope, block.key)
+            if not block.stored_at_s:
+                block.stored_at_s = now
+            retention = self._retention_of(ns)
+            if retention is not None:
+                block.expires_at_s = block.stored_at_s + retention
+                self.by_age.setdefault(ns, collections.deque()).append(ident)
+            self.blocks[ident] = block
+            in_namespace = self.by_namespace.get(ns)
+            if in_namespace is None:
+                in_namespace = self.by_namespace[ns] = {}
+            in_namespace[ident] = block
+            self.namespace_bytes[ns] += block.size_bytes
+            if block.parent is not None:
+                siblings = children.get((scope, block.parent))
+                if siblings is None:
+                    siblings = children[scope, block.parent] = set()
+                siblings.add(block.key)
 
     def remove(self, block: Block) -> None:
         ident = block.ident
