@@ -654,3 +654,21 @@ def test_arena_slots_are_refused_over_tcp_at_the_wire(served: Served) -> None:
     client = DataPortClient("127.0.0.1", served.server.service.data_port, "tok-a", "")
     with pytest.raises(FailedPrecondition, match="Unix socket"):
         client.lookup_slots(MODEL.fingerprint(), chain(1), 5.0)
+
+
+@pytest.mark.parametrize("count", [5, 1100], ids=["parsed-in-one-call", "past-the-cached-layouts"])
+def test_requests_of_few_and_of_many_keys_parse_alike(served: Served, count: int) -> None:
+    """The data port parses a request's keys (and a put's headers) in one struct call up to
+    PARSED_IN_ONE_CALL keys and by slicing past it: both give the same keys in the same order."""
+    from kvstore.server.dataport import PARSED_IN_ONE_CALL
+
+    assert (count > PARSED_IN_ONE_CALL) == (count == 1100)
+    fp = MODEL.fingerprint()
+    keys = chain(count, salt=f"parse-{count}")
+    stored = [bytes([i % 251]) * BLOCK for i in range(count)]
+    with connect(served.tcp, token="tok-a") as kv:
+        assert kv.put(fp, keys, stored) == count
+        assert kv.lookup(fp, [*keys, *chain(1, salt="absent")]) == count
+        assert kv.lookup(fp, [*keys[:-1], chain(1, salt="absent")[0], keys[-1]]) == count - 1
+        got = kv.get(fp, [keys[0], keys[count // 2], keys[-1]])
+        assert [bytes(g) for g in got] == [stored[0], stored[count // 2], stored[-1]]
