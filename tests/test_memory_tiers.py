@@ -233,3 +233,12 @@ def test_native_gather_refuses_a_span_outside_the_region_and_a_read_only_buffer(
         _gather.gather(region, [0], [4], [b"read"])
     with pytest.raises(ValueError, match="length"):
         _gather.gather(region, [0, 4], [4], [bytearray(4)])
+
+
+def test_a_closed_dram_tier_misses_a_batched_read_without_touching_its_region(gather_path: str) -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
+    tier.put(TierKey(b"k"), b"x" * 1000, FP)
+    tier.close()  # its mapping is gone: reading it would fault or raise
+    sizes: list[int | None] = []
+    tier.get_into_many([TierKey(b"k"), TierKey(b"j")], [memoryview(bytearray(1000))] * 2, sizes)
+    assert sizes == [None, None]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import LeaseExpired, LeaseNotFound
+from kvstore.errors import KvStoreError, LeaseExpired, LeaseNotFound
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Scope, StoreConfig, TieredStore
 from tiers.dram import Arena, DramConfig, DramTier
@@ -295,3 +295,16 @@ def test_a_reservation_in_a_full_arena_makes_room_for_each_block_it_can(store: T
     assert not store._p.governance.reserved
     store.release(held.lease.lease_id)
     assert store.get(A, old) == [data(k) for k in old]
+
+
+def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore) -> None:
+    parent = chain(1, salt="parent")
+    store.put(A, parent, [data(parent[0])])
+    (block,) = store._p.index.blocks.values()
+    arena = store.arena
+    assert arena is not None
+    arena.close()  # the arena closing under the call: its slots cannot be had
+    with pytest.raises(KvStoreError):
+        store.reserve(A, chain(2, salt="child"), [BLOCK] * 2, parent=parent[0])
+    assert not store._p.governance.reserved  # no bytes left counted against the quota
+    assert block.pins == 0  # and the parent it held for its chain is let go

@@ -322,7 +322,8 @@ class SlabTier(Tier):
             found = [None if (entry := entries.get(key)) is None else entry.slot for key in keys]
         if None in found:  # a miss among them: the hits still copy, in one batch
             at = [i for i, slot in enumerate(found) if slot is not None]
-            self._read_many([found[i] for i in at], [outs[i] for i in at])  # type: ignore[misc]
+            if at:  # none: a closed tier's region must not be touched (it misses every key)
+                self._read_many([found[i] for i in at], [outs[i] for i in at])  # type: ignore[misc]
             sizes.extend(None if slot is None else slot.size_bytes for slot in found)
             return
         slots: list[Slot] = found  # type: ignore[assignment]

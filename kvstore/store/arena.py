@@ -222,7 +222,13 @@ class ArenaCalls:
                     break  # the rest of the chain cannot hang on
                 p.governance.reserve(scope.namespace, size)
                 wanted.append(i)
-            taken = self._take_slots(a, arena, [(tkeys[i], sizes[i]) for i in wanted], scope.fingerprint)
+            try:
+                taken = self._take_slots(a, arena, [(tkeys[i], sizes[i]) for i in wanted], scope.fingerprint)
+            except BaseException:  # the arena closing under us: nothing of this call may stay held
+                p.governance.unreserve(scope.namespace, sum(sizes[i] for i in wanted))
+                if pinned_parent is not None:
+                    p.pins.unhold(pinned_parent)
+                raise
             slots: list[ArenaSlot | None] = [None] * len(keys)
             for i, slot in zip(wanted, taken, strict=True):
                 if slot is None:
