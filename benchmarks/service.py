@@ -139,6 +139,13 @@ def _blocks(
     return keys, [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in keys]
 
 
+def _keys(count: int, seed: int, model: ModelIdentity = MODEL) -> list[BlockKey]:
+    """The keys of a chain of ``count`` blocks, without their bytes."""
+    per = model.tokens_per_block
+    tokens = np.random.default_rng(seed).integers(0, 32000, count * per).tolist()
+    return block_keys(model.fingerprint(), tokens, per)
+
+
 def _remote_rounds(
     kv: Client, count: int, outs: list[memoryview]
 ) -> tuple[Callable[[], float], Callable[[], float], Callable[[], float], list[bytes]]:
@@ -543,6 +550,64 @@ def bench_lookup(server: ServerProcess, calls: int, clients: int = 4) -> list[Re
     ]
 
 
+def bench_lookup_under_writes(count: int, writes: int = 8) -> list[Result]:
+    """One client's 64-key lookups (1 ms apart) while another writes 128 MiB chains in place into
+    a server whose arena holds three of them, so that from the fourth write on every write
+    demotes its room's worth into nvme, faster than the disk takes it: the lookups' p99 against
+    the same lookups before the writes began, on the same server."""
+    import threading
+
+    server = bench_server(arena_bytes=3 * count * BLOCK)
+    try:
+        fp = MODEL.fingerprint()
+        hot, hot_blocks = _blocks(64, 1, MODEL, BLOCK)
+        _, payloads = _blocks(count, 100, MODEL, BLOCK)  # one set of bytes under every chain's keys
+        chains = [(_keys(count, 101 + i), payloads) for i in range(3 + writes)]
+        latencies: dict[str, list[float]] = {"quiet": [], "writes": []}
+        phase = "quiet"
+        done = threading.Event()
+        with connect(server.unix) as kv, connect(server.unix) as other:
+            kv.register(MODEL)
+            kv.write(fp, hot, hot_blocks)
+            for keys, blocks in chains[:3]:  # the arena is full from here on
+                kv.write(fp, keys, blocks)
+
+            def look() -> None:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    other.lookup(fp, hot)
+                    latencies[phase].append(time.perf_counter() - start)
+                    time.sleep(0.001)
+
+            looker = threading.Thread(target=look)
+            looker.start()
+            try:
+                time.sleep(1.0)
+                phase = "writes"
+                for keys, blocks in chains[3:]:
+                    kv.write(fp, keys, blocks)
+            finally:
+                done.set()
+                looker.join(30)
+            counters = kv.stats()["counters"]
+    finally:
+        server.stop()
+    quiet, busy = sorted(latencies["quiet"]), sorted(latencies["writes"])
+    p99_quiet, p99_busy = quiet[int(len(quiet) * 0.99)] * 1e3, busy[int(len(busy) * 0.99)] * 1e3
+    return [
+        Result(
+            "lookup 64 keys p99, a writer overflowing the arena",
+            p99_busy,
+            "ms",
+            "the same lookups before the writes",
+            p99_quiet,
+            note=f"{len(busy)} lookups during {writes} writes of {count} x 2 MiB into a full arena; "
+            f"demoted {counters.get('demotions', 0)}, dropped for a busy disk "
+            f"{counters.get('nvme_busy_skipped_blocks', 0)}, pace timeouts {counters.get('pace_timeouts', 0)}",
+        )
+    ]
+
+
 def bench_peers(
     count: int, rounds: int, ours: dict[str, float], lookups: dict[str, float], console: Console
 ) -> list[Result]:
@@ -621,6 +686,8 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
             same_host.stop()
         console.print("[dim]lookup latency, 4 clients …[/]")
         results += bench_lookup(server, calls=500 if quick else 2000)
+        console.print("[dim]lookup latency while a writer overflows the arena …[/]")
+        results += bench_lookup_under_writes(count)
     finally:
         server.stop()
     if with_peers:

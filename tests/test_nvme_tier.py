@@ -26,6 +26,7 @@ import xxhash
 from tiers import (
     BlockTooLarge,
     Codec,
+    TierBusy,
     TierClosed,
     TierCorrupt,
     TierFull,
@@ -181,13 +182,19 @@ def test_queued_puts_count_against_capacity(config: NvmeConfig, monkeypatch: pyt
     tier.close()
 
 
-def test_put_waits_while_too_many_bytes_are_queued(
-    config: NvmeConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _full_queue(config: NvmeConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[NvmeTier, WriterGate]:
+    """A tier whose write queue (2 MiB) is full of two puts its held writer has not committed."""
     tier = NvmeTier(replace(config, max_pending_bytes=2 * MiB))
     gate = WriterGate(tier, monkeypatch)
     tier.put(key(0), payload(0, MiB), FP)
     tier.put(key(1), payload(1, MiB), FP)
+    return tier, gate
+
+
+def test_put_waits_while_too_many_bytes_are_queued(
+    config: NvmeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, gate = _full_queue(config, monkeypatch)
     third = threading.Thread(target=tier.put, args=(key(2), payload(2, MiB), FP))
     third.start()
     third.join(0.3)
@@ -195,6 +202,22 @@ def test_put_waits_while_too_many_bytes_are_queued(
     gate.open()
     third.join(10)
     assert not third.is_alive()
+    tier.flush()
+    assert all(read(tier, key(i)) == payload(i, MiB) for i in range(3))
+    tier.close()
+
+
+def test_put_nowait_refuses_a_full_queue_and_the_writer_can_wait_for_it_to_drain(
+    config: NvmeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, gate = _full_queue(config, monkeypatch)
+    with pytest.raises(TierBusy):
+        tier.put_nowait(key(2), payload(2, MiB), FP)  # the store's placements never wait
+    assert read(tier, key(2)) is None  # nothing of the refused block was kept
+    assert not tier.wait_for_queue_room(MiB, 0.2)  # the writer is held: still full at the timeout
+    threading.Timer(0.2, gate.open).start()
+    assert tier.wait_for_queue_room(MiB, 10)
+    tier.put_nowait(key(2), payload(2, MiB), FP)
     tier.flush()
     assert all(read(tier, key(i)) == payload(i, MiB) for i in range(3))
     tier.close()

@@ -4,6 +4,7 @@ slots written in place, over a real arena that another process maps."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvstore.errors import KvStoreError, LeaseExpired, LeaseNotFound
 from kvstore.keys import BlockKey, Fingerprint, block_keys
-from kvstore.store import Scope, StoreConfig, TieredStore
+from kvstore.store import Reservation, Scope, StoreConfig, TieredStore
 from tiers.dram import Arena, DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
 from tiers.throttle import Throttled
@@ -308,3 +309,77 @@ def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore)
         store.reserve(A, chain(2, salt="child"), [BLOCK] * 2, parent=parent[0])
     assert not store._p.governance.reserved  # no bytes left counted against the quota
     assert block.pins == 0  # and the parent it held for its chain is let go
+
+
+def _gated_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TieredStore, threading.Event]:
+    """A 4-block arena over nvme whose write queue takes 2 blocks and whose writer commits
+    nothing until the event is set: the disk is behind."""
+    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(
+        NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, max_pending_bytes=2 * BLOCK)
+    )
+    gate = threading.Event()
+    commit = nvme._writer._commit
+
+    def gated(batch: object) -> None:
+        assert gate.wait(30), "the test never let the disk go on"
+        commit(batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme._writer, "_commit", gated)
+    return TieredStore([dram, nvme], StoreConfig()), gate
+
+
+def test_a_writer_waits_for_a_disk_that_is_behind_outside_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, gate = _gated_store(tmp_path, monkeypatch)
+    try:
+        first, second, third = chain(4, salt="1"), chain(2, salt="2"), chain(1, salt="3")
+        s.put(A, first, [data(k) for k in first])  # the arena is full
+        s.put(A, second, [data(k) for k in second])  # two victims fill the disk's queue
+        writer = threading.Thread(target=s.put, args=(A, third, [data(third[0])]))
+        reserved: list[Reservation] = []
+        same_host = threading.Thread(
+            target=lambda: reserved.append(s.reserve(A, chain(1, salt="4"), [BLOCK]))
+        )
+        writer.start()
+        same_host.start()
+        writer.join(0.3)
+        assert writer.is_alive() and same_host.is_alive()  # paced: both wait for the disk...
+        assert s.lookup(A, second).hit_blocks == 2  # ...and everyone else goes on meanwhile
+        gate.set()
+        writer.join(10)
+        same_host.join(10)
+        assert not writer.is_alive() and not same_host.is_alive()
+        assert reserved[0].slots[0] is not None
+        s.abort(reserved[0].reservation_id)
+        counters = s.stats().counters
+        assert counters["demotions"] == 4 and counters.get("nvme_busy_skipped_blocks", 0) == 0
+        everything = first + second + third
+        assert [s.tier_of(A, k) for k in everything] == ["nvme"] * 4 + ["dram"] * 3  # none lost
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvstore.store.core
+
+    monkeypatch.setattr(kvstore.store.core, "PACE_S", 0.2)
+    s, gate = _gated_store(tmp_path, monkeypatch)
+    try:
+        first, second, third = chain(4, salt="1"), chain(2, salt="2"), chain(2, salt="3")
+        s.put(A, first, [data(k) for k in first])
+        s.put(A, second, [data(k) for k in second])
+        assert s.put(A, third, [data(k) for k in third]) == 2  # stored after 0.2 s, never waiting in the lock
+        counters = s.stats().counters
+        assert counters["pace_timeouts"] == 1 and counters["nvme_busy_skipped_blocks"] >= 2
+        assert counters["demotions"] == 2  # the two that found the queue with room
+        assert s.lookup(A, third).hit_blocks == 2
+        present = sum(s.lookup(A, [k]).hit_blocks for k in first + second)
+        assert present == 6 - 2  # of the four victims two were demoted, two dropped
+    finally:
+        gate.set()
+        s.close()

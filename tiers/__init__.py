@@ -17,6 +17,7 @@ from tiers.base import (
 from tiers.errors import (
     BlockTooLarge,
     SlotBusy,
+    TierBusy,
     TierClosed,
     TierCorrupt,
     TierError,
@@ -34,6 +35,7 @@ __all__ = [
     "SlotBusy",
     "StoredBlock",
     "Tier",
+    "TierBusy",
     "TierClosed",
     "TierCorrupt",
     "TierError",

@@ -157,6 +157,18 @@ class Tier(ABC):
     @abstractmethod
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None: ...
 
+    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
+        """``put`` that never waits for room in a write queue: a tier that queues its writes
+        raises TierBusy while the queue is full (its medium is behind) instead of waiting for
+        it to drain. The store places blocks under its lock, where a wait on the disk would
+        stall every caller. A tier that does not queue writes puts as ``put`` does."""
+        self.put(key, payload, fingerprint, meta)
+
+    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
+        """Wait, up to ``timeout_s``, until ``put_nowait`` of ``nbytes`` would not find the write
+        queue full; whether it would not. A tier that does not queue writes never waits."""
+        return True
+
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
 

@@ -2,6 +2,7 @@
 
     TierError
     ├── TierFull          no room for the block without evicting something first
+    │   └── TierBusy      its write queue is full (the medium is behind) and the caller would not wait
     ├── SlotBusy          another writer holds a reserved slot for the same key
     ├── BlockTooLarge     the block can never fit this tier (larger than a slot page or the tier)
     ├── TierClosed        the tier was used after close()
@@ -20,6 +21,10 @@ class TierError(Exception):
 
 class TierFull(TierError):
     """The tier has no free space for this block right now; evict, then retry."""
+
+
+class TierBusy(TierFull):
+    """``put_nowait``: the tier's write queue is full right now (its medium is behind)."""
 
 
 class SlotBusy(TierError):

@@ -13,7 +13,8 @@ blocks: fresh memory faults in at a fraction of memcpy speed), records it in the
 hands it to the writer (``tiers.nvme_writer``: the queue, the pending map, batching, the sync
 schedule and the marker), whose thread commits queued operations in batches. A read of a
 queued key is served from the pending copy (read-your-writes); delete() and overwriting puts
-cancel a queued put. put() blocks while more than ``max_pending_bytes`` wait for the writer.
+cancel a queued put. put() blocks while more than ``max_pending_bytes`` wait for the writer;
+put_nowait() raises TierBusy then (the store's placements under its lock use it).
 flush() returns once everything queued before it is committed and ``env.sync(True)`` has run;
 close() drains the queue, syncs and closes.
 
@@ -55,6 +56,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +80,7 @@ from tiers.base import (
 )
 from tiers.cipher import OVERHEAD_BYTES, BlockCipher
 from tiers.codec import DEFAULT_ZSTD_LEVEL, CodecError, byte_view, decode_into, encode
-from tiers.errors import BlockTooLarge, TierClosed, TierCorrupt, TierFull
+from tiers.errors import BlockTooLarge, TierBusy, TierClosed, TierCorrupt, TierFull
 from tiers.nvme_env import open_env
 from tiers.nvme_writer import BufferPool, NvmeWriter
 
@@ -217,6 +219,12 @@ class NvmeTier(Tier):
             return counts.stored_total + estimate <= self._config.capacity_bytes
 
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
+        self._put(key, payload, fingerprint, meta, wait=True)
+
+    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
+        self._put(key, payload, fingerprint, meta, wait=False)
+
+    def _put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes, wait: bool) -> None:
         check_key(key)
         check_fingerprint(fingerprint)
         check_meta(meta)
@@ -227,6 +235,10 @@ class NvmeTier(Tier):
         if payload_len > capacity:
             raise BlockTooLarge(f"block of {payload_len} bytes exceeds the nvme tier's {capacity}")
         self._check_open()
+        if not wait:
+            with self._cond:  # before the copy: a refused block costs no memcpy
+                if self._writer.queue_full_locked(payload_len):
+                    raise self._busy()
         codec = self._config.codec
         stored: bytes | bytearray = b""
         if codec is not Codec.NONE:
@@ -250,6 +262,8 @@ class NvmeTier(Tier):
                 self._check_open_locked()
                 self._check_room_locked(key, len(stored))
                 while self._writer.queue_full_locked(len(stored)):
+                    if not wait:
+                        raise self._busy()
                     self._cond.wait()  # back-pressure: the writer notifies after each commit
                     self._check_open_locked()
                 self._check_room_locked(key, len(stored))
@@ -260,6 +274,21 @@ class NvmeTier(Tier):
             self._forget_locked(key)
             self._index_add_locked(key, header)
             self._writer.put_locked(key, header, stored)
+
+    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._writer.queue_full_locked(nbytes):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed or self._writer.failure is not None:
+                    return False
+                self._cond.wait(left)  # the writer notifies after each commit
+            return True
+
+    def _busy(self) -> TierBusy:
+        return TierBusy(
+            f"the nvme write queue is full ({self._config.max_pending_bytes} B): the disk is behind"
+        )
 
     def _copy(self, view: memoryview) -> bytearray:
         """A private copy of the payload, in a recycled buffer where one is free."""

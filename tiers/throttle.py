@@ -33,6 +33,12 @@ class Throttled(Tier):
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
         self.inner.put(key, payload, fingerprint, meta)
 
+    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
+        self.inner.put_nowait(key, payload, fingerprint, meta)
+
+    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
+        return self.inner.wait_for_queue_room(nbytes, timeout_s)
+
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         n = self.inner.get_into(key, out)
         if n:

@@ -50,6 +50,14 @@ _STORE_COUNTERS = {
     "leases_expired": ("kvstore_leases_expired_total", "Leases that ran out before release"),
     "invalidated_blocks": ("kvstore_invalidated_blocks_total", "Blocks removed by Invalidate"),
     "put_blocks": ("kvstore_stored_blocks_total", "Blocks stored"),
+    "pace_timeouts": (
+        "kvstore_pace_timeouts_total",
+        "Writes that waited the longest allowed for a disk that was behind (their victims then dropped)",
+    ),
+    "nvme_busy_skipped_blocks": (
+        "kvstore_nvme_busy_skipped_blocks_total",
+        "Blocks not demoted into nvme because its write queue was full: dropped from the tier above",
+    ),
 }
 
 

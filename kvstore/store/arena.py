@@ -37,6 +37,7 @@ from kvstore.store.model import (
     tier_key,
 )
 from kvstore.store.parts import StoreParts
+from kvstore.store.placement import PACE_S
 from tiers import InPlaceTier, TierError, TierKey
 
 PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
@@ -202,6 +203,7 @@ class ArenaCalls:
         check_sizes(sizes, p.config.max_block_bytes)
         ttl_s = p.pins.ttl(ttl_s)
         a, arena = p.arena()
+        p.placement.pace(a, sum(sizes), PACE_S)  # a disk that is behind slows this writer only
         with p.locked():
             scope = p.index.intern(scope)
             p.expire()

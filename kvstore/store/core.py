@@ -52,6 +52,7 @@ from kvstore.store.model import (
     new_block,
 )
 from kvstore.store.parts import StoreParts, translated
+from kvstore.store.placement import PACE_S, PACE_SLICE_BYTES
 from kvstore.store.rebuild import rebuild
 from kvstore.store.remote import RemoteCalls
 from tiers import BytesLike, InPlaceTier, Tier
@@ -292,26 +293,37 @@ class TieredStore:
         check_keys(keys)
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
-        check_sizes([len(memoryview(b)) for b in blocks], self.config.max_block_bytes)
+        sizes = [len(memoryview(b)) for b in blocks]
+        check_sizes(sizes, self.config.max_block_bytes)
         stored = 0
         with p.locked():
             scope = p.index.intern(scope)
-            p.expire()
-            prev = parent
-            depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
-            for key, data in zip(keys, blocks, strict=True):
-                existing = p.vacate((scope, key))
-                if existing is not None:
-                    # A doomed block (deleted while a reader holds it) keeps its storage until
-                    # released; a new copy under the same key is not stored before then.
-                    p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
-                else:
-                    block = new_block(self.config, scope, key, len(data), prev, depth)
-                    self._put_one(block, data, stored, len(keys), to_remote)
+            first_depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
+        # In slices, each paced before it takes the lock: a disk that is behind slows this
+        # writer, slice by slice, and every other caller goes on between them.
+        first = 0
+        while first < len(keys):
+            end, nbytes = first + 1, sizes[first]
+            while end < len(keys) and nbytes < PACE_SLICE_BYTES:
+                nbytes += sizes[end]
+                end += 1
+            p.placement.pace(0, nbytes, PACE_S)
+            with p.locked():
+                p.expire()
+                for i in range(first, end):
+                    key = keys[i]
+                    existing = p.vacate((scope, key))
+                    if existing is not None:
+                        # A doomed block (deleted while a reader holds it) keeps its storage
+                        # until released; a new copy under the same key is not stored before then.
+                        p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
+                        continue
+                    prev = keys[i - 1] if i else parent
+                    block = new_block(self.config, scope, key, sizes[i], prev, first_depth + i)
+                    self._put_one(block, blocks[i], stored, len(keys), to_remote)
                     stored += 1
                     p.count(scope, "put_blocks")
-                prev = key
-                depth += 1
+            first = end
         return stored
 
     def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int, to_remote: bool) -> None:
@@ -345,7 +357,7 @@ class TieredStore:
         if self.config.write_through:
             for t, persistent in enumerate(self._p.persistent):
                 if persistent and t not in block.tiers:
-                    self._p.placement.place(block, data, lowest=t, highest=t)
+                    self._p.placement.place(block, data, lowest=t, highest=t, wait=True)
         if self._write_behind is not None:
             self._write_behind.offer(block)
         if self._remote is not None and to_remote:

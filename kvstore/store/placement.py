@@ -1,9 +1,11 @@
 """Placement: which tier gets a copy, room made by demoting down the tiers, spill on close.
 
-Calls (store lock held):
+Calls (store lock held, but pace):
     place(block, data, lowest, highest, evict)  a copy into the first tier in [lowest, highest]
                                                 that has room or (``evict``) can make it
     make_room(t, size)     evict from tier t until size fits; whether it does
+    pace(t, size, timeout) (lock NOT held) before a write: wait for the write queue of the tier
+                           below t that room in t will demote into, when it is full
     demote(block, t)       move a block's only copy out of t into the next tier with free room
                            (nothing evicted for it); whether it left t
     forget_tier(block, t)  the copy in t goes; a block left with no copy leaves the index
@@ -17,8 +19,9 @@ Eviction demotes a block to the next tier while there is one and drops it from t
 block whose only copy cannot move and whose removal would strand a resident child stays.
 
 What runs under the lock here: copies between memory tiers and into a tier's write queue (a
-bounded memcpy); reads from a slower medium happen only for demotions out of a tier that is not
-an arena, which the default tiers never need.
+bounded memcpy; a queue that is full is never waited for, except by ``spill`` at close and by
+write-through, which promise the copy); reads from a slower medium happen only for demotions out
+of a tier that is not an arena, which the default tiers never need.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block
 from kvstore.store.pins import Pins
-from tiers import BytesLike, Tier, TierError, TierFull
+from tiers import BytesLike, Tier, TierBusy, TierError, TierFull
 
 log = logging.getLogger("kvstore.store")
+
+PACE_S = 2.0  # the longest a write waits for the disk to take its victims (past it they are dropped)
+PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
 
 
 class Placement:
@@ -75,6 +81,22 @@ class Placement:
             for block in stuck:
                 self._eviction.push(block)
 
+    def pace(self, t: int, size_bytes: int, timeout_s: float) -> None:
+        """Outside the lock, before a write that will need ``size_bytes`` of room in tier ``t``:
+        when making that room will demote into a tier whose write queue is full, wait (at most
+        ``timeout_s``) for the queue to drain, so that the writer, not every caller, waits for
+        the disk and its victims are demoted rather than dropped. Advisory: it reads the tiers
+        without the store lock, and the placements under it never wait whatever it found."""
+        usage = self.tiers[t].usage()
+        short = size_bytes - (usage.capacity_bytes - usage.stored_bytes)  # bytes to demote first
+        if short <= 0:
+            return
+        for below in self.tiers[t + 1 :]:
+            if below.persistent:
+                if not below.wait_for_queue_room(short, timeout_s):
+                    self._counters["pace_timeouts"] += 1
+                return
+
     def _evict(self, block: Block, t: int) -> bool:
         """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
         it can do neither (no room below, and dropping it would strand a resident child)."""
@@ -90,7 +112,12 @@ class Placement:
         self.forget_tier(block, t)
         return True
 
-    def place(self, block: Block, data: BytesLike, lowest: int, highest: int, evict: bool = True) -> None:
+    def place(
+        self, block: Block, data: BytesLike, lowest: int, highest: int, evict: bool = True, wait: bool = False
+    ) -> None:
+        """``wait``: wait for room in a tier's write queue (spill at close, write-through);
+        otherwise a tier whose medium is behind is passed over (counted), so the store lock is
+        never held waiting on a disk: an eviction then drops its victim instead of demoting it."""
         for t in range(lowest, highest + 1):
             if t in block.tiers:
                 return
@@ -98,8 +125,15 @@ class Placement:
                 self.make_room(t, block.size_bytes) if evict else self.tiers[t].can_store(block.size_bytes)
             ):
                 continue
+            tier = self.tiers[t]
             try:
-                self.tiers[t].put(block.tkey, data, block.scope.fingerprint, block.meta)
+                if wait:
+                    tier.put(block.tkey, data, block.scope.fingerprint, block.meta)
+                else:
+                    tier.put_nowait(block.tkey, data, block.scope.fingerprint, block.meta)
+            except TierBusy:
+                self._counters[f"{tier.name}_busy_skipped_blocks"] += 1
+                continue
             except TierFull:
                 continue
             except TierError as exc:
@@ -210,7 +244,7 @@ class Placement:
                 continue
             self._pins.hold(block)  # keep it from being chosen to make room for itself
             try:
-                self.place(block, data, lowest=target, highest=target)
+                self.place(block, data, lowest=target, highest=target, wait=True)
             finally:
                 self._pins.unhold(block)
             spilled += target in block.tiers
