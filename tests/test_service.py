@@ -672,3 +672,23 @@ def test_requests_of_few_and_of_many_keys_parse_alike(served: Served, count: int
         assert kv.lookup(fp, [*keys[:-1], chain(1, salt="absent")[0], keys[-1]]) == count - 1
         got = kv.get(fp, [keys[0], keys[count // 2], keys[-1]])
         assert [bytes(g) for g in got] == [stored[0], stored[count // 2], stored[-1]]
+
+
+def test_a_remote_put_in_small_steps_keeps_its_chain(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data plane reserves a put step by step (at most WRITE_STEP_BYTES each, so each step is
+    paced for the disk on its own); across the steps every block keeps its parent and depth."""
+    from kvstore.server import dataplane
+
+    monkeypatch.setattr(dataplane, "WRITE_STEP_BYTES", 2 * BLOCK)
+    store = served.server.store
+    fp = MODEL.fingerprint()
+    keys = chain(9, salt="steps")  # steps of 2 2 2 2 1 blocks
+    stored = blocks_for(keys)
+    with connect(served.tcp, token="tok-a") as kv:
+        assert kv.put(fp, keys, stored) == 9
+        assert [bytes(b) for b in kv.get(fp, keys)] == stored
+    found = {b.key: b for b in store._p.index.blocks.values() if b.key in set(keys)}
+    assert [(found[k].depth, found[k].parent) for k in keys] == [
+        (0, None),
+        *((i, keys[i - 1]) for i in range(1, 9)),
+    ]

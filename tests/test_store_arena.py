@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from kvstore.errors import KvStoreError, LeaseExpired, LeaseNotFound
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Reservation, Scope, StoreConfig, TieredStore
+from tiers import Tier, TierKey
 from tiers.dram import Arena, DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
 from tiers.throttle import Throttled
@@ -311,9 +313,11 @@ def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore)
     assert block.pins == 0  # and the parent it held for its chain is let go
 
 
-def _gated_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TieredStore, threading.Event]:
-    """A 4-block arena over nvme whose write queue takes 2 blocks and whose writer commits
-    nothing until the event is set: the disk is behind."""
+def _gated_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, above: Sequence[Tier] = ()
+) -> tuple[TieredStore, threading.Event]:
+    """A 4-block arena (below the tiers ``above``) over nvme whose write queue takes 2 blocks
+    and whose writer commits nothing until the event is set: the disk is behind."""
     dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
     nvme = NvmeTier(
         NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, max_pending_bytes=2 * BLOCK)
@@ -326,7 +330,7 @@ def _gated_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Tiere
         commit(batch)  # type: ignore[arg-type]
 
     monkeypatch.setattr(nvme._writer, "_commit", gated)
-    return TieredStore([dram, nvme], StoreConfig()), gate
+    return TieredStore([*above, dram, nvme], StoreConfig()), gate
 
 
 def test_a_writer_waits_for_a_disk_that_is_behind_outside_the_lock(
@@ -380,6 +384,29 @@ def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
         assert s.lookup(A, third).hit_blocks == 2
         present = sum(s.lookup(A, [k]).hit_blocks for k in first + second)
         assert present == 6 - 2  # of the four victims two were demoted, two dropped
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_write_whose_room_a_memory_tier_below_takes_never_waits_for_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiers.hbm import HbmConfig, HbmTier
+
+    hbm = HbmTier(HbmConfig(capacity_bytes=2 * BLOCK, page_bytes=BLOCK, device="cpu"))
+    s, gate = _gated_store(tmp_path, monkeypatch, above=[hbm])  # hbm over dram over a slow disk
+    nvme = s._p.tiers[2]
+    try:
+        two = chain(2, salt="hbm")
+        s.put(A, two, [data(k) for k in two])  # hbm is full
+        nvme.put(TierKey(b"x"), data(two[0]), bytes(FP))  # and so is the disk's queue (2 blocks)
+        nvme.put(TierKey(b"y"), data(two[1]), bytes(FP))
+        started = time.monotonic()
+        more = chain(2, salt="more")
+        assert s.put(A, more, [data(k) for k in more]) == 2  # its victims go to dram, which has room
+        assert time.monotonic() - started < 1.0  # not paced (PACE_S is 2 s)
+        assert s.stats().counters.get("pace_timeouts", 0) == 0
     finally:
         gate.set()
         s.close()

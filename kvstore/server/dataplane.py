@@ -38,6 +38,7 @@ from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStor
 from tiers import InPlaceTier
 
 BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer
+WRITE_STEP_BYTES = 16 << 20  # and, for a write, about this many bytes at most
 LEASE_S = 60.0  # a transfer's pins and reservations; the transports' deadlines end well inside
 LEASE_MARGIN_S = 5.0  # no slot is touched this close to its lease's end
 
@@ -156,8 +157,15 @@ class DataPlane:
         arena = self.arena()
         owner = caller.tenant
         stored = 0
-        for first in range(0, len(keys), BATCH_BLOCKS):
-            last = min(len(keys), first + BATCH_BLOCKS)
+        first = 0
+        while first < len(keys):
+            # A step holds at most BATCH_BLOCKS and about WRITE_STEP_BYTES: each reservation is
+            # paced for the disk on its own (``Placement.pace``), so that a large put still has
+            # every victim demoted and none dropped when the disk is behind.
+            last, nbytes = first + 1, sizes[first]
+            while last < len(keys) and last - first < BATCH_BLOCKS and nbytes < WRITE_STEP_BYTES:
+                nbytes += sizes[last]
+                last += 1
             reservation = self.store.reserve(
                 scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
             )
@@ -180,4 +188,5 @@ class DataPlane:
             for key, key_parent, data in aside:
                 stored += self.store.put(scope, [key], [data], parent=key_parent)
             parent = keys[last - 1]
+            first = last
         return stored

@@ -87,15 +87,15 @@ class Placement:
         ``timeout_s``) for the queue to drain, so that the writer, not every caller, waits for
         the disk and its victims are demoted rather than dropped. Advisory: it reads the tiers
         without the store lock, and the placements under it never wait whatever it found."""
-        usage = self.tiers[t].usage()
-        short = size_bytes - (usage.capacity_bytes - usage.stored_bytes)  # bytes to demote first
-        if short <= 0:
-            return
+        short = size_bytes - _free_bytes(self.tiers[t])  # what has to move down first
         for below in self.tiers[t + 1 :]:
+            if short <= 0:
+                return
             if below.persistent:
                 if not below.wait_for_queue_room(short, timeout_s):
                     self._counters["pace_timeouts"] += 1
                 return
+            short -= _free_bytes(below)  # a memory tier takes what it has room for
 
     def _evict(self, block: Block, t: int) -> bool:
         """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
@@ -253,3 +253,8 @@ class Placement:
         log.info(
             "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
         )
+
+
+def _free_bytes(tier: Tier) -> int:
+    usage = tier.usage()
+    return usage.capacity_bytes - usage.stored_bytes
