@@ -4,10 +4,12 @@ the counters.
 The lock rule (the store's, tested in tests/test_store_threads.py):
     under the lock   index, heap, pin and lease edits; copies between memory tiers and into a
                      tier's write queue (a bounded memcpy: puts, promotion of a block a reader
-                     already holds in memory, demotion out of the arena, spill on close)
+                     already holds in memory, demotion out of the arena, spill on close); a full
+                     write queue is never waited for here but by spill and write-through
     outside it       reads from a medium into a caller's buffer (``get_into``), promotion of a
                      block from a slower tier into the arena (``resolve``), write-behind copies,
-                     and the wait a throttled tier adds; each under a pin that keeps its block
+                     the wait a throttled tier adds, each under a pin that keeps its block; and
+                     a write's wait for a disk that is behind (``Placement.pace``)
 """
 
 from __future__ import annotations
