@@ -242,3 +242,46 @@ def test_a_closed_dram_tier_misses_a_batched_read_without_touching_its_region(ga
     sizes: list[int | None] = []
     tier.get_into_many([TierKey(b"k"), TierKey(b"j")], [memoryview(bytearray(1000))] * 2, sizes)
     assert sizes == [None, None]
+
+
+def _rss_bytes_of_mapping(address: int) -> int | None:
+    """The Rss of the mapping starting at ``address`` in this process (/proc/self/smaps)."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            inside = int(head.split("-")[0], 16) == address
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def test_an_attached_arena_fills_its_page_tables_in_the_background_and_closes_cleanly() -> None:
+    import tiers.dram
+
+    owner = Arena.create_unnamed(64 * MIB)
+    try:
+        owner.array[:4096] = 7
+        attached = Arena.attach(owner.name)
+        address = attached.array.ctypes.data
+        if tiers.dram._libc_madvise() is None or _rss_bytes_of_mapping(address) is None:
+            attached.close()
+            pytest.skip("no libc madvise or no /proc/self/smaps on this platform")
+        assert attached._populating is not None
+        attached._populating.join(30)
+        rss = _rss_bytes_of_mapping(address)
+        if rss == 0:  # a kernel before 5.14 refuses MADV_POPULATE_WRITE: left to page faults
+            attached.close()
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+        assert rss == 64 * MIB  # every page mapped before the first copy touches it
+        assert bytes(attached.view[:4096]) == b"\x07" * 4096  # and not one byte changed
+        attached.close()
+        again = Arena.attach(owner.name)
+        again.close()  # closing while it populates waits for the step under way, then unmaps
+    finally:
+        owner.close()

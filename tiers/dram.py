@@ -23,6 +23,8 @@ while faulting in or later mid-copy. Buffers returned by ``Arena.view`` are vali
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -30,6 +32,7 @@ import mmap
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +56,8 @@ SHM_DIR = "/dev/shm"
 OS_PAGE_BYTES = 4096
 UNNAMED_PREFIX = "kvstore-tmp-"  # unnamed arenas: kvstore-tmp-<pid>-<random>
 UNNAMED_GRACE_S = 60.0  # younger files are left alone: their owner may not hold its lock yet
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fill a mapping's page tables without touching its bytes
+POPULATE_STEP_BYTES = 64 << 20  # one madvise call of the background populate
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,33 @@ class Arena:
         self._lock_fd = lock_fd  # an unnamed arena's file, locked while its owner lives
         self.view = memoryview(mapping)
         self.array = np.frombuffer(mapping, dtype=np.uint8)
+        self._populating: threading.Thread | None = None
+        self._stop_populating = threading.Event()
+
+    def populate_in_background(self) -> None:
+        """Fill this process's page tables for the whole mapping on a thread, a step at a time
+        with the GIL released (libc ``madvise(MADV_POPULATE_WRITE)``): a process that maps an
+        arena another one created takes a page fault per 4 KiB on its first copy into each page
+        otherwise, about 3x slower than a copy into a mapped page. Does nothing where the call
+        is missing (not Linux, a kernel before 5.14); ``close`` stops it first."""
+        madvise = _libc_madvise()
+        if madvise is None or self._populating is not None:
+            return
+        base = self.array.ctypes.data
+
+        def run() -> None:
+            for start in range(0, self.size_bytes, POPULATE_STEP_BYTES):
+                if self._stop_populating.is_set():
+                    return
+                length = min(POPULATE_STEP_BYTES, self.size_bytes - start)
+                if madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
+                    log.debug(
+                        "populating arena %s: errno %d; left to page faults", self.name, ctypes.get_errno()
+                    )
+                    return
+
+        self._populating = threading.Thread(target=run, name=f"populate-{self.name}", daemon=True)
+        self._populating.start()
 
     @staticmethod
     def path_of(name: str) -> str:
@@ -132,13 +164,20 @@ class Arena:
         path = cls.path_of(name)
         fd = os.open(path, os.O_RDWR)
         try:
-            size_bytes = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size_bytes = stat.st_size
             mapping = mmap.mmap(fd, size_bytes)
         finally:
             os.close(fd)
-        return cls(name, size_bytes, mapping, owner=False)
+        arena = cls(name, size_bytes, mapping, owner=False)
+        if stat.st_blocks * 512 >= size_bytes:  # backed already: populating allocates nothing
+            arena.populate_in_background()
+        return arena
 
     def close(self) -> None:
+        if self._populating is not None:  # never unmap under a madvise of the mapping
+            self._stop_populating.set()
+            self._populating.join()
         self.view.release()
         del self.array
         try:
@@ -152,6 +191,24 @@ class Arena:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # after the unlink: a sweeper never sees it unlocked
             self._lock_fd = None
+
+
+_MADVISE: list[object] = []  # the libc function once looked up (None: not available)
+
+
+def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not _MADVISE:
+        found = None
+        name = ctypes.util.find_library("c")
+        if name and os.uname().sysname == "Linux":
+            try:
+                found = ctypes.CDLL(name, use_errno=True).madvise  # CDLL calls release the GIL
+                found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                found.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                found = None
+        _MADVISE.append(found)
+    return _MADVISE[0]  # type: ignore[return-value]
 
 
 def sweep_unnamed(now: float | None = None) -> list[str]:
