@@ -5,7 +5,7 @@ The lock rule (the store's, tested in tests/test_store_threads.py):
     under the lock   index, heap, pin and lease edits; copies between memory tiers and into a
                      tier's write queue (a bounded memcpy: puts, promotion of a block a reader
                      already holds in memory, demotion out of the arena, spill on close); a full
-                     write queue is never waited for here but by spill and write-through
+                     write queue is never waited for here but by spill, write-through, demote
     outside it       reads from a medium into a caller's buffer (``get_into``), promotion of a
                      block from a slower tier into the arena (``resolve``), write-behind copies,
                      the wait a throttled tier adds, each under a pin that keeps its block; and

@@ -19,8 +19,8 @@ Eviction demotes a block to the next tier while there is one and drops it from t
 block whose only copy cannot move and whose removal would strand a resident child stays.
 
 What runs under the lock here: copies between memory tiers and into a tier's write queue (a
-bounded memcpy; a queue that is full is never waited for, except by ``spill`` at close and by
-write-through, which promise the copy); reads from a slower medium happen only for demotions out
+bounded memcpy; a queue that is full is never waited for, except by ``spill`` at close, by
+write-through and by an operator's ``demote``, which promise the copy); reads from a slower medium happen only for demotions out
 of a tier that is not an arena, which the default tiers never need.
 """
 
@@ -155,7 +155,9 @@ class Placement:
             data = self.bytes_of(block, t)
             if data is None:
                 return False
-            self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1, evict=False)
+            # An operator's demote promises the move: it waits for a full write queue (under the
+            # lock, as spill does; callers wait behind it while the disk is behind).
+            self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1, evict=False, wait=True)
             if len(block.tiers) == 1:
                 return False
             self._counters["demotions"] += 1
