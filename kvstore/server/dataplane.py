@@ -35,10 +35,11 @@ from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
 from kvstore.server.auth import Caller
 from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStore
+from kvstore.store.placement import PACE_SLICE_BYTES, slices
 from tiers import InPlaceTier
 
 BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer
-WRITE_STEP_BYTES = 16 << 20  # and, for a write, about this many bytes at most
+WRITE_STEP_BYTES = PACE_SLICE_BYTES  # and, for a write, about this many bytes at most
 LEASE_S = 60.0  # a transfer's pins and reservations; the transports' deadlines end well inside
 LEASE_MARGIN_S = 5.0  # no slot is touched this close to its lease's end
 
@@ -157,15 +158,10 @@ class DataPlane:
         arena = self.arena()
         owner = caller.tenant
         stored = 0
-        first = 0
-        while first < len(keys):
-            # A step holds at most BATCH_BLOCKS and about WRITE_STEP_BYTES: each reservation is
-            # paced for the disk on its own (``Placement.pace``), so that a large put still has
-            # every victim demoted and none dropped when the disk is behind.
-            last, nbytes = first + 1, sizes[first]
-            while last < len(keys) and last - first < BATCH_BLOCKS and nbytes < WRITE_STEP_BYTES:
-                nbytes += sizes[last]
-                last += 1
+        # A step holds at most BATCH_BLOCKS and about WRITE_STEP_BYTES: each reservation is
+        # paced for the disk on its own (``Placement.pace``), so that a large put still has
+        # every victim demoted and none dropped when the disk is behind.
+        for first, last in slices(sizes, WRITE_STEP_BYTES, BATCH_BLOCKS):
             reservation = self.store.reserve(
                 scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
             )
@@ -188,5 +184,4 @@ class DataPlane:
             for key, key_parent, data in aside:
                 stored += self.store.put(scope, [key], [data], parent=key_parent)
             parent = keys[last - 1]
-            first = last
         return stored

@@ -52,7 +52,7 @@ from kvstore.store.model import (
     new_block,
 )
 from kvstore.store.parts import StoreParts, translated
-from kvstore.store.placement import PACE_S, PACE_SLICE_BYTES
+from kvstore.store.placement import PACE_S, PACE_SLICE_BYTES, slices
 from kvstore.store.rebuild import rebuild
 from kvstore.store.remote import RemoteCalls
 from tiers import BytesLike, InPlaceTier, Tier
@@ -301,13 +301,8 @@ class TieredStore:
             first_depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
         # In slices, each paced before it takes the lock: a disk that is behind slows this
         # writer, slice by slice, and every other caller goes on between them.
-        first = 0
-        while first < len(keys):
-            end, nbytes = first + 1, sizes[first]
-            while end < len(keys) and nbytes < PACE_SLICE_BYTES:
-                nbytes += sizes[end]
-                end += 1
-            p.placement.pace(0, nbytes, PACE_S)
+        for first, end in slices(sizes, PACE_SLICE_BYTES):
+            p.placement.pace(0, sum(sizes[first:end]), PACE_S)
             with p.locked():
                 p.expire()
                 for i in range(first, end):
@@ -323,7 +318,6 @@ class TieredStore:
                     self._put_one(block, blocks[i], stored, len(keys), to_remote)
                     stored += 1
                     p.count(scope, "put_blocks")
-            first = end
         return stored
 
     def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int, to_remote: bool) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
@@ -260,3 +260,16 @@ class Placement:
 def _free_bytes(tier: Tier) -> int:
     usage = tier.usage()
     return usage.capacity_bytes - usage.stored_bytes
+
+
+def slices(sizes: Sequence[int], max_bytes: int, max_blocks: int | None = None) -> Iterator[tuple[int, int]]:
+    """(first, end) of consecutive runs of blocks of ``sizes``, each at least one block and
+    ending once it holds ``max_bytes`` (or ``max_blocks``): the steps a write is paced in."""
+    first = 0
+    while first < len(sizes):
+        end, nbytes = first + 1, sizes[first]
+        while end < len(sizes) and nbytes < max_bytes and (max_blocks is None or end - first < max_blocks):
+            nbytes += sizes[end]
+            end += 1
+        yield first, end
+        first = end
