@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -73,11 +74,19 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inplace, "CHUNK_MIN_BLOCKS", 2)
 
 
-def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(served: Served, small_chunks: None) -> None:
+@pytest.mark.parametrize("copies", ["native", "python"])
+def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
+    served: Served, small_chunks: None, copies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the native copy loop, and the Python one a build without a C compiler runs."""
+    from kvstore.client import inplace
+
+    if copies == "python":
+        monkeypatch.setattr(inplace, "_gather", None)
     store = served.server.store
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
-        keys = chain(9)  # chunks 2 2 2 2 1
+        keys = chain(9, salt=copies)  # chunks 2 2 2 2 1
         blocks = blocks_for(keys)
         assert kv.write(fp, [*keys[:1]], blocks[:1]) == 1  # the chain's root stored before
         assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 8
@@ -97,15 +106,15 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
     from kvstore.client import inplace
 
     copies = []
-    real_copy = inplace.copy_into
+    real_copy = inplace.scatter_into_slots
 
-    def failing_copy(dst: memoryview, src: bytes) -> None:
-        if len(copies) == 5:
+    def failing_copy(region: memoryview, slots: inplace.Slots, blocks: Sequence[inplace.Data]) -> None:
+        if len(copies) == 2:  # the third chunk
             raise ValueError("the caller's buffer went away")
         copies.append(1)
-        real_copy(dst, src)
+        real_copy(region, slots, blocks)
 
-    monkeypatch.setattr(inplace, "copy_into", failing_copy)
+    monkeypatch.setattr(inplace, "scatter_into_slots", failing_copy)
     arena = served.server.store.arena
     assert arena is not None
     with connect(served.unix) as kv:
@@ -117,7 +126,7 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
         assert usage.stored_bytes == usage.used_bytes  # no slot left reserved
         present = kv.lookup(fp, keys)
         assert present == 4  # the two chunks committed before the failing one
-        monkeypatch.setattr(inplace, "copy_into", real_copy)
+        monkeypatch.setattr(inplace, "scatter_into_slots", real_copy)
         blocks = blocks_for(keys)
         assert kv.write(fp, keys, blocks) == 8 - present  # the connection after the failure works
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
@@ -148,11 +157,11 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
 
     from kvstore.client import client as client_module
 
-    real_copy = client_module.copy_into
+    real_copy = client_module.gather_from_slots
 
-    def slow_copy(dst: memoryview, src: memoryview) -> None:
-        time.sleep(0.3)
-        real_copy(dst, src)
+    def slow_copy(region: memoryview, slots: Sequence[tuple[int, int]], outs: Sequence[memoryview]) -> None:
+        time.sleep(0.6)  # past READ_TTL_S - READ_MARGIN_S
+        real_copy(region, slots, outs)
 
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -160,7 +169,7 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         kv.write(fp, keys, blocks_for(keys))
         monkeypatch.setattr(client_module, "READ_TTL_S", 1.0)
         monkeypatch.setattr(client_module, "READ_MARGIN_S", 0.5)
-        monkeypatch.setattr(client_module, "copy_into", slow_copy)
+        monkeypatch.setattr(client_module, "gather_from_slots", slow_copy)
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(LeaseExpired, match="outlasted"):
             kv.read_into(fp, keys, outs)

@@ -56,7 +56,7 @@ from typing import Any
 import grpc
 
 from kvstore.client.connections import DataConnections
-from kvstore.client.inplace import chunks, copy_into, write_pipelined
+from kvstore.client.inplace import chunks, copy_into, gather_from_slots, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
 from kvstore.client.translate import translated
@@ -409,8 +409,8 @@ class Client:
             places = [slot for slot in found.slots if slot is not None]
             if len(places) == found.hit_blocks:
                 try:
-                    for view, out in zip(self.arena_views(found.arena, places), outs, strict=False):
-                        copy_into(out, view)
+                    n = min(len(places), len(outs))
+                    gather_from_slots(self._arena_named(found.arena).view, places[:n], outs[:n])
                 finally:
                     self.release(found.lease_id, wait=False)
                 if time.monotonic() - asked > READ_TTL_S - READ_MARGIN_S:
@@ -480,20 +480,20 @@ class Client:
     ) -> int:
         """Store a chain by writing the arena in place; how many blocks were new. Raises
         ``StoreFull`` (with ``.stored``) when some blocks found no room and are not stored.
-        Over the data port a chain of more than one chunk (``kvstore.client.inplace``) is
-        pipelined: the server reserves and commits chunks while this thread copies others."""
+        Over the data port the chain goes in chunks (``kvstore.client.inplace``), pipelined: the
+        server reserves and commits chunks while this thread copies others."""
         self.attach()
         sizes = [len(b) for b in blocks]
         parts = chunks(sizes)
         data = self._data_port()
-        if data is not None and len(parts) > 1:
+        if data is not None:
             unconfirmed: list[int] = []
             try:
                 stored, gaps = data.call(
                     scope,
                     lambda c: write_pipelined(
                         c,
-                        self._slot_views,
+                        self._region_named,
                         fingerprint,
                         keys,
                         blocks,
@@ -539,6 +539,9 @@ class Client:
                 return
             except KvStoreError:  # committed after all, or expired: nothing to give back
                 continue
+
+    def _region_named(self, name: str) -> memoryview:
+        return self._arena_named(name).view
 
     def _slot_views(self, name: str, slots: Sequence[tuple[int, int] | None]) -> list[memoryview | None]:
         arena = self._arena_named(name)

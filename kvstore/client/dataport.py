@@ -156,15 +156,12 @@ class DataPortClient:
         parent: bytes | None,
         ttl_s: float,
     ) -> None:
-        if len(sizes) != len(keys):
-            raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
-        if parent is not None and len(parent) != 32:
-            raise InvalidArgument("parent must be a 32-byte key")
-        _check_ids(fingerprint, keys)
-        tail = _RESERVE_TAIL.pack(parent is not None, parent or bytes(32), ttl_s) + struct.pack(
-            f"<{len(sizes)}Q", *sizes
-        )
-        self._stream.send(b"".join([_OP_KEYS.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail]))
+        self._stream.send(reserve_request(fingerprint, keys, sizes, parent, ttl_s))
+
+    def send(self, requests: Sequence[bytes]) -> None:
+        """Requests made by ``reserve_request`` and ``commit_request``, in one send; their
+        answers are read with ``read_*`` in this order."""
+        self._stream.send(b"".join(requests))
 
     def read_reserve(self, n_keys: int) -> tuple[str, int, list[tuple[int, int] | None]]:
         """The answer of a ``send_reserve`` of ``n_keys`` keys."""
@@ -182,7 +179,7 @@ class DataPortClient:
         return self.read_commit()
 
     def send_commit(self, reservation_id: int) -> None:
-        self._stream.send(struct.pack("<BQ", OP_COMMIT, reservation_id))
+        self._stream.send(commit_request(reservation_id))
 
     def read_commit(self) -> int:
         """The answer of a ``send_commit``: how many blocks it stored."""
@@ -290,9 +287,30 @@ class DataPortClient:
 _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
+_COMMIT = struct.Struct("<BQ")  # op, reservation id
 
 
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
     """The framing has no lengths for ids: refuse a wrong one before it desynchronizes the stream."""
     if len(fingerprint) != 32 or not set(map(len, keys)) <= {32}:
         raise InvalidArgument("keys and fingerprints are 32 bytes")
+
+
+def reserve_request(
+    fingerprint: bytes, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None, ttl_s: float
+) -> bytes:
+    """The bytes of a reserve request (``DataPortClient.send``)."""
+    if len(sizes) != len(keys):
+        raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
+    if parent is not None and len(parent) != 32:
+        raise InvalidArgument("parent must be a 32-byte key")
+    _check_ids(fingerprint, keys)
+    tail = _RESERVE_TAIL.pack(parent is not None, parent or bytes(32), ttl_s) + struct.pack(
+        f"<{len(sizes)}Q", *sizes
+    )
+    return b"".join([_OP_KEYS.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
+
+
+def commit_request(reservation_id: int) -> bytes:
+    """The bytes of a commit request (``DataPortClient.send``)."""
+    return _COMMIT.pack(OP_COMMIT, reservation_id)

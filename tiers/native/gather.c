@@ -6,12 +6,18 @@
  *   sizes    list of int: each block's length
  *   outs     list of writable contiguous buffers, one per block, each at least its block's size
  *
+ * scatter(region, offsets, sizes, srcs)
+ *   the other way: all of each src (a readable contiguous buffer) into the writable region at
+ *   its offset; each src at most its size (the slot it is written into)
+ *
  * Everything is checked before the first byte moves (a span outside the region, a buffer too
- * small or not writable: ValueError or BufferError, nothing copied); then the memcpys run one
- * after the other without the GIL. A restore of 256 KiB blocks copies each in ~15 us, and the
+ * small or not writable, a src larger than its slot: ValueError or BufferError, nothing
+ * copied); then the memcpys run one after the other without the GIL. A restore of 256 KiB blocks copies each in ~15 us, and the
  * Python loop this replaces (a lookup, two slices and an assignment per block) cost ~0.5 us of
- * that. The caller keeps every block's slot from being reused until the call returns (the
- * store's pins); this module only reads the region and writes the buffers.
+ * that (a same-host write of 256 KiB blocks: ~2 us a block of numpy views and copyto). The
+ * caller keeps every block's slot from being reused until the call returns (the store's pins,
+ * a write's reservation); gather only reads the region and writes the buffers, scatter the
+ * other way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,8 +25,8 @@
 #include <string.h>
 
 typedef struct {
-    Py_buffer out; /* held until the copies are done: no other thread can resize it meanwhile */
-    const char *src;
+    Py_buffer buf; /* held until the copies are done: no other thread can resize it meanwhile */
+    char *region_at;
     size_t size;
 } span_t;
 
@@ -35,21 +41,24 @@ static int as_size(PyObject *item, Py_ssize_t *out) {
     return 0;
 }
 
-static PyObject *gather(PyObject *self, PyObject *args) {
-    PyObject *region_obj, *offsets_obj, *sizes_obj, *outs_obj;
-    if (!PyArg_ParseTuple(args, "OOOO", &region_obj, &offsets_obj, &sizes_obj, &outs_obj))
+/* gather (into the buffers) or scatter (into the region): see the top of this file. */
+static PyObject *copy_spans(PyObject *args, int scatter) {
+    PyObject *region_obj, *offsets_obj, *sizes_obj, *bufs_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &region_obj, &offsets_obj, &sizes_obj, &bufs_obj))
         return NULL;
-    if (!PyList_Check(offsets_obj) || !PyList_Check(sizes_obj) || !PyList_Check(outs_obj)) {
-        PyErr_SetString(PyExc_TypeError, "offsets, sizes and outs must be lists");
+    if (!PyList_Check(offsets_obj) || !PyList_Check(sizes_obj) || !PyList_Check(bufs_obj)) {
+        PyErr_SetString(PyExc_TypeError, scatter ? "offsets, sizes and srcs must be lists"
+                                                 : "offsets, sizes and outs must be lists");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(outs_obj);
+    Py_ssize_t n = PyList_GET_SIZE(bufs_obj);
     if (PyList_GET_SIZE(offsets_obj) != n || PyList_GET_SIZE(sizes_obj) != n) {
-        PyErr_SetString(PyExc_ValueError, "offsets, sizes and outs differ in length");
+        PyErr_SetString(PyExc_ValueError, scatter ? "offsets, sizes and srcs differ in length"
+                                                  : "offsets, sizes and outs differ in length");
         return NULL;
     }
     Py_buffer region;
-    if (PyObject_GetBuffer(region_obj, &region, PyBUF_C_CONTIGUOUS) < 0)
+    if (PyObject_GetBuffer(region_obj, &region, PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0)) < 0)
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t held = 0;
@@ -68,33 +77,47 @@ static PyObject *gather(PyObject *self, PyObject *args) {
             goto done;
         }
         span_t *span = &spans[i];
-        if (PyObject_GetBuffer(PyList_GET_ITEM(outs_obj, i), &span->out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        int flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(PyList_GET_ITEM(bufs_obj, i), &span->buf, flags) < 0)
             goto done;
         held++;
-        if (span->out.len < size) {
-            PyErr_Format(PyExc_ValueError, "block %zd: buffer of %zd B is smaller than the %zd B block", i,
-                         span->out.len, size);
+        if (scatter && span->buf.len > size) {
+            PyErr_Format(PyExc_ValueError, "block %zd: %zd B is larger than its %zd B slot", i, span->buf.len, size);
             goto done;
         }
-        span->src = (const char *)region.buf + offset;
-        span->size = (size_t)size;
+        if (!scatter && span->buf.len < size) {
+            PyErr_Format(PyExc_ValueError, "block %zd: buffer of %zd B is smaller than the %zd B block", i,
+                         span->buf.len, size);
+            goto done;
+        }
+        span->region_at = (char *)region.buf + offset;
+        span->size = scatter ? (size_t)span->buf.len : (size_t)size;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        memcpy(spans[i].out.buf, spans[i].src, spans[i].size);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (scatter)
+            memcpy(spans[i].region_at, spans[i].buf.buf, spans[i].size);
+        else
+            memcpy(spans[i].buf.buf, spans[i].region_at, spans[i].size);
+    }
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
     for (Py_ssize_t i = 0; i < held; i++)
-        PyBuffer_Release(&spans[i].out);
+        PyBuffer_Release(&spans[i].buf);
     PyMem_Free(spans);
     PyBuffer_Release(&region);
     return result;
 }
 
+static PyObject *gather(PyObject *self, PyObject *args) { return copy_spans(args, 0); }
+
+static PyObject *scatter(PyObject *self, PyObject *args) { return copy_spans(args, 1); }
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "Copy blocks out of one region into buffers; see the module source."},
+    {"scatter", scatter, METH_VARARGS, "Copy buffers into one region; see the module source."},
     {NULL, NULL, 0, NULL},
 };
 
