@@ -10,6 +10,9 @@
   over the Unix socket and over TCP (Redis's socket kind), p50 against Redis ``EXISTS`` of 64 keys
   from the peers below (target <= 1.0x); and from 4 concurrent client processes over the Unix
   socket (48 of 64 present), p50 and p99 (target p99 <= 2 ms);
+- the pause a full garbage collection would impose with 100k blocks indexed (400k without
+  ``--quick``), against what is left of it after the freeze ``kvstore serve`` makes
+  (``benchmarks.gc_pause``; the server runs no full collection after start);
 - the same put/get workload on Redis, Mooncake Store and LMCache's server (``benchmarks.peers``),
   where they can be installed and started here (target: faster than each).
 
@@ -31,6 +34,7 @@ import numpy as np
 from rich.console import Console
 
 from benchmarks.common import Result, interleaved, print_results, write_json
+from benchmarks.gc_pause import bench_gc_pause
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, ResolvedBlocks, connect
 from kvstore.client.inplace import gather_from_slots, scatter_into_slots
@@ -695,6 +699,8 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
         results += bench_lookup(server, calls=500 if quick else 2000)
         console.print("[dim]lookup latency while a writer overflows the arena …[/]")
         results += bench_lookup_under_writes(count)
+        console.print("[dim]a full garbage collection's pause …[/]")
+        results += bench_gc_pause(100_000 if quick else 400_000)
     finally:
         server.stop()
     if with_peers:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import GC_COLLECTOR, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,9 @@ class Metrics:
 
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry()
+        # python_gc_collections_total{generation}: a server runs no full collection after start
+        # (kvstore.server.serve.hold_full_collections)
+        self.registry.register(GC_COLLECTOR)
         self.lookup_tokens = Counter(
             "kvstore_lookup_tokens_total",
             "Prompt tokens looked up, by tenant and result (hit or miss); models registered only",
