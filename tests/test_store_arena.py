@@ -410,3 +410,31 @@ def test_a_write_whose_room_a_memory_tier_below_takes_never_waits_for_the_disk(
     finally:
         gate.set()
         s.close()
+
+
+def test_an_operators_demote_waits_for_the_disk_outside_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvstore demote dram` into a disk that is behind moves every block in the end, and no
+    other caller waits behind it meanwhile: it waits for the disk between blocks, the store let go."""
+    s, gate = _gated_store(tmp_path, monkeypatch)
+    try:
+        keys = chain(4, salt="demoted")
+        s.put(A, keys, [data(k) for k in keys])  # the arena full; the disk's queue takes 2 blocks
+        moved: list[int] = []
+        demote = threading.Thread(target=lambda: moved.append(s.demote("dram")))
+        demote.start()
+        demote.join(0.3)
+        assert demote.is_alive()  # the queue is full and the disk takes nothing: it waits...
+        started = time.monotonic()
+        assert s.lookup(A, keys).hit_blocks == 4  # ...and a lookup is answered meanwhile
+        other = chain(1, salt="meanwhile")
+        assert s.put(A, other, [data(other[0])]) == 1  # a put whose room the arena has, too
+        assert time.monotonic() - started < 0.25
+        gate.set()
+        demote.join(10)
+        assert moved == [4]
+        assert [s.tier_of(A, k) for k in keys] == ["nvme"] * 4
+    finally:
+        gate.set()
+        s.close()

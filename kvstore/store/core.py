@@ -52,7 +52,7 @@ from kvstore.store.model import (
     new_block,
 )
 from kvstore.store.parts import StoreParts, translated
-from kvstore.store.placement import PACE_S, PACE_SLICE_BYTES, slices
+from kvstore.store.placement import DEMOTE_WAIT_S, PACE_S, PACE_SLICE_BYTES, slices
 from kvstore.store.rebuild import rebuild
 from kvstore.store.remote import RemoteCalls
 from tiers import BytesLike, InPlaceTier, Tier
@@ -415,16 +415,27 @@ class TieredStore:
             raise InvalidArgument(f"{tier} is the slowest tier here: there is nowhere to demote to")
         with p.locked():
             p.expire()
-            chosen = [
-                b
-                for b in p.index.pool(namespace)
-                if t in b.tiers
-                and not b.doomed
-                and (fingerprint is None or b.scope.fingerprint == fingerprint)
-            ]
-            moved = sum(p.placement.demote(block, t) for block in sorted(chosen, key=lambda b: -b.depth))
-            log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
-            return moved
+            chosen = sorted(
+                (
+                    b
+                    for b in p.index.pool(namespace)
+                    if t in b.tiers
+                    and not b.doomed
+                    and (fingerprint is None or b.scope.fingerprint == fingerprint)
+                ),
+                key=lambda b: -b.depth,
+            )
+        # A block at a time, the lock let go in between and the disk waited for outside it: a
+        # demote of a whole arena into a slow disk takes minutes, and every other caller goes on
+        # meanwhile. (Under the lock it still waits if another writer filled the queue since.)
+        moved = 0
+        for block in chosen:
+            p.placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
+            with p.locked():
+                if p.index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
+                    moved += p.placement.demote(block, t)
+        log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
+        return moved
 
     # ----------------------------------------------------------------- leases
 

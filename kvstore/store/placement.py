@@ -40,6 +40,7 @@ log = logging.getLogger("kvstore.store")
 
 PACE_S = 2.0  # the longest a write waits for the disk to take its victims (past it they are dropped)
 PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
+DEMOTE_WAIT_S = 30.0  # an operator's demote waits this long for the disk outside the lock, a block at a time
 
 
 class Placement:
@@ -87,15 +88,21 @@ class Placement:
         ``timeout_s``) for the queue to drain, so that the writer, not every caller, waits for
         the disk and its victims are demoted rather than dropped. Advisory: it reads the tiers
         without the store lock, and the placements under it never wait whatever it found."""
-        short = size_bytes - _free_bytes(self.tiers[t])  # what has to move down first
+        if not self.wait_below(t, size_bytes - _free_bytes(self.tiers[t]), timeout_s):
+            self._counters["pace_timeouts"] += 1
+
+    def wait_below(self, t: int, size_bytes: int, timeout_s: float) -> bool:
+        """Outside the lock: wait (at most ``timeout_s``) until the tiers below ``t`` can take
+        ``size_bytes`` moved down out of it without a full write queue (a memory tier takes what
+        it has room for first); False when the time ran out first."""
+        short = size_bytes
         for below in self.tiers[t + 1 :]:
             if short <= 0:
-                return
+                return True
             if below.persistent:
-                if not below.wait_for_queue_room(short, timeout_s):
-                    self._counters["pace_timeouts"] += 1
-                return
-            short -= _free_bytes(below)  # a memory tier takes what it has room for
+                return below.wait_for_queue_room(short, timeout_s)
+            short -= _free_bytes(below)
+        return True
 
     def _evict(self, block: Block, t: int) -> bool:
         """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
@@ -155,8 +162,8 @@ class Placement:
             data = self.bytes_of(block, t)
             if data is None:
                 return False
-            # An operator's demote promises the move: it waits for a full write queue (under the
-            # lock, as spill does; callers wait behind it while the disk is behind).
+            # An operator's demote promises the move: it waits for a full write queue, under the
+            # lock as spill does (``TieredStore.demote`` waits outside it first, block by block).
             self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1, evict=False, wait=True)
             if len(block.tiers) == 1:
                 return False
