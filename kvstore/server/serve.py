@@ -336,16 +336,18 @@ def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = No
     # Request threads hand the GIL to each other often; the default 5 ms switch interval
     # would let one busy thread stall a lookup waiting on the GIL for that long.
     sys.setswitchinterval(0.0005)
-    running = start_server(settings)
-    hold_full_collections()
     stop_requested = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         log.info("received %s", signal.Signals(signum).name)
         stop_requested.set()
 
+    # Before the listeners open: a SIGTERM the moment the server answers must drain it, not kill
+    # it (one that comes while it starts takes effect once it has started).
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    running = start_server(settings)
+    hold_full_collections()
     if ready is not None:
         ready(running)
     print(
