@@ -10,6 +10,8 @@
   over the Unix socket and over TCP (Redis's socket kind), p50 against Redis ``EXISTS`` of 64 keys
   from the peers below (target <= 1.0x); and from 4 concurrent client processes over the Unix
   socket (48 of 64 present), p50 and p99 (target p99 <= 2 ms);
+- same-host writes into a full arena, a pause between them, against the same writes into the
+  empty arena (target >= 0.7x), with the cleaner and without it (``store.clean_ahead=0``);
 - the pause a full garbage collection would impose with 100k blocks indexed (400k without
   ``--quick``), against what is left of it after the freeze ``kvstore serve`` makes
   (``benchmarks.gc_pause``; the server runs no full collection after start);
@@ -26,6 +28,7 @@ import multiprocessing
 import os
 import socket
 import ssl
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -695,6 +698,69 @@ def bench_peers(
     return results
 
 
+FULL_ARENA_PAUSE_S = 0.6  # between the writes into a full arena: the disk's time for a chain
+
+
+def bench_full_arena(count: int, writes: int = 6) -> list[Result]:
+    """Same-host writes of ``count``-block chains (2 MiB blocks) into a server whose arena holds
+    three of them and is full, each write after a pause of FULL_ARENA_PAUSE_S (the bursts of a
+    serving engine, the disk idle in between): the median write against the same writes into the
+    empty arena of the same server; once with the cleaner (``store.clean_ahead``, the default)
+    and once without (``clean_ahead=0``: every victim is demoted on the write's path)."""
+    results = []
+    for label, settings in (("", {}), (" (clean_ahead=0)", {"store.clean_ahead": "0"})):
+        empty, full, counters = _full_arena_writes(count, writes, settings)
+        gb = count * BLOCK / 1e9
+        results.append(
+            Result(
+                f"same-host store 2 MiB into a full arena{label}",
+                gb / statistics.median(full),
+                "GB/s",
+                "the same writes into the empty arena",
+                gb / statistics.median(empty),
+                ">= 0.7" if not label else None,
+                f"{writes} writes of {count} x 2 MiB, {FULL_ARENA_PAUSE_S} s apart, into an arena of "
+                f"{3 * count}; cleaned ahead {counters.get('cleaned_blocks', 0)}, demoted on the write's "
+                f"path {counters.get('demotions', 0)}, dropped for a busy disk "
+                f"{counters.get('nvme_busy_skipped_blocks', 0)}",
+            )
+        )
+    return results
+
+
+def _full_arena_writes(
+    count: int, writes: int, settings: Mapping[str, str]
+) -> tuple[list[float], list[float], Mapping[str, int]]:
+    """(seconds of each write into the empty arena, of each into the full one, the counters)."""
+    server = bench_server(arena_bytes=3 * count * BLOCK, settings=settings)
+    try:
+        fp = MODEL.fingerprint()
+        _, payloads = _blocks(count, 100, MODEL, BLOCK)
+        chains = [_keys(count, 300 + i) for i in range(3 + writes)]
+        with connect(server.unix) as kv:
+            kv.register(MODEL)
+
+            def write(keys: list[BlockKey]) -> float:
+                start = time.perf_counter()
+                if kv.write(fp, keys, payloads) != count:
+                    raise RuntimeError("a write into the arena stored fewer blocks than sent")
+                return time.perf_counter() - start
+
+            empty = []
+            for _ in range(3):
+                empty.append(write(chains[0]))
+                kv.invalidate(fp)
+            for keys in chains[:3]:  # full from here on
+                write(keys)
+            full = []
+            for keys in chains[3:]:
+                time.sleep(FULL_ARENA_PAUSE_S)
+                full.append(write(keys))
+            return empty, full, kv.stats()["counters"]
+    finally:
+        server.stop()
+
+
 def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = True) -> int:
     count = 64 if quick else 256
     rounds = 5 if quick else 9
@@ -720,6 +786,8 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
         results += bench_lookup(server, calls=500 if quick else 2000)
         console.print("[dim]lookup latency while a writer overflows the arena …[/]")
         results += bench_lookup_under_writes(count)
+        console.print("[dim]writes into a full arena, with and without the cleaner …[/]")
+        results += bench_full_arena(count)
         console.print("[dim]a full garbage collection's pause …[/]")
         results += bench_gc_pause(100_000 if quick else 400_000)
     finally:

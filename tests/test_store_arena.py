@@ -313,15 +313,8 @@ def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore)
     assert block.pins == 0  # and the parent it held for its chain is let go
 
 
-def _gated_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, above: Sequence[Tier] = ()
-) -> tuple[TieredStore, threading.Event]:
-    """A 4-block arena (below the tiers ``above``) over nvme whose write queue takes 2 blocks
-    and whose writer commits nothing until the event is set: the disk is behind."""
-    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
-    nvme = NvmeTier(
-        NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, max_pending_bytes=2 * BLOCK)
-    )
+def hold_writer(nvme: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The disk takes nothing: nvme's writer commits no batch until the event is set."""
     gate = threading.Event()
     commit = nvme._writer._commit
 
@@ -330,7 +323,22 @@ def _gated_store(
         commit(batch)  # type: ignore[arg-type]
 
     monkeypatch.setattr(nvme._writer, "_commit", gated)
-    return TieredStore([*above, dram, nvme], StoreConfig()), gate
+    return gate
+
+
+def _gated_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, above: Sequence[Tier] = ()
+) -> tuple[TieredStore, threading.Event]:
+    """A 4-block arena (below the tiers ``above``) over nvme whose write queue takes 2 blocks
+    and whose writer commits nothing until the event is set: the disk is behind. No cleaner."""
+    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(
+        NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, max_pending_bytes=2 * BLOCK)
+    )
+    gate = hold_writer(nvme, monkeypatch)
+    # Without the cleaner: these tests follow victims that have no copy on the disk yet
+    # (tests/test_cleaner.py has the cleaner against a disk that is behind).
+    return TieredStore([*above, dram, nvme], StoreConfig(clean_ahead=0)), gate
 
 
 def test_a_writer_waits_for_a_disk_that_is_behind_outside_the_lock(

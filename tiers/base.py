@@ -169,6 +169,12 @@ class Tier(ABC):
         queue full; whether it would not. A tier that does not queue writes never waits."""
         return True
 
+    @property
+    def queue_capacity_bytes(self) -> int | None:
+        """What the write queue holds at most (``wait_for_queue_room`` waits on it); None for a
+        tier that does not queue its writes."""
+        return None
+
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
 

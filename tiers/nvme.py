@@ -275,6 +275,10 @@ class NvmeTier(Tier):
             self._index_add_locked(key, header)
             self._writer.put_locked(key, header, stored)
 
+    @property
+    def queue_capacity_bytes(self) -> int | None:
+        return self._config.max_pending_bytes
+
     def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:

@@ -39,6 +39,10 @@ class Throttled(Tier):
     def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
         return self.inner.wait_for_queue_room(nbytes, timeout_s)
 
+    @property
+    def queue_capacity_bytes(self) -> int | None:
+        return self.inner.queue_capacity_bytes
+
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         n = self.inner.get_into(key, out)
         if n:

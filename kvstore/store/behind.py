@@ -48,31 +48,36 @@ class PersistBehind:
             self._copy_one(ident)
 
     def _copy_one(self, ident: BlockId) -> None:
-        p, t = self._p, self._t
+        copy_down(self._p, ident, self._t, self._closed, "write_behind_blocks")
+
+
+def copy_down(parts: StoreParts, ident: BlockId, t: int, closed: Callable[[], bool], counter: str) -> bool:
+    """Copy a block into tier ``t`` as well (room made there as eviction would), its faster
+    copies kept; the copy runs outside the store lock, the block held so its slot stays put.
+    Whether tier ``t`` holds it now (counted under ``counter``). A block deleted while copied
+    loses the copy too."""
+    p = parts
+    with p.locked():
+        block = p.index.visible(ident)
+        if closed() or block is None or t in block.tiers or not p.placement.make_room(t, block.size_bytes):
+            return False
+        view = p.placement.bytes_of(block, block.fastest)
+        if view is None:
+            return False
+        p.pins.hold(block)  # its slot stays put (and allocated) until the copy is done
+    copied = False
+    try:
+        p.tiers[t].put(block.tkey, view, block.scope.fingerprint, block.meta)
+        copied = True
+    except TierError as exc:  # full after all, or closing: the block stays volatile
+        log.debug("copying a %d B block into %s: %s", block.size_bytes, p.tiers[t].name, exc)
+    finally:
         with p.locked():
-            block = p.index.visible(ident)
-            if (
-                self._closed()
-                or block is None
-                or t in block.tiers
-                or not p.placement.make_room(t, block.size_bytes)
-            ):
-                return
-            view = p.placement.bytes_of(block, block.fastest)
-            if view is None:
-                return
-            p.pins.hold(block)  # its slot stays put (and allocated) until the copy is done
-        copied = False
-        try:
-            p.tiers[t].put(block.tkey, view, block.scope.fingerprint, block.meta)
-            copied = True
-        except TierError as exc:  # full after all, or closing: the block stays volatile
-            log.debug("write-behind of a %d B block: %s", block.size_bytes, exc)
-        finally:
-            with p.locked():
-                if copied and block.doomed:
-                    p.tiers[t].delete(block.tkey)  # deleted while copying: the copy goes too
-                elif copied:
-                    p.placement.added(block, t)
-                    p.counters["write_behind_blocks"] += 1
-                p.pins.unhold(block)
+            if copied and block.doomed:
+                p.tiers[t].delete(block.tkey)  # deleted while copying: the copy goes too
+                copied = False
+            elif copied:
+                p.placement.added(block, t)
+                p.counters[counter] += 1
+            p.pins.unhold(block)
+    return copied

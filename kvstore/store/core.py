@@ -19,7 +19,8 @@ Placement: new blocks land in the first tier with room (a child never in a faste
 parent); with ``write_through`` the persistent tier gets a copy at once (the put waits for it);
 with ``write_behind`` a thread copies each new block there soon after (bounded: a full queue
 drops and counts), so a crash loses only what is still queued; otherwise only on demotion and on
-a clean close. A hit in a slower tier is promoted to the first tier.
+a clean close, and, while the arena is nearly full, ahead of demotion (``clean_ahead``, the
+cleaner: kvstore.store.cleaner). A hit in a slower tier is promoted to the first tier.
 
 The rooms behind it: ``index`` (what is where), ``eviction`` (GDSF victims), ``pins`` (the one
 owner of pin counts), ``placement`` (room, demotion, spill), ``governance`` (quotas,
@@ -29,6 +30,7 @@ Tier errors that escape a call become ``Unavailable`` there, nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +40,7 @@ from kvstore.keys import BlockKey, Fingerprint
 from kvstore.leases import Lease, LeaseTable
 from kvstore.store.arena import ArenaCalls
 from kvstore.store.behind import PersistBehind
+from kvstore.store.cleaner import Cleaner
 from kvstore.store.model import (
     ArenaSlot,
     Block,
@@ -96,6 +99,11 @@ class TieredStore:
         self._remote = (
             None if remote is None else RemoteCalls(remote, self._p, self._put_local, remote_queue_bytes)
         )
+        self._cleaner: Cleaner | None = None
+        a, disk = self._p.arena_index, self._persistent_index
+        cleans = self.config.clean_ahead > 0 and not self.config.write_through
+        if cleans and a is not None and disk is not None and disk > a:
+            self._cleaner = Cleaner(self._p, a, disk, self.config.clean_ahead, lambda: self._closed)
 
     @property
     def leases(self) -> LeaseTable[Block]:
@@ -354,6 +362,8 @@ class TieredStore:
                     self._p.placement.place(block, data, lowest=t, highest=t, wait=True)
         if self._write_behind is not None:
             self._write_behind.offer(block)
+        if self._cleaner is not None:
+            self._cleaner.poke()
         if self._remote is not None and to_remote:
             self._remote.offer(block)
 
@@ -429,11 +439,12 @@ class TieredStore:
         # demote of a whole arena into a slow disk takes minutes, and every other caller goes on
         # meanwhile. (Under the lock it still waits if another writer filled the queue since.)
         moved = 0
-        for block in chosen:
-            p.placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
-            with p.locked():
-                if p.index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
-                    moved += p.placement.demote(block, t)
+        with self._cleaner.paused() if self._cleaner is not None else contextlib.nullcontext():
+            for block in chosen:
+                p.placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
+                with p.locked():
+                    if p.index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
+                        moved += p.placement.demote(block, t)
         log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
         return moved
 
@@ -537,6 +548,8 @@ class TieredStore:
 
     def close(self) -> None:
         """Spill volatile-only blocks to the persistent tier (``persist_on_close``), then close."""
+        if self._cleaner is not None:
+            self._cleaner.close()  # before the lock, as write-behind: a copy in flight takes it
         if self._write_behind is not None:
             self._write_behind.close()  # before the lock: its thread takes it for every block
         if self._remote is not None:

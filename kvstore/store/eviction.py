@@ -24,7 +24,9 @@ Invariants (what keeps a block from being stranded, out of eviction's sight for 
 Calls (store lock held): touch(block) on a fresh put or a single hit (pushes at once;
 touch_many(blocks) for the fresh blocks of one commit);
 hit_many(blocks) for the hits of one restore, blocks already in the heaps; push(block) after
-its tiers or pins changed; push_parent(block) when a child left; pop_victim(t);
+its tiers or pins changed (push_in(block, t) when tier t was added: its other entries stay
+current); push_parent(block) when a child left; pop_victim(t); coldest(t, n, nbytes) to look
+ahead at the next victims without taking them (the cleaner's);
 stranded() for tests: the (block, tier) pairs breaking invariant 1 or 2 (none, ever).
 """
 
@@ -81,11 +83,15 @@ class Eviction:
 
     def push(self, block: Block) -> None:
         for t in block.tiers:
-            self._seq += 1
-            heap = self._heaps[t]
-            heapq.heappush(heap, (block.priority, self._seq, block.version, block.ident))
-            if len(heap) > 4 * len(self._index) + 1024:
-                self._compact(t)
+            self.push_in(block, t)
+
+    def push_in(self, block: Block, t: int) -> None:
+        """An entry of the block's current version in tier ``t``'s heap."""
+        self._seq += 1
+        heap = self._heaps[t]
+        heapq.heappush(heap, (block.priority, self._seq, block.version, block.ident))
+        if len(heap) > 4 * len(self._index) + 1024:
+            self._compact(t)
 
     def push_parent(self, block: Block) -> None:
         """A child of its parent left a tier: the parent may have become eligible there."""
@@ -136,6 +142,61 @@ class Eviction:
             self._aging[t] = max(self._aging[t], priority)
             return block
         return None
+
+    def coldest(self, t: int, max_blocks: int, max_bytes: int) -> list[Block]:
+        """The blocks of tier ``t`` to leave it next, about in the order they will, until they
+        hold ``max_bytes`` (at most ``max_blocks``). Eviction takes a leaf at a time, so a block
+        leaves only after what hangs below it in the tier: walking the heap's order, each block
+        comes after its descendants there (a chain tail first, as eviction takes it). The heap is
+        left as it was but for stale entries (which ``pop_victim`` drops too). Pinned blocks
+        count: their pins end."""
+        heap = self._heaps[t]
+        seen: set[BlockId] = set()
+        popped: list[tuple[float, int, int, BlockId]] = []
+        out: list[Block] = []
+        nbytes = 0
+        try:
+            while heap and len(out) < max_blocks and nbytes < max_bytes:
+                entry = heapq.heappop(heap)
+                block = self._index.get(entry[3])
+                if block is None or block.version != entry[2] or t not in block.tiers:
+                    continue  # stale: a newer entry stands for the block
+                popped.append(entry)
+                for next_out in self._leaving_with(block, t, max_blocks - len(out), seen):
+                    seen.add(next_out.ident)
+                    if not next_out.doomed:
+                        out.append(next_out)
+                        nbytes += next_out.size_bytes
+        finally:
+            for entry in popped:
+                heapq.heappush(heap, entry)
+        return out
+
+    def _leaving_with(self, block: Block, t: int, limit: int, gone: set[BlockId]) -> list[Block]:
+        """In the order eviction would take them out of tier ``t`` (at most ``limit``, none in
+        ``gone``): what hangs below ``block`` there, then ``block``, then each ancestor left a
+        leaf there by it. The ancestors matter: a block popped while its child held it has no
+        entry until that child leaves (invariant 1's exception), so no heap walk finds it."""
+        order: list[Block] = []
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            if b.ident not in gone:
+                order.append(b)
+            for key in self._index.children(b.ident):
+                child = self._index.get((b.scope, key))
+                if child is not None and t in child.tiers:
+                    stack.append(child)
+        order.reverse()  # each block after everything below it
+        leaving = {b.ident for b in order} | gone
+        up = self._index.parent_of(block)
+        while up is not None and t in up.tiers and up.ident not in leaving:
+            if any((up.scope, key) not in leaving for key in self._index.children(up.ident)):
+                break  # another child stays: so does the parent
+            order.append(up)
+            leaving.add(up.ident)
+            up = self._index.parent_of(up)
+        return order[:limit]
 
     def stranded(self) -> list[tuple[Block, int]]:
         """Every (block, tier) whose heap lacks an entry of the block's current version at or

@@ -104,6 +104,9 @@ class StoreConfig:
     persist_on_close: bool = True  # a clean close copies volatile-only blocks to the persistent tier
     write_behind: bool = False  # copy new blocks to the persistent tier on a thread, soon after
     write_behind_max_bytes: int = 1 << 30  # bytes queued at most; a crash loses at most these
+    # While the arena has less than this fraction free, its next victims get a copy on the
+    # persistent tier first, on a thread (kvstore.store.cleaner); 0 turns it off
+    clean_ahead: float = 0.5
 
 
 @dataclass(frozen=True)

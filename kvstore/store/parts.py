@@ -7,8 +7,9 @@ The lock rule (the store's, tested in tests/test_store_threads.py):
                      already holds in memory, demotion out of the arena, spill on close); a full
                      write queue is never waited for here but by spill, write-through, demote
     outside it       reads from a medium into a caller's buffer (``get_into``), promotion of a
-                     block from a slower tier into the arena (``resolve``), write-behind copies,
-                     the wait a throttled tier adds, each under a pin that keeps its block; and
+                     block from a slower tier into the arena (``resolve``), write-behind and
+                     cleaner copies, the wait a throttled tier adds, each under a pin that
+                     keeps its block; and
                      a write's wait for a disk that is behind (``Placement.pace``)
 """
 

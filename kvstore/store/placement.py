@@ -150,10 +150,11 @@ class Placement:
             return
 
     def added(self, block: Block, t: int) -> None:
-        """Tier ``t`` now holds a copy of ``block``."""
+        """Tier ``t`` now holds a copy of ``block``: an entry in that tier's heap. Its entries in
+        the other tiers stay current (no new version), so a copy made below, say by the cleaner,
+        does not move the block back in its tier's line of victims."""
         block.tiers.add(t)
-        block.version += 1
-        self._eviction.push(block)
+        self._eviction.push_in(block, t)
 
     def demote(self, block: Block, t: int) -> bool:
         if not self._eviction.evictable_from(block, t):

@@ -1,0 +1,130 @@
+"""Clean ahead of eviction: the blocks next in line to leave a full arena get a copy on the
+persistent tier (nvme) first, on a thread, while the disk has time.
+
+Why: a write into a full arena makes its room by evicting the arena's coldest blocks. A victim
+whose only copy is the arena's is demoted: its bytes are copied into nvme's write queue under
+the store lock, and when the disk is behind the writer waits for it (``Placement.pace``) or the
+victim is dropped (a promotion's room). A victim with a copy on nvme already (clean) is evicted
+by forgetting its arena copy: nothing is copied, nothing waits. Writes into a KV cache come in
+bursts (a prefill's blocks at a time) with the disk idle in between; the cleaner spends that
+idle time making the next victims clean, so a burst into a full arena runs at the arena's speed
+and not the disk's, as long as the disk keeps up on average. (The kernel's page cache cleans
+dirty pages ahead of reclaim for the same reason.)
+
+What: while the arena has less than ``clean_ahead`` (a fraction of its capacity) free, the
+cleaner looks at the arena's coldest blocks in eviction order, as many as hold that fraction
+(at most LOOK_BLOCKS a round), and copies each one that has no persistent copy, keeping its
+arena copy. A block cleaned and then hit stays clean: its eviction later still costs nothing.
+
+Rules:
+    - it never waits under the store lock: before each copy it waits outside it until nvme's
+      write queue is at most half full (the other half stays for the writers' demotions and
+      write-behind), then copies one block out of its slot with the block held and the lock
+      not held (``behind.copy_down``, as write-behind does);
+    - under the lock it only looks (``Eviction.coldest``: LOOK_BLOCKS heap pops and pushes);
+    - it sleeps while the arena has room; a new block wakes it (``poke``, a flag set), and a
+      round that found nothing to clean waits for the next poke;
+    - ``close`` stops it before the store closes, ``paused`` holds it while an operator's demote
+      runs (which would skip a block the cleaner holds); a copy in flight finishes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from kvstore.store.behind import copy_down
+from kvstore.store.parts import StoreParts
+from tiers import Tier
+
+log = logging.getLogger("kvstore.store")
+
+LOOK_BLOCKS = 1024  # the most blocks one round looks at under the lock (~1-2 ms of heap work)
+QUEUE_WAIT_S = 1.0  # a round gives up on a disk whose queue stays over half full this long
+IDLE_WAIT_S = 5.0  # the longest it sleeps without a poke before looking again
+
+
+class Cleaner:
+    def __init__(
+        self, parts: StoreParts, arena: int, disk: int, fraction: float, closed: Callable[[], bool]
+    ) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"clean_ahead must be in (0, 1], got {fraction}")
+        self._p = parts
+        self._a = arena
+        self._t = disk
+        self._fraction = fraction
+        self._closed = closed
+        self._stop = False
+        self._paused = 0
+        self._copying = threading.Lock()  # held through each copy: ``paused`` waits for it
+        self._poked = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-cleaner", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        """A block was stored: the arena may be short of free room now."""
+        self._poked.set()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No copy starts meanwhile, and the one in flight has ended when this enters: an
+        operator's demote then finds no block held by the cleaner."""
+        with self._copying:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._copying:
+                self._paused -= 1
+            self._poked.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self._poked.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._poked.wait(IDLE_WAIT_S)
+            self._poked.clear()
+            try:
+                while not self._stop and self._round():
+                    pass
+            except Exception:  # a bug must not end cleaning silently: log it, go on later
+                log.exception("the arena cleaner's round failed")
+
+    def _round(self) -> bool:
+        """Clean what is next in line; whether it cleaned anything (then it looks again)."""
+        p, a, t = self._p, self._a, self._t
+        arena, disk = p.tiers[a], p.tiers[t]
+        usage = arena.usage()
+        target = int(usage.capacity_bytes * self._fraction)
+        if usage.capacity_bytes - usage.stored_bytes >= target:
+            return False  # room enough: nothing will be evicted soon
+        with p.locked():
+            dirty = [
+                b.ident for b in p.eviction.coldest(a, LOOK_BLOCKS, target) if t not in b.tiers and not b.pins
+            ]
+        cleaned = 0
+        for ident in dirty:
+            if self._stop or self._closed():
+                break
+            block = p.index.get(ident)  # a glance without the lock: copy_down checks again under it
+            if block is None or not _half_empty(disk, block.size_bytes):
+                break  # the disk is behind: the writers' demotions come first
+            with self._copying:
+                if self._paused:
+                    break
+                cleaned += copy_down(p, ident, t, self._closed, "cleaned_blocks")
+        return cleaned > 0
+
+
+def _half_empty(disk: Tier, size_bytes: int) -> bool:
+    """Wait (up to QUEUE_WAIT_S) until the disk's write queue, ``size_bytes`` added, would be
+    at most half full."""
+    capacity = disk.queue_capacity_bytes
+    extra = capacity // 2 if capacity is not None else 0
+    return disk.wait_for_queue_room(size_bytes + extra, QUEUE_WAIT_S)

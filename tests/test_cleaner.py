@@ -1,0 +1,165 @@
+"""Clean ahead of eviction (``store.clean_ahead``): a full arena's next victims get a copy on nvme
+on a thread, so a write into the full arena evicts them without copying or waiting for the disk;
+the cleaner never waits under the store lock and leaves half of the disk's queue to writers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvstore.keys import BlockKey
+from kvstore.store import StoreConfig, TieredStore
+from kvstore.store.cleaner import Cleaner
+from tests.test_store_arena import BLOCK, A, chain, data, hold_writer
+from tiers.dram import DramConfig, DramTier
+from tiers.nvme import NvmeConfig, NvmeTier
+
+
+def _store(tmp_path: Path, clean_ahead: float = 0.5, queue_blocks: int = 64) -> TieredStore:
+    """An 8-block arena over nvme."""
+    dram = DramTier(DramConfig(capacity_bytes=8 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(
+        NvmeConfig(path=tmp_path / "nvme", capacity_bytes=64 * BLOCK, max_pending_bytes=queue_blocks * BLOCK)
+    )
+    return TieredStore([dram, nvme], StoreConfig(clean_ahead=clean_ahead))
+
+
+def _until(what: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _tiers(s: TieredStore, key: BlockKey) -> set[str]:
+    block = s._p.index.get((s._p.index.intern(A), key))
+    assert block is not None
+    return {s.tiers[t].name for t in block.tiers}
+
+
+@pytest.fixture
+def singles() -> list[BlockKey]:
+    """Twelve one-block chains: eviction order is the order they were stored."""
+    return [chain(1, salt=f"single-{i}")[0] for i in range(12)]
+
+
+def test_a_full_arenas_next_victims_are_copied_to_disk_and_evicted_without_a_copy(
+    tmp_path: Path, singles: list[BlockKey]
+) -> None:
+    s = _store(tmp_path)
+    try:
+        for key in singles[:8]:
+            assert s.put(A, [key], [data(key)]) == 1  # the arena is full
+        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 4)
+        time.sleep(0.2)  # nothing past the coldest half is cleaned
+        assert s.stats().counters["cleaned_blocks"] == 4
+        assert [_tiers(s, k) for k in singles[:4]] == [{"dram", "nvme"}] * 4  # the coldest four
+        assert [_tiers(s, k) for k in singles[4:8]] == [{"dram"}] * 4
+        assert s.lookup(A, singles[:4]).tiers == ("dram",) * 4  # still served from the arena
+
+        for key in singles[8:]:
+            assert s.put(A, [key], [data(key)]) == 1  # four victims, all clean
+        counters = s.stats().counters
+        assert counters["evicted_dram_blocks"] == 4
+        assert counters.get("demotions", 0) == 0  # nothing copied on the write's path
+        assert [s.tier_of(A, k) for k in singles[:4]] == ["nvme"] * 4
+        assert s.get(A, singles) == [data(k) for k in singles]
+        assert s._p.eviction.stranded() == []
+    finally:
+        s.close()
+
+
+def test_chains_are_cleaned_in_the_order_eviction_takes_them(tmp_path: Path) -> None:
+    """Eviction takes a chain tail first; the heads of the chains still in the arena lose their
+    heap entries while their tails hold them (popped, not evictable), yet the cleaner finds them:
+    every victim of three more writes was clean."""
+    s = _store(tmp_path)
+    try:
+        chains = [chain(2, salt=f"chain-{i}") for i in range(7)]
+        cleaned = 4
+        for keys in chains[:4]:
+            s.put(A, keys, [data(k) for k in keys])  # the arena is full
+        for keys in chains[4:]:
+            _until(lambda n=cleaned: s.stats().counters.get("cleaned_blocks", 0) >= n)
+            s.put(A, keys, [data(k) for k in keys])
+            cleaned += 2
+        counters = s.stats().counters
+        assert counters["evicted_dram_blocks"] == 6 and counters.get("demotions", 0) == 0
+        assert [s.tier_of(A, k) for keys in chains[:3] for k in keys] == ["nvme"] * 6
+        assert s._p.eviction.stranded() == []
+    finally:
+        s.close()
+
+
+def test_the_cleaner_leaves_half_the_disk_queue_and_never_holds_the_lock_waiting(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk takes nothing (its writer is held): the cleaner queues two blocks of a 4-block
+    queue and then waits, outside the lock; callers go on; a write's dirty victim still finds
+    room in the queue and is demoted, not dropped."""
+    s = _store(tmp_path, queue_blocks=4)
+    nvme = s.tiers[1]
+    assert isinstance(nvme, NvmeTier)
+    gate = hold_writer(nvme, monkeypatch)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 1)
+        time.sleep(0.5)  # what it would queue more, it would have by now
+        # Queued: the first clean copy (its batch taken by the held writer) and one more.
+        assert s.stats().counters["cleaned_blocks"] == 2
+        started = time.monotonic()
+        assert s.lookup(A, singles[:8]).hit_blocks == 8  # the lock is free while it waits
+        assert time.monotonic() - started < 0.25
+        for key in singles[8:10]:
+            assert s.put(A, [key], [data(key)]) == 1  # two clean victims: nothing queued
+        assert s.put(A, [singles[10]], [data(singles[10])]) == 1  # a dirty victim: demoted
+        counters = s.stats().counters
+        assert counters["demotions"] == 1 and counters.get("nvme_busy_skipped_blocks", 0) == 0
+        gate.set()
+        s.flush()
+        assert all(s.tier_of(A, k) is not None for k in singles[:11])  # nothing was dropped
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_clean_ahead_zero_copies_nothing_ahead(tmp_path: Path, singles: list[BlockKey]) -> None:
+    s = _store(tmp_path, clean_ahead=0)
+    try:
+        assert s._cleaner is None
+        for key in singles:
+            s.put(A, [key], [data(key)])
+        counters = s.stats().counters
+        assert counters["demotions"] == 4 and "cleaned_blocks" not in counters
+    finally:
+        s.close()
+
+
+def test_a_clean_ahead_past_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="clean_ahead"):
+        _store(tmp_path, clean_ahead=1.5)
+
+
+def test_a_cleaner_closes_promptly_while_the_disk_is_behind(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = _store(tmp_path, queue_blocks=2)
+    nvme = s.tiers[1]
+    assert isinstance(nvme, NvmeTier)
+    gate = hold_writer(nvme, monkeypatch)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 1)
+        cleaner = s._cleaner
+        assert isinstance(cleaner, Cleaner)
+        started = time.monotonic()
+        cleaner.close()  # waiting on the disk's queue: it ends within that wait
+        assert time.monotonic() - started < 3.0 and not cleaner._thread.is_alive()
+    finally:
+        gate.set()
+        s.close()
