@@ -4,9 +4,11 @@ the cleaner never waits under the store lock and leaves half of the disk's queue
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,4 +164,30 @@ def test_a_cleaner_closes_promptly_while_the_disk_is_behind(
         assert time.monotonic() - started < 3.0 and not cleaner._thread.is_alive()
     finally:
         gate.set()
+        s.close()
+
+
+def test_a_demote_while_the_cleaner_copies_moves_every_block(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvstore demote dram` skips held blocks; the cleaner holds the one it copies, so a demote
+    pauses it and waits for that copy: every block moves."""
+    s = _store(tmp_path)
+    nvme = s.tiers[1]
+    put = nvme.put
+    copying = threading.Event()
+
+    def slow_put(*args: Any, **kwargs: Any) -> None:
+        copying.set()
+        time.sleep(0.3)
+        put(*args, **kwargs)
+
+    monkeypatch.setattr(nvme, "put", slow_put)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        assert copying.wait(10)  # the cleaner is inside a copy, its block held
+        assert s.demote("dram") == 8
+        assert [s.tier_of(A, k) for k in singles[:8]] == ["nvme"] * 8
+    finally:
         s.close()

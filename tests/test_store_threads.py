@@ -98,7 +98,8 @@ def _slow_nvme_store(tmp_path: Path, seconds_per_block: float) -> tuple[TieredSt
     """A store whose nvme serves a block in ``seconds_per_block``, holding a chain only there."""
     dram = DramTier(DramConfig(capacity_bytes=8 * BLOCK, page_bytes=BLOCK, prefault=False))
     nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme", capacity_bytes=16 * BLOCK))
-    store = TieredStore([dram, Throttled(nvme, BLOCK / seconds_per_block)], StoreConfig())
+    # No cleaner: the tests time promotions, which a block it holds for a copy would slow.
+    store = TieredStore([dram, Throttled(nvme, BLOCK / seconds_per_block)], StoreConfig(clean_ahead=0))
     keys = block_keys(FP, list(range(32)), 4)  # 8 blocks
     store.put(A, keys, [data(A, k) for k in keys])
     assert store.demote("dram") == len(keys)

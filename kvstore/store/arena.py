@@ -34,7 +34,7 @@ from kvstore.store.model import (
     check_keys,
     check_sizes,
     new_block,
-    tier_key,
+    tier_key_prefix,
 )
 from kvstore.store.parts import StoreParts
 from kvstore.store.placement import PACE_S
@@ -67,10 +67,10 @@ class ArenaCalls:
         self,
         parts: StoreParts,
         clock: Callable[[], float],
-        on_new_block: Callable[[Block, memoryview], None],
+        on_new_blocks: Callable[[Sequence[Block], Callable[[Block], memoryview]], None],
     ) -> None:
         self._p = parts
-        self._on_new_block = on_new_block  # under the lock: write-through and write-behind
+        self._on_new_blocks = on_new_blocks  # under the lock: write-through and write-behind
         self._reservations: LeaseTable[_Pending] = LeaseTable(clock)
         self._promoting: set[BlockId] = set()
         parts.expire_reservations = self._expire_reservations
@@ -210,20 +210,25 @@ class ArenaCalls:
             pinned_parent = p.index.visible((scope, parent)) if parent is not None else None
             if pinned_parent is not None:
                 p.pins.hold(pinned_parent)  # its child is on the way: keep it until commit
-            tkeys = tuple(tier_key(scope, key) for key in keys)
+            prefix = tier_key_prefix(scope)
+            tkeys = tuple([TierKey(prefix + key) for key in keys])
             wanted: list[int] = []  # the blocks to give a slot, their bytes held against the quota
+            limited = p.governance.limited(scope.namespace)
             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 existing = p.vacate((scope, key))
                 if existing is not None:
                     if existing.doomed:
                         p.counters["put_doomed_blocks"] += 1  # no slot: the writer skips this block
                     continue
-                try:
-                    p.governance.check(scope, size, i, len(keys))
-                except QuotaExceeded:
-                    break  # the rest of the chain cannot hang on
-                p.governance.reserve(scope.namespace, size)
+                if limited:
+                    try:
+                        p.governance.check(scope, size, i, len(keys))
+                    except QuotaExceeded:
+                        break  # the rest of the chain cannot hang on
+                    p.governance.reserve(scope.namespace, size)
                 wanted.append(i)
+            if not limited and wanted:  # no quota to check block by block: held in one sum
+                p.governance.reserve(scope.namespace, sum(sizes[i] for i in wanted))
             try:
                 taken = self._take_slots(a, arena, [(tkeys[i], sizes[i]) for i in wanted], scope.fingerprint)
             except BaseException:  # the arena closing under us: nothing of this call may stay held
@@ -285,8 +290,7 @@ class ArenaCalls:
                 block.tiers.add(a)
             p.index.admit_many(blocks)
             p.eviction.touch_many(blocks)
-            for block, slot in new:
-                self._on_new_block(block, arena.slot_view(slot))
+            self._on_new_blocks(blocks, lambda block: slot_bytes(arena, block))
             p.count(scope, "put_blocks", len(new))
             if pending.pinned_parent is not None:
                 p.pins.unhold(pending.pinned_parent)
@@ -312,3 +316,11 @@ class ArenaCalls:
         self._p.governance.unreserve(
             pending.scope.namespace, sum(slot.size_bytes for slot in pending.slots if slot is not None)
         )
+
+
+def slot_bytes(arena: InPlaceTier, block: Block) -> memoryview:
+    """The arena bytes of a block just committed there (under the lock: it cannot move)."""
+    slot = arena.locate(block.tkey)
+    if slot is None:
+        raise KeyError(f"block {block.key.hex()} has no slot in the arena")
+    return arena.slot_view(slot)

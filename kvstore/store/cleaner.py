@@ -22,8 +22,8 @@ Rules:
       write-behind), then copies one block out of its slot with the block held and the lock
       not held (``behind.copy_down``, as write-behind does);
     - under the lock it only looks (``Eviction.coldest``: LOOK_BLOCKS heap pops and pushes);
-    - it sleeps while the arena has room; a new block wakes it (``poke``, a flag set), and a
-      round that found nothing to clean waits for the next poke;
+    - it sleeps while the arena has room; a write that leaves the arena short wakes it (``poke``,
+      a flag set), and a round that found nothing to clean waits for the next poke;
     - ``close`` stops it before the store closes, ``paused`` holds it while an operator's demote
       runs (which would skip a block the cleaner holds); a copy in flight finishes first.
 """
@@ -65,8 +65,14 @@ class Cleaner:
         self._thread.start()
 
     def poke(self) -> None:
-        """A block was stored: the arena may be short of free room now."""
-        self._poked.set()
+        """Blocks were stored: wake the cleaner if the arena is short of free room now (a check
+        of the arena's usage, cheaper than waking a thread for every write)."""
+        if not self._has_room():
+            self._poked.set()
+
+    def _has_room(self) -> bool:
+        usage = self._p.tiers[self._a].usage()
+        return usage.capacity_bytes - usage.stored_bytes >= usage.capacity_bytes * self._fraction
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -99,11 +105,10 @@ class Cleaner:
     def _round(self) -> bool:
         """Clean what is next in line; whether it cleaned anything (then it looks again)."""
         p, a, t = self._p, self._a, self._t
-        arena, disk = p.tiers[a], p.tiers[t]
-        usage = arena.usage()
-        target = int(usage.capacity_bytes * self._fraction)
-        if usage.capacity_bytes - usage.stored_bytes >= target:
-            return False  # room enough: nothing will be evicted soon
+        if self._has_room():
+            return False  # nothing will be evicted soon
+        disk = p.tiers[t]
+        target = int(p.tiers[a].usage().capacity_bytes * self._fraction)
         with p.locked():
             dirty = [
                 b.ident for b in p.eviction.coldest(a, LOOK_BLOCKS, target) if t not in b.tiers and not b.pins

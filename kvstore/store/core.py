@@ -87,7 +87,7 @@ class TieredStore:
         self.tiers = self._p.tiers
         self.absent_tiers = tuple(absent_tiers)  # "hbm: no CUDA", for logs and stats
         self._on_close = on_close  # after the tiers closed (the builder's data-folder lock)
-        self._arena = ArenaCalls(self._p, clock, self._stored_new)
+        self._arena = ArenaCalls(self._p, clock, self._stored_new_many)
         self._closed = False
         rebuild(self._p)
         self._persistent_index = next((t for t, p in enumerate(self._p.persistent) if p), None)
@@ -356,16 +356,27 @@ class TieredStore:
     def _stored_new(self, block: Block, data: BytesLike, to_remote: bool = True) -> None:
         """A new block is in the index (under the lock): write-through or write-behind, and
         write-behind to the remote tier unless it came from there."""
+        self._stored_new_many((block,), lambda _: data, to_remote)
+
+    def _stored_new_many(
+        self, blocks: Sequence[Block], data_of: Callable[[Block], BytesLike], to_remote: bool = True
+    ) -> None:
+        """``_stored_new`` of the blocks of one commit; ``data_of`` is read for write-through
+        only (the usual commit asks nothing of each block's bytes)."""
         if self.config.write_through:
-            for t, persistent in enumerate(self._p.persistent):
-                if persistent and t not in block.tiers:
-                    self._p.placement.place(block, data, lowest=t, highest=t, wait=True)
+            for block in blocks:
+                data = data_of(block)
+                for t, persistent in enumerate(self._p.persistent):
+                    if persistent and t not in block.tiers:
+                        self._p.placement.place(block, data, lowest=t, highest=t, wait=True)
         if self._write_behind is not None:
-            self._write_behind.offer(block)
+            for block in blocks:
+                self._write_behind.offer(block)
         if self._cleaner is not None:
             self._cleaner.poke()
         if self._remote is not None and to_remote:
-            self._remote.offer(block)
+            for block in blocks:
+                self._remote.offer(block)
 
     def delete(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         """Remove blocks; pinned ones vanish now and are freed on their last release."""

@@ -90,7 +90,7 @@ class Eviction:
         self._seq += 1
         heap = self._heaps[t]
         heapq.heappush(heap, (block.priority, self._seq, block.version, block.ident))
-        if len(heap) > 4 * len(self._index) + 1024:
+        if len(heap) > 4 * len(self._index.blocks) + 1024:
             self._compact(t)
 
     def push_parent(self, block: Block) -> None:

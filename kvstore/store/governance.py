@@ -70,6 +70,10 @@ class Governance:
         self._doom(block)
         self._counters["retention_expired_blocks"] += 1
 
+    def limited(self, namespace: str) -> bool:
+        """Whether the namespace has a byte quota (``check`` is then needed block by block)."""
+        return self._config.quota_bytes.get(namespace, self._config.default_quota_bytes) is not None
+
     def check(self, scope: Scope, size_bytes: int, stored: int, chain: int) -> None:
         """Make room within the namespace's quota for one more block, or raise QuotaExceeded."""
         ns = scope.namespace

@@ -115,20 +115,23 @@ class BlockIndex:
         """``admit`` of each new block, the clock read once (a commit admits a chunk of them)."""
         now = self._wall()
         children = self._children
+        index = self.blocks
+        last_ns: str | None = None  # a commit's blocks share one namespace: looked up once
+        retention: float | None = None
+        in_namespace: dict[BlockId, Block] = {}
         for block in blocks:
             scope = block.scope
             ns = scope.namespace
             ident = (scope, block.key)
             if not block.stored_at_s:
                 block.stored_at_s = now
-            retention = self._retention_of(ns)
+            if ns is not last_ns:
+                last_ns, retention = ns, self._retention_of(ns)
+                in_namespace = self.by_namespace.setdefault(ns, {})
             if retention is not None:
                 block.expires_at_s = block.stored_at_s + retention
                 self.by_age.setdefault(ns, collections.deque()).append(ident)
-            self.blocks[ident] = block
-            in_namespace = self.by_namespace.get(ns)
-            if in_namespace is None:
-                in_namespace = self.by_namespace[ns] = {}
+            index[ident] = block
             in_namespace[ident] = block
             self.namespace_bytes[ns] += block.size_bytes
             if block.parent is not None:

@@ -49,8 +49,13 @@ BlockId = tuple[Scope, BlockKey]
 
 
 def tier_key(scope: Scope, key: BlockKey) -> TierKey:
+    return TierKey(tier_key_prefix(scope) + key)
+
+
+def tier_key_prefix(scope: Scope) -> bytes:
+    """What every tier key of ``scope`` starts with: ``tier_key(scope, key)`` is it + key."""
     ns = scope.namespace.encode()
-    return TierKey(bytes([len(ns)]) + ns + scope.fingerprint + key)
+    return bytes([len(ns)]) + ns + scope.fingerprint
 
 
 def namespace_of_tier_key(raw: bytes) -> str:
