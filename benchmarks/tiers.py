@@ -25,6 +25,8 @@ For each block size (256 KiB, 2 MiB, 32 MiB) and a working set of ``total`` byte
 - `hbm` (CUDA only) host-to-device put and device-to-host get against ``torch`` copies of the
   same bytes between a pinned host tensor and device memory.
 - Block keys per second for a 32k-token prompt, and the codecs' speed and ratio on bf16 data.
+- SGLang HiCache's page restore into a layer-first host pool (64 pieces a 2 MiB page) through
+  the backend's copy, against memcpy into one buffer a page, beside the copy it made before.
 
 Subject and reference are measured alternately, several rounds, medians reported.
 """
@@ -478,6 +480,66 @@ def bench_codecs() -> list[Result]:
     return results
 
 
+def bench_sglang_pages(rounds: int, pages: int = 64, pieces: int = 64) -> list[Result]:
+    """SGLang HiCache's page restore (``engine_plugin.sglang_pages``): 2 MiB blocks copied into
+    the pages of a layer-first host pool, ``pieces`` pieces a page (K and V of each of 32
+    layers, each in its layer's own region), through the backend's own copy, against memcpy of
+    the same bytes into one contiguous buffer a page; and the copy the backend made before
+    sitting 16 (one numpy copy a piece) on the same pages."""
+    from engine_plugin.sglang_pages import PageTransfer
+
+    size = 2 * MiB
+    piece = size // pieces
+    rng = np.random.default_rng(5)
+    blocks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(pages)]
+    host = np.zeros(pages * size, dtype=np.uint8)  # piece j of page p: j * pages * piece + p * piece
+    targets = [
+        [host[(j * pages + p) * piece : (j * pages + p + 1) * piece] for j in range(pieces)]
+        for p in range(pages)
+    ]
+    flat = np.zeros(pages * size, dtype=np.uint8)
+    transfer = PageTransfer(FP, size, same_host=False)
+
+    def restore() -> None:
+        if transfer._scatter(blocks, targets) != pages:
+            raise RuntimeError("the page restore copied fewer pages than blocks")
+
+    def piece_by_piece() -> None:
+        for block, page in zip(blocks, targets, strict=True):
+            source = np.frombuffer(block, dtype=np.uint8)
+            for j, target in enumerate(page):
+                np.copyto(target, source[j * piece : (j + 1) * piece])
+
+    def memcpy() -> None:
+        for i, block in enumerate(blocks):
+            np.copyto(flat[i * size : (i + 1) * size], np.frombuffer(block, dtype=np.uint8))
+
+    restore_s, ref_s = interleaved(_timed(restore), _timed(memcpy), rounds)
+    before_s, _ = interleaved(_timed(piece_by_piece), _timed(memcpy), rounds)
+    if not np.array_equal(host[:piece], np.frombuffer(blocks[0], dtype=np.uint8)[:piece]):
+        raise RuntimeError("the page restore wrote wrong bytes")
+    note = f"{pages} pages of {pieces} pieces ({piece // KiB} KiB each), a layer-first host pool"
+    total = pages * size
+    return [
+        Result(
+            f"sglang page restore 2 MiB, {pieces} pieces",
+            _gbps(total, restore_s),
+            "GB/s",
+            "memcpy into one buffer a page",
+            _gbps(total, ref_s),
+            note=note + "; one native call a page (kvstore.client.inplace)",
+        ),
+        Result(
+            f"sglang page restore 2 MiB, {pieces} pieces (one numpy copy a piece)",
+            _gbps(total, before_s),
+            "GB/s",
+            "memcpy into one buffer a page",
+            _gbps(total, ref_s),
+            note=note + "; the backend's copy before sitting 16",
+        ),
+    ]
+
+
 def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> int:
     total = 256 * MiB if quick else 1 * GiB
     rounds = 3 if quick else 7
@@ -486,7 +548,7 @@ def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> 
     results: list[Result] = []
     try:
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("tiers", total=len(SIZES) * 3 + 2)
+            task = progress.add_task("tiers", total=len(SIZES) * 3 + 3)
             for size in SIZES:
                 w = _Working(size, total)
                 progress.update(task, description=f"dram {_label(size)}")
@@ -504,6 +566,9 @@ def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> 
             progress.advance(task)
             progress.update(task, description="codecs")
             results += bench_codecs()
+            progress.advance(task)
+            progress.update(task, description="sglang pages")
+            results += bench_sglang_pages(rounds * 3)
             progress.advance(task)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -34,6 +34,7 @@ import torch
 
 from engine_plugin.transfer import release_after_load
 from kvstore.client import Client
+from kvstore.client.inplace import gather_from_slots, scatter_into_slots
 from kvstore.keys import BlockKey, Fingerprint
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class PageTransfer:
         try:
             for view, page in zip(pending.views, sources, strict=True):
                 if view is not None:  # None: already stored, or no room
-                    _gather(page, np.frombuffer(view, dtype=np.uint8))
+                    scatter_into_slots(view, _pieces_of(page), [piece.data for piece in page])
         except BaseException:
             kv.abort(pending.reservation_id)
             raise
@@ -116,11 +117,7 @@ class PageTransfer:
                 )
                 break
             self._check(page)
-            source = np.frombuffer(block, dtype=np.uint8)
-            offset = 0
-            for piece in page:
-                np.copyto(piece, source[offset : offset + piece.size])
-                offset += piece.size
+            gather_from_slots(memoryview(block), _pieces_of(page), [piece.data for piece in page])
             n += 1
         return n
 
@@ -130,8 +127,12 @@ class PageTransfer:
             raise ValueError(f"a page of {size} B where the model's pages are {self.page_bytes} B")
 
 
-def _gather(page: Page, out: np.ndarray) -> None:
-    offset = 0
+def _pieces_of(page: Page) -> list[tuple[int, int]]:
+    """Where each piece of a page lies in its block: (offset, size), one after another. A page's
+    copies are then one native call (``kvstore.client.inplace``), not one numpy copy a piece: a
+    layer-first page has two pieces a layer."""
+    out, offset = [], 0
     for piece in page:
-        np.copyto(out[offset : offset + piece.size], piece)
+        out.append((offset, piece.size))
         offset += piece.size
+    return out
