@@ -21,6 +21,7 @@ Not for use from several threads at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -134,11 +135,16 @@ class ServerProcess:
             try:
                 self.proc.wait(STOP_S)
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):  # its threads' stacks into the log
+                    os.kill(self.pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 self.kill()
+                tail = self._log_tail(30000)  # the stacks of every thread
+                print(f"kvstore serve did not drain within {STOP_S:.0f} s; killed:\n{tail}", file=sys.stderr)
         return self.proc.returncode
 
-    def _log_tail(self) -> str:
-        return (self.data_dir / "serve.log").read_text(errors="replace")[-3000:]
+    def _log_tail(self, chars: int = 3000) -> str:
+        return (self.data_dir / "serve.log").read_text(errors="replace")[-chars:]
 
 
 def _stopped(task: Path) -> bool:

@@ -7,9 +7,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +144,23 @@ def test_a_serving_process_runs_no_full_garbage_collection(data_dir: str) -> Non
         assert after["2"] == before["2"]
     finally:
         server.stop()
+
+
+def test_sigusr1_dumps_every_threads_stack_and_the_server_goes_on(data_dir: str) -> None:
+    """A drain that hangs can be seen: `kill -USR1` writes each thread's stack to the log (what
+    the benchmarks' and tests' harness sends before it kills a server that did not drain)."""
+    settings = {"dram.capacity_bytes": "16MiB", "dram.page_bytes": "1MiB", "dram.prefault": "false"}
+    server = ServerProcess({**settings, "nvme.capacity_bytes": "64MiB"}, data_dir)
+    try:
+        os.kill(server.pid, signal.SIGUSR1)
+        log = Path(data_dir) / "serve.log"
+        deadline = time.monotonic() + 10
+        while "kvstore/store/cleaner.py" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.05)
+        text = log.read_text(errors="replace")
+        assert "Current thread" in text and "kvstore/server/serve.py" in text  # the main thread too
+        with connect(server.unix) as kv:
+            assert kv.stats()["tiers"]  # still serving
+    finally:
+        assert server.stop() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import logging
 import os
@@ -346,6 +347,9 @@ def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = No
     # it (one that comes while it starts takes effect once it has started).
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR1`: every thread's stack to stderr, the server going on (a drain that hangs
+    # can then be seen, not only killed)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     running = start_server(settings)
     hold_full_collections()
     if ready is not None:
