@@ -42,6 +42,21 @@ def _tiers(s: TieredStore, key: BlockKey) -> set[str]:
     return {s.tiers[t].name for t in block.tiers}
 
 
+def _full_over_a_held_disk(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch, queue_blocks: int
+) -> tuple[TieredStore, threading.Event]:
+    """The arena full of eight singles over a disk that takes nothing until the event is set,
+    once the cleaner has queued its first copy."""
+    s = _store(tmp_path, queue_blocks=queue_blocks)
+    nvme = s.tiers[1]
+    assert isinstance(nvme, NvmeTier)
+    gate = hold_writer(nvme, monkeypatch)
+    for key in singles[:8]:
+        s.put(A, [key], [data(key)])
+    _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 1)
+    return s, gate
+
+
 @pytest.fixture
 def singles() -> list[BlockKey]:
     """Twelve one-block chains: eviction order is the order they were stored."""
@@ -102,14 +117,8 @@ def test_the_cleaner_leaves_half_the_disk_queue_and_never_holds_the_lock_waiting
     """The disk takes nothing (its writer is held): the cleaner queues two blocks of a 4-block
     queue and then waits, outside the lock; callers go on; a write's dirty victim still finds
     room in the queue and is demoted, not dropped."""
-    s = _store(tmp_path, queue_blocks=4)
-    nvme = s.tiers[1]
-    assert isinstance(nvme, NvmeTier)
-    gate = hold_writer(nvme, monkeypatch)
+    s, gate = _full_over_a_held_disk(tmp_path, singles, monkeypatch, queue_blocks=4)
     try:
-        for key in singles[:8]:
-            s.put(A, [key], [data(key)])
-        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 1)
         time.sleep(0.5)  # what it would queue more, it would have by now
         # Queued: the first clean copy (its batch taken by the held writer) and one more.
         assert s.stats().counters["cleaned_blocks"] == 2
@@ -149,14 +158,8 @@ def test_a_clean_ahead_past_one_is_refused(tmp_path: Path) -> None:
 def test_a_cleaner_closes_promptly_while_the_disk_is_behind(
     tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = _store(tmp_path, queue_blocks=2)
-    nvme = s.tiers[1]
-    assert isinstance(nvme, NvmeTier)
-    gate = hold_writer(nvme, monkeypatch)
+    s, gate = _full_over_a_held_disk(tmp_path, singles, monkeypatch, queue_blocks=2)
     try:
-        for key in singles[:8]:
-            s.put(A, [key], [data(key)])
-        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 1)
         cleaner = s._cleaner
         assert isinstance(cleaner, Cleaner)
         started = time.monotonic()

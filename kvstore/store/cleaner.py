@@ -67,12 +67,14 @@ class Cleaner:
     def poke(self) -> None:
         """Blocks were stored: wake the cleaner if the arena is short of free room now (a check
         of the arena's usage, cheaper than waking a thread for every write)."""
-        if not self._has_room():
+        if self._shortfall_target() is not None:
             self._poked.set()
 
-    def _has_room(self) -> bool:
+    def _shortfall_target(self) -> int | None:
+        """The bytes to keep clean when the arena has less than that free; None while it has."""
         usage = self._p.tiers[self._a].usage()
-        return usage.capacity_bytes - usage.stored_bytes >= usage.capacity_bytes * self._fraction
+        target = int(usage.capacity_bytes * self._fraction)
+        return None if usage.capacity_bytes - usage.stored_bytes >= target else target
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -105,10 +107,10 @@ class Cleaner:
     def _round(self) -> bool:
         """Clean what is next in line; whether it cleaned anything (then it looks again)."""
         p, a, t = self._p, self._a, self._t
-        if self._has_room():
-            return False  # nothing will be evicted soon
+        target = self._shortfall_target()
+        if target is None:
+            return False  # room enough: nothing will be evicted soon
         disk = p.tiers[t]
-        target = int(p.tiers[a].usage().capacity_bytes * self._fraction)
         with p.locked():
             dirty = [
                 b.ident for b in p.eviction.coldest(a, LOOK_BLOCKS, target) if t not in b.tiers and not b.pins

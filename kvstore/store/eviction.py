@@ -181,8 +181,9 @@ class Eviction:
         stack = [block]
         while stack:
             b = stack.pop()
-            if b.ident not in gone:
-                order.append(b)
+            if b.ident in gone:
+                continue  # taken with an earlier block, and all below it with it
+            order.append(b)
             for key in self._index.children(b.ident):
                 child = self._index.get((b.scope, key))
                 if child is not None and t in child.tiers:
