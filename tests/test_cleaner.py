@@ -170,27 +170,116 @@ def test_a_cleaner_closes_promptly_while_the_disk_is_behind(
         s.close()
 
 
-def test_a_demote_while_the_cleaner_copies_moves_every_block(
-    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`kvstore demote dram` skips held blocks; the cleaner holds the one it copies, so a demote
-    pauses it and waits for that copy: every block moves."""
-    s = _store(tmp_path)
+def _cleaner_inside_a_slow_copy(
+    s: TieredStore, monkeypatch: pytest.MonkeyPatch, seconds: float
+) -> threading.Event:
+    """Each put into the store's nvme takes ``seconds``; the event is set once one has begun."""
     nvme = s.tiers[1]
     put = nvme.put
     copying = threading.Event()
 
     def slow_put(*args: Any, **kwargs: Any) -> None:
         copying.set()
-        time.sleep(0.3)
+        time.sleep(seconds)
         put(*args, **kwargs)
 
     monkeypatch.setattr(nvme, "put", slow_put)
+    return copying
+
+
+def test_a_demote_while_the_cleaner_copies_moves_every_block(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvstore demote dram` skips held blocks; the cleaner holds none while it copies, so a
+    demote that starts meanwhile moves every block."""
+    s = _store(tmp_path)
+    copying = _cleaner_inside_a_slow_copy(s, monkeypatch, 0.3)
     try:
         for key in singles[:8]:
             s.put(A, [key], [data(key)])
-        assert copying.wait(10)  # the cleaner is inside a copy, its block held
+        assert copying.wait(10)
         assert s.demote("dram") == 8
         assert [s.tier_of(A, k) for k in singles[:8]] == ["nvme"] * 8
     finally:
+        s.close()
+
+
+def test_a_restore_needing_the_whole_arena_while_the_cleaner_copies_gets_every_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain leaves the arena tail first, so a block the cleaner held while copying would keep
+    its whole chain in: a restore (resolve) of eight blocks from nvme into the full 8-block arena
+    would pin none of them. The cleaner holds nothing: every block comes up, read back exact."""
+    s = _store(tmp_path)
+    below, resident = chain(8, salt="below"), chain(8, salt="resident")
+    try:
+        s.put(A, below, [data(k) for k in below])
+        assert s.demote("dram") == 8
+        copying = _cleaner_inside_a_slow_copy(s, monkeypatch, 1.0)
+        s.put(A, resident, [data(k) for k in resident])  # the arena full of dirty blocks
+        assert copying.wait(10)  # the cleaner is inside a copy of the resident chain's tail
+        resolved = s.resolve(A, below)
+        assert resolved.tiers == ("nvme",) * 8 and resolved.lease is not None
+        arena = s.arena
+        assert arena is not None
+        for key, slot in zip(below, resolved.slots, strict=True):
+            assert arena.arena.view[slot.offset : slot.offset + slot.size_bytes] == data(key)
+        s.release(resolved.lease.lease_id)
+        assert s.get(A, resident) == [data(k) for k in resident]  # demoted as they went
+    finally:
+        s.close()
+
+
+def _cleaner_copy_held_at_the_disk(
+    s: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[bytes], threading.Event, threading.Event]:
+    """The cleaner's puts into nvme wait for ``go`` (one at a time); ``entered`` is set when one
+    waits, with its tier key appended to the list."""
+    nvme = s.tiers[1]
+    put = nvme.put
+    keys: list[bytes] = []
+    entered, go = threading.Event(), threading.Event()
+
+    def held_put(key: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "kvstore-cleaner":
+            keys.append(bytes(key))
+            entered.set()
+            assert go.wait(10)
+        put(key, *args, **kwargs)
+
+    monkeypatch.setattr(nvme, "put", held_put)
+    return keys, entered, go
+
+
+@pytest.mark.parametrize("stored_again", [False, True])
+def test_a_block_deleted_while_the_cleaner_copies_it_leaves_no_copy_behind(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch, stored_again: bool
+) -> None:
+    """Nothing is held while the disk takes a copy, so the block may go meanwhile: its copy goes
+    after it. Stored again under the same key meanwhile (and demoted), the new block keeps its
+    own disk copy."""
+    s = _store(tmp_path)
+    copied, entered, go = _cleaner_copy_held_at_the_disk(s, monkeypatch)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        assert entered.wait(10)
+        by_tkey = {s._p.index.get((s._p.index.intern(A), k)).tkey: k for k in singles[:8]}  # type: ignore[union-attr]
+        key = by_tkey[copied[0]]
+        assert s.delete(A, [key]) == 1
+        if stored_again:
+            s.put(A, [key], [data(key)])
+            with s._p.locked():  # demoted by hand, as an eviction would
+                block = s._p.index.get((s._p.index.intern(A), key))
+                assert block is not None and s._p.placement.demote(block, 0)
+        go.set()
+        _until(lambda: len(copied) > 1 or s.stats().counters.get("cleaned_blocks", 0) > 0)
+        s.flush()
+        held = s.tiers[1].get_into(copied[0], memoryview(bytearray(BLOCK)))
+        if stored_again:
+            assert held == BLOCK and s.tier_of(A, key) == "nvme" and s.get(A, [key]) == [data(key)]
+        else:
+            assert held is None and s.tier_of(A, key) is None
+    finally:
+        go.set()
         s.close()

@@ -19,23 +19,29 @@ arena copy. A block cleaned and then hit stays clean: its eviction later still c
 Rules:
     - it never waits under the store lock: before each copy it waits outside it until nvme's
       write queue is at most half full (the other half stays for the writers' demotions and
-      write-behind), then copies one block out of its slot with the block held and the lock
-      not held (``behind.copy_down``, as write-behind does);
-    - under the lock it only looks (``Eviction.coldest``: LOOK_BLOCKS heap pops and pushes);
+      write-behind);
+    - it holds no block: under the lock it copies the block's bytes out of its arena slot into
+      a buffer of its own (one memcpy), and puts that copy into nvme outside the lock. A held
+      block would stand in eviction's way, and with it every block above it in its chain (a
+      chain leaves its arena tail first): a restore that needs the whole arena would find no
+      room while a copy ran. When the put is done it looks again under the lock: a block still
+      current gets its nvme copy counted (unless a demotion put the same bytes there
+      meanwhile); a copy whose block was deleted or dropped meanwhile is deleted, unless a
+      block stored since under the same key holds it;
+    - under the lock it only looks (``Eviction.coldest``: LOOK_BLOCKS heap pops and pushes) and
+      copies one block at a time;
     - it sleeps while the arena has room; a write that leaves the arena short wakes it (``poke``,
       a flag set), and a round that found nothing to clean waits for the next poke;
-    - ``close`` stops it before the store closes, ``paused`` holds it while an operator's demote
-      runs (which would skip a block the cleaner holds); a copy in flight finishes first.
+    - ``close`` stops it before the store closes; a copy in flight finishes first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from kvstore.store.behind import copy_down
+from kvstore.store.behind import CopyDown
 from kvstore.store.parts import StoreParts
 from tiers import Tier
 
@@ -58,8 +64,7 @@ class Cleaner:
         self._fraction = fraction
         self._closed = closed
         self._stop = False
-        self._paused = 0
-        self._copying = threading.Lock()  # held through each copy: ``paused`` waits for it
+        self._copy = CopyDown(parts, disk, closed, "cleaned_blocks")
         self._poked = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-cleaner", daemon=True)
         self._thread.start()
@@ -75,19 +80,6 @@ class Cleaner:
         usage = self._p.tiers[self._a].usage()
         target = int(usage.capacity_bytes * self._fraction)
         return None if usage.capacity_bytes - usage.stored_bytes >= target else target
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No copy starts meanwhile, and the one in flight has ended when this enters: an
-        operator's demote then finds no block held by the cleaner."""
-        with self._copying:
-            self._paused += 1
-        try:
-            yield
-        finally:
-            with self._copying:
-                self._paused -= 1
-            self._poked.set()
 
     def close(self) -> None:
         self._stop = True
@@ -119,13 +111,10 @@ class Cleaner:
         for ident in dirty:
             if self._stop or self._closed():
                 break
-            block = p.index.get(ident)  # a glance without the lock: copy_down checks again under it
+            block = p.index.get(ident)  # a glance without the lock: the copy looks again under it
             if block is None or not _half_empty(disk, block.size_bytes):
                 break  # the disk is behind: the writers' demotions come first
-            with self._copying:
-                if self._paused:
-                    break
-                cleaned += copy_down(p, ident, t, self._closed, "cleaned_blocks")
+            cleaned += self._copy(ident)
         return cleaned > 0
 
 

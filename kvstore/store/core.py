@@ -30,7 +30,6 @@ Tier errors that escape a call become ``Unavailable`` there, nowhere else.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -450,12 +449,11 @@ class TieredStore:
         # demote of a whole arena into a slow disk takes minutes, and every other caller goes on
         # meanwhile. (Under the lock it still waits if another writer filled the queue since.)
         moved = 0
-        with self._cleaner.paused() if self._cleaner is not None else contextlib.nullcontext():
-            for block in chosen:
-                p.placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
-                with p.locked():
-                    if p.index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
-                        moved += p.placement.demote(block, t)
+        for block in chosen:
+            p.placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
+            with p.locked():
+                if p.index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
+                    moved += p.placement.demote(block, t)
         log.info("demoted %d of %d blocks out of %s", moved, len(chosen), tier)
         return moved
 
