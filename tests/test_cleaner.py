@@ -16,6 +16,7 @@ from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.store.cleaner import Cleaner
 from tests.test_store_arena import BLOCK, A, chain, data, hold_writer
+from tiers import TierKey
 from tiers.dram import DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
 
@@ -282,4 +283,34 @@ def test_a_block_deleted_while_the_cleaner_copies_it_leaves_no_copy_behind(
             assert held is None and s.tier_of(A, key) is None
     finally:
         go.set()
+        s.close()
+
+
+def test_a_write_whose_victims_are_clean_never_waits_for_a_busy_disk(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write into a full arena waits for a disk whose queue is full only for the victims it
+    would demote; when the cleaner has copied them all, it waits for nothing (it waited the
+    whole pace, 2 s, before)."""
+    s = _store(tmp_path, queue_blocks=2)
+    nvme = s.tiers[1]
+    assert isinstance(nvme, NvmeTier)
+    gate: threading.Event | None = None
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 4)
+        s.flush()
+        gate = hold_writer(nvme, monkeypatch)
+        nvme.put(TierKey(b"busy"), data(singles[0]), bytes(s._p.index.intern(A).fingerprint))  # queue full
+        more = chain(4, salt="more")
+        started = time.monotonic()
+        assert s.put(A, more, [data(k) for k in more]) == 4  # its four victims are the clean four
+        assert time.monotonic() - started < 1.0
+        counters = s.stats().counters
+        assert counters.get("pace_timeouts", 0) == 0 and counters.get("demotions", 0) == 0
+        assert [s.tier_of(A, k) for k in singles[:4]] == ["nvme"] * 4  # evicted, none lost
+    finally:
+        if gate is not None:
+            gate.set()
         s.close()

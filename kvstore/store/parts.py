@@ -7,9 +7,10 @@ The lock rule (the store's, tested in tests/test_store_threads.py):
                      already holds in memory, demotion out of the arena, spill on close); a full
                      write queue is never waited for here but by spill, write-through, demote
     outside it       reads from a medium into a caller's buffer (``get_into``), promotion of a
-                     block from a slower tier into the arena (``resolve``), write-behind and
-                     cleaner copies, the wait a throttled tier adds, each under a pin that
-                     keeps its block; and
+                     block from a slower tier into the arena (``resolve``), the wait a throttled
+                     tier adds, each under a pin that keeps its block; write-behind and cleaner
+                     puts into the disk (of bytes copied out under the lock, nothing pinned:
+                     ``behind.CopyDown``); and
                      a write's wait for a disk that is behind (``Placement.pace``)
 """
 
@@ -55,7 +56,7 @@ class StoreParts:
         self.eviction = Eviction(self.index, len(tiers))
         self.pins = Pins(config, clock, self.eviction, on_free=self._free)
         self.placement = Placement(
-            self.tiers, self.index, self.eviction, self.pins, self.counters, self.expire
+            self.tiers, self.index, self.eviction, self.pins, self.counters, self.expire, self.lock
         )
         self.governance = Governance(
             config, self.index, wall_clock, self.counters, self.placement.drop, self.pins.doom

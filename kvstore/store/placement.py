@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
@@ -40,6 +41,7 @@ log = logging.getLogger("kvstore.store")
 
 PACE_S = 2.0  # the longest a write waits for the disk to take its victims (past it they are dropped)
 PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
+PACE_LOOK_BLOCKS = 1024  # the most victims a paced write looks at (past them, all count as dirty)
 DEMOTE_WAIT_S = 30.0  # an operator's demote waits this long for the disk outside the lock, a block at a time
 
 
@@ -54,8 +56,10 @@ class Placement:
         pins: Pins,
         counters: Counter[str],
         before_evicting: Callable[[], None],
+        lock: AbstractContextManager[object],
     ) -> None:
         self.tiers = tiers
+        self._lock = lock  # the store lock, taken only by ``pace`` (the rest runs under it)
         self._index = index
         self._eviction = eviction
         self._pins = pins
@@ -86,9 +90,20 @@ class Placement:
         """Outside the lock, before a write that will need ``size_bytes`` of room in tier ``t``:
         when making that room will demote into a tier whose write queue is full, wait (at most
         ``timeout_s``) for the queue to drain, so that the writer, not every caller, waits for
-        the disk and its victims are demoted rather than dropped. Advisory: it reads the tiers
-        without the store lock, and the placements under it never wait whatever it found."""
-        if not self.wait_below(t, size_bytes - _free_bytes(self.tiers[t]), timeout_s):
+        the disk and its victims are demoted rather than dropped. Only the victims that would be
+        demoted count: one with a copy below already (the cleaner's work) is evicted by
+        forgetting its copy here, and a write whose victims are all clean does not wait for a
+        busy disk at all. Advisory: it reads the tiers without the store lock (the victims under
+        it, briefly, and only when the queue is full now), and the placements under it never
+        wait whatever it found."""
+        short = size_bytes - _free_bytes(self.tiers[t])
+        if short <= 0 or self.wait_below(t, short, 0.0):
+            return  # room, or a queue that takes the victims now: the usual cases
+        with self._lock:
+            victims = self._eviction.coldest(t, PACE_LOOK_BLOCKS, short)
+        looked = sum(b.size_bytes for b in victims)
+        dirty = sum(b.size_bytes for b in victims if len(b.tiers) == 1) + max(0, short - looked)
+        if dirty > 0 and not self.wait_below(t, dirty, timeout_s):
             self._counters["pace_timeouts"] += 1
 
     def wait_below(self, t: int, size_bytes: int, timeout_s: float) -> bool:
