@@ -27,8 +27,9 @@ copies (see ``BlockCopier``), layer-wise ones on the caller's loader thread. At
 vLLM's block sizes (tens of KiB per layer) a torch ``copy_`` per slice costs more in dispatch and
 view building than in moving bytes: a 3,000-token restore of the 8-layer test model took ~7 ms
 that way against ~3 ms by address, and a single memcpy of the same bytes ~1.3 ms. On CUDA caches,
-and wherever ``by_address=False``, the torch path above (one ``copy_`` per slice) is used; the
-tests run both on the CPU.
+and wherever ``by_address=False``, whole blocks are staged on the caches' device and each slice
+of a batch moves in one kernel (``engine_plugin.device_copy``); the tests run every path on the
+CPU, and the staged one on CUDA too (``gpu``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ from typing import cast
 
 import numpy as np
 import torch
+
+from engine_plugin import host_buffers
+from engine_plugin.device_copy import StagedCopier
+from engine_plugin.host_buffers import Buffer, address
 
 try:
     from engine_plugin import _blockcopy  # type: ignore[attr-defined]
@@ -125,9 +130,6 @@ def synchronize(caches: Sequence[torch.Tensor]) -> None:
         torch.cuda.current_stream(caches[0].device).synchronize()
 
 
-Buffer = bytes | bytearray | memoryview
-
-
 @dataclass(frozen=True)
 class _Slice:
     """One contiguous place of a block in one layer's cache: block ``b`` lives at
@@ -139,31 +141,6 @@ class _Slice:
     size: int
     offset: int
     rows: np.ndarray | None  # [num_blocks, size] bytes over a host cache itself (else None)
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Buffers ``first .. first + count`` of a copy. With a ``span`` (two or more buffers evenly
-    spaced ``stride`` apart in one writable buffer, whatever their block ids), each layer's slice
-    of the whole run is one numpy copy between a strided view of the buffer and the cache's rows,
-    indexed by the block ids; otherwise one memmove per buffer."""
-
-    first: int
-    count: int
-    span: np.ndarray | None = None  # uint8 over the buffer the run's buffers lie in
-    offset: int = 0  # of the run's first buffer in ``span``
-    stride: int = 0
-
-    def strided(self, offset: int, size: int) -> np.ndarray:
-        """``[count, size]``: bytes ``offset .. offset + size`` of each of the run's buffers."""
-        assert self.span is not None
-        start = self.offset + offset
-        end = start + (self.count - 1) * self.stride + size
-        if start < 0 or end > self.span.size:
-            raise ValueError("a run of blocks reaches outside its buffer")
-        return np.lib.stride_tricks.as_strided(
-            self.span[start:end], (self.count, size), (self.stride, 1), writeable=True
-        )
 
 
 class BlockCopier:
@@ -199,14 +176,18 @@ class BlockCopier:
             raise ValueError("the native block copier is not built (no C compiler at install)")
         self.native = self.by_address and (_blockcopy is not None if native is None else native)
         self._slices: list[list[_Slice]] = []  # per layer
-        offset = 0
+        places_of = []  # per layer: (start, stride, size) of each slice, in bytes
         for cache, layout in zip(self._caches, self._layouts, strict=True):
             es = cache.element_size()
             if layout.kind == BLOCK_MAJOR:
-                places = [(0, cache.stride(0) * es, layout.block_bytes)]
+                places_of.append([(0, cache.stride(0) * es, layout.block_bytes)])
             else:  # K then V: [2, num_blocks, ...]
                 half = layout.block_bytes // 2
-                places = [(0, cache.stride(1) * es, half), (cache.stride(0) * es, cache.stride(1) * es, half)]
+                places_of.append(
+                    [(0, cache.stride(1) * es, half), (cache.stride(0) * es, cache.stride(1) * es, half)]
+                )
+        offset = 0
+        for cache, places in zip(self._caches, places_of, strict=True):
             parts = []
             for start, stride, size in places:
                 rows = _byte_rows(cache, start, stride, size, num_blocks) if host else None
@@ -214,6 +195,8 @@ class BlockCopier:
                 offset += size
             self._slices.append(parts)
         self.block_bytes = offset
+        # caches on a GPU (or by_address=False): whole blocks staged on the caches' device
+        self._staged = None if self.by_address else StagedCopier(self._caches, places_of, num_blocks)
         # per layer: [base, stride, offset, size] of each slice, what the native copier reads
         self._native_parts = [
             np.array([[x.base, x.stride, x.offset, x.size] for x in parts], dtype=np.int64)
@@ -232,18 +215,14 @@ class BlockCopier:
     ) -> None:
         """Copy stored blocks ``sources`` into blocks ``block_ids`` of the caches."""
         self.check(sources, block_ids)
-        if not self.by_address:
-            for source, block_id in zip(sources, block_ids, strict=True):
-                src = torch.frombuffer(source, dtype=torch.uint8)
-                for layer in self._layers(layers):
-                    for part, dst in zip(self._slices[layer], self._views(layer, block_id), strict=True):
-                        dst.copy_(src[part.offset : part.offset + part.size], non_blocking=dst.is_cuda)
+        if self._staged is not None:
+            self._staged.scatter(sources, block_ids, layers)
             return
         if self.native:
             self._copy_native(0, _native_addresses(sources, False), block_ids, layers)
             return
-        addresses = [_address(source) for source in sources]
-        runs = _runs(sources, addresses, self.block_bytes)
+        addresses = [address(source) for source in sources]
+        runs = host_buffers.runs(sources, addresses, self.block_bytes)
         move = ctypes.memmove
         for layer in self._layers(layers):
             for part in self._slices[layer]:
@@ -290,20 +269,16 @@ class BlockCopier:
     def gather(self, block_ids: Sequence[int], targets: Sequence[Buffer]) -> None:
         """Copy blocks ``block_ids`` of the caches into ``targets`` (each one stored block)."""
         self.check(targets, block_ids)
-        if not self.by_address:
-            for target, block_id in zip(targets, block_ids, strict=True):
-                gather(
-                    block_views(self._caches, self._layouts, block_id),
-                    torch.frombuffer(target, dtype=torch.uint8),
-                )
-            return
         if any(memoryview(t).readonly for t in targets):
             raise ValueError("a block's target buffer is read-only")
+        if self._staged is not None:
+            self._staged.gather(block_ids, targets)
+            return
         if self.native:
             self._copy_native(1, _native_addresses(targets, True), block_ids, None)
             return
-        addresses = [_address(target) for target in targets]
-        runs = _runs(targets, addresses, self.block_bytes)
+        addresses = [address(target) for target in targets]
+        runs = host_buffers.runs(targets, addresses, self.block_bytes)
         move = ctypes.memmove
         for parts in self._slices:
             for part in parts:
@@ -336,15 +311,6 @@ class BlockCopier:
 
     def _layers(self, layers: Sequence[int] | None) -> Sequence[int]:
         return range(len(self._caches)) if layers is None else layers
-
-    def _views(self, layer: int, block_id: int) -> list[torch.Tensor]:
-        cache = self._caches[layer]
-        if self._layouts[layer].kind == BLOCK_MAJOR:
-            return [cache[block_id].reshape(-1).view(torch.uint8)]
-        return [
-            cache[0, block_id].reshape(-1).view(torch.uint8),
-            cache[1, block_id].reshape(-1).view(torch.uint8),
-        ]
 
     def check(self, buffers: Sequence[Buffer], block_ids: Sequence[int]) -> None:
         """ValueError unless each buffer is one block and each id one of the caches' blocks."""
@@ -403,43 +369,9 @@ def _byte_rows(cache: torch.Tensor, start: int, stride: int, size: int, num_bloc
     return rows.numpy()
 
 
-def _runs(buffers: Sequence[Buffer], addresses: Sequence[int], size: int) -> list[_Run]:
-    """``buffers`` cut into runs (``_Run``): a new run wherever the buffer or its spacing changes."""
-    runs: list[_Run] = []
-    spans: dict[int, tuple[np.ndarray, int]] = {}  # id(buffer's object) -> (span, address)
-    i, n = 0, len(buffers)
-    while i < n:
-        j = i + 1
-        owner = _owner(buffers[i])
-        stride = addresses[j] - addresses[i] if j < n else 0
-        if owner is not None and stride >= size:
-            while j < n and addresses[j] - addresses[j - 1] == stride and _owner(buffers[j]) is owner:
-                j += 1
-        if j - i < 2 or owner is None:
-            runs.append(_Run(i, 1))
-            i += 1
-            continue
-        if id(owner) not in spans:
-            whole = memoryview(cast(Buffer, owner)).cast("B")
-            spans[id(owner)] = (np.frombuffer(whole, dtype=np.uint8), _address(whole))
-        span, base = spans[id(owner)]
-        runs.append(_Run(i, j - i, span, addresses[i] - base, stride))
-        i = j
-    return runs
-
-
-def _owner(buffer: Buffer) -> object | None:
-    """The writable object a buffer is a view of (an arena's mapping, a staging bytearray)."""
-    view = memoryview(buffer)
-    owner = view.obj
-    if view.readonly or owner is None or isinstance(owner, bytes):
-        return None
-    return owner
-
-
 def _native_addresses(buffers: Sequence[Buffer], writable: bool) -> bytes:
     """``u64`` addresses of contiguous host buffers, by the native copier (the caller keeps the
-    buffers alive): ~0.1 us a buffer, against ~3 us for ``_address``."""
+    buffers alive): ~0.1 us a buffer, against ~3 us for ``host_buffers.address``."""
     assert _blockcopy is not None
     try:
         return cast(bytes, _blockcopy.addresses(buffers, writable))
@@ -447,11 +379,3 @@ def _native_addresses(buffers: Sequence[Buffer], writable: bool) -> bytes:
         raise ValueError(
             f"a block's buffer must be contiguous{' and writable' if writable else ''}: {exc}"
         ) from exc
-
-
-def _address(buffer: Buffer) -> int:
-    """The address of a contiguous host buffer (read-only ones too); the caller keeps it alive."""
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise ValueError("a block's buffer must be contiguous")
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0

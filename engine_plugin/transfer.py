@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_plugin import kv_layout
+from engine_plugin.host_buffers import Buffer
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition, KvStoreError
 from kvstore.keys import BlockKey, Fingerprint
@@ -81,8 +82,17 @@ class BlockTransfer:
         self._block_bytes = block_bytes
         self._same_host = same_host
         self._copier = kv_layout.BlockCopier(self._caches, self._layouts, num_blocks)
+        # Copies between the arena and caches on a GPU run by DMA only out of a mapping this
+        # process registered (the sidecar's registration covers the sidecar's mapping alone).
+        self._pin_arena = same_host and any(c.is_cuda for c in self._caches)
         if self._copier.block_bytes != block_bytes:
             raise ValueError(f"the caches hold {self._copier.block_bytes} B per block, not {block_bytes}")
+
+    def prepare(self, kv: Client) -> bool:
+        """Same host with caches on a GPU: the arena's mapping in this process registered with
+        CUDA (once a client; ``Client.pin_arena_for_cuda``), so that registering is not part of
+        a restore; whether it is. False otherwise: nothing to do, or copies staged by CUDA."""
+        return self._pin_arena and kv.pin_arena_for_cuda()
 
     def fetch(
         self,
@@ -178,6 +188,7 @@ class BlockTransfer:
     ) -> StagedLoad:
         """Arena slots of the present prefix of ``keys``, pinned, for ``start_by_layer`` and then
         ``finish``: resolved now, or ``in_place``'s (pinned already). Same host only."""
+        self.prepare(kv)
         if in_place is not None:
             views = kv.arena_views(in_place.arena, in_place.slots[: len(block_ids)])
             tiers = ("dram",) * len(views)  # the arena is the dram tier
@@ -220,6 +231,7 @@ class BlockTransfer:
     def _store_in_arena(
         self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int], parent: BlockKey | None
     ) -> None:
+        self.prepare(kv)
         pending = kv.reserve(self._fingerprint, keys, [self._block_bytes] * len(keys), parent=parent)
         try:
             wanted = [(b, v) for b, v in zip(block_ids, pending.views, strict=True) if v is not None]
@@ -231,7 +243,7 @@ class BlockTransfer:
             raise
         kv.commit(pending.reservation_id)
 
-    def _scatter(self, sources: Sequence[kv_layout.Buffer], block_ids: Sequence[int]) -> None:
+    def _scatter(self, sources: Sequence[Buffer], block_ids: Sequence[int]) -> None:
         """Copy stored blocks in, synchronized; a block of another size than this layout's (a
         foreign or damaged writer) is a ``FailedPrecondition``, for vLLM to recompute."""
         try:

@@ -4,14 +4,19 @@ refusal of anything else."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from engine_plugin import kv_layout
+from engine_plugin import device_copy, host_buffers, kv_layout
+from engine_plugin.transfer import BlockTransfer
+from kvstore.client import Client
 
 BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 6, 4, 2, 8, 3
 
@@ -141,27 +146,14 @@ def test_an_audit_difference_is_zero_for_the_same_block_and_large_for_another() 
     assert _difference(flipped, same, torch.int8) == float("inf")
 
 
-@pytest.mark.parametrize("address", ["tcp", "unix"])
-def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(address: str) -> None:
-    """``BlockTransfer`` both ways (the data port, the mapped arena) on the CPU layout: blocks
-    gathered out of one set of caches come back into another byte for byte, and ``compare``
-    says 0 for the same KV, more for other KV, None past what kvstore holds."""
-    import shutil
-    import tempfile
-
-    from engine_plugin.transfer import BlockTransfer
+@contextlib.contextmanager
+def served_client(address: str) -> Iterator[Client]:
+    """A client of a real server of its own, registered with ``MODEL``: over TCP (a tenant's
+    token) or the Unix socket (the mapped arena)."""
     from kvstore.client import connect
-    from kvstore.keys import block_keys
     from kvstore.server.config import load_settings
     from kvstore.server.serve import start_server
     from tests.service_fixtures import MODEL, settings_for
-
-    def caches() -> list[torch.Tensor]:  # [num_blocks, kv_heads, block_size, 2 * head_dim] per layer
-        return [torch.randn(6, 2, 16, 64, dtype=torch.bfloat16) for _ in range(MODEL.num_layers)]
-
-    def transfer(layers: list[torch.Tensor]) -> BlockTransfer:
-        layouts = [kv_layout.describe(c, 6) for c in layers]
-        return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, address == "unix", 6)
 
     data_dir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     server = start_server(load_settings(env={}, overrides=settings_for(data_dir)))
@@ -169,18 +161,66 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
         where = server.unix_address if address == "unix" else server.tcp_address
         with connect(where, token=None if address == "unix" else "tok-a") as kv:
             kv.register(MODEL)
-            keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)  # 4 blocks
-            source, target = caches(), caches()
-            transfer(source).store(kv, keys[:3], [0, 2, 4], None)
-            assert transfer(target).fetch(kv, keys[:3], [1, 3, 5]) == 3
-            for s, t in zip(source, target, strict=True):
-                assert torch.equal(s[[0, 2, 4]], t[[1, 3, 5]])
-            differences = transfer(source).compare(kv, keys, [0, 2, 1, 3])
-            assert differences[:2] == [0.0, 0.0] and differences[2] is not None and differences[2] > 0.1
-            assert differences[3] is None  # kvstore holds 3 of the 4
+            yield kv
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def block_transfer(layers: list[torch.Tensor], same_host: bool) -> BlockTransfer:
+    from tests.service_fixtures import MODEL
+
+    layouts = [kv_layout.describe(c, 6) for c in layers]
+    return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, same_host, 6)
+
+
+@pytest.mark.parametrize("address", ["tcp", "unix"])
+def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(address: str) -> None:
+    """``BlockTransfer`` both ways (the data port, the mapped arena) on the CPU layout: blocks
+    gathered out of one set of caches come back into another byte for byte, and ``compare``
+    says 0 for the same KV, more for other KV, None past what kvstore holds."""
+    from kvstore.keys import block_keys
+    from tests.service_fixtures import MODEL
+
+    def caches() -> list[torch.Tensor]:  # [num_blocks, kv_heads, block_size, 2 * head_dim] per layer
+        return [torch.randn(6, 2, 16, 64, dtype=torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    with served_client(address) as kv:
+        keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)  # 4 blocks
+        source, target = caches(), caches()
+        block_transfer(source, address == "unix").store(kv, keys[:3], [0, 2, 4], None)
+        assert block_transfer(target, address == "unix").fetch(kv, keys[:3], [1, 3, 5]) == 3
+        for s, t in zip(source, target, strict=True):
+            assert torch.equal(s[[0, 2, 4]], t[[1, 3, 5]])
+        differences = block_transfer(source, address == "unix").compare(kv, keys, [0, 2, 1, 3])
+        assert differences[:2] == [0.0, 0.0] and differences[2] is not None and differences[2] > 0.1
+        assert differences[3] is None  # kvstore holds 3 of the 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("address", ["tcp", "unix"])
+def test_a_block_transfer_on_gpu_caches_round_trips_and_pins_the_engines_mapping(address: str) -> None:
+    """``BlockTransfer`` with FlashAttention's kv-split caches on the GPU, through a real server:
+    blocks saved out of one set of caches come back into another byte for byte (the staged
+    copy, asynchronous out of and into the pinned arena, synchronized before each commit and
+    release); on the same host the client's own mapping of the arena got pinned."""
+    from kvstore.keys import block_keys
+    from tests.service_fixtures import MODEL
+
+    def caches() -> list[torch.Tensor]:  # [2, num_blocks, block_size, kv_heads, head_dim] per layer
+        shape = (2, 6, MODEL.tokens_per_block, MODEL.num_kv_heads, MODEL.head_dim)
+        return [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    with served_client(address) as kv:
+        keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)
+        source, target = caches(), caches()
+        block_transfer(source, address == "unix").store(kv, keys[:4], [5, 0, 2, 4], None)
+        assert block_transfer(target, address == "unix").fetch(kv, keys[:4], [1, 3, 5, 0]) == 4
+        for s, t in zip(source, target, strict=True):
+            assert torch.equal(s[:, [5, 0, 2, 4]], t[:, [1, 3, 5, 0]])
+        if address == "unix":
+            assert kv.attach().pinned
+            assert block_transfer(target, True).compare(kv, keys[:4], [1, 3, 5, 0]) == [0.0] * 4
 
 
 # (by_address, native): the native C copier where it is built, numpy's, and torch's copy_ per slice
@@ -256,6 +296,62 @@ def test_the_copier_moves_many_blocks_by_address_as_the_torch_path_does(
         assert not any(v.any() for v in kv_layout.block_views(results[0], layouts_of(source), block_id))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("make", [cpu_caches, block_major_caches, kv_split_caches])
+def test_the_staged_copy_moves_runs_of_adjacent_slots_in_batches(
+    make: Callable[[str], list[torch.Tensor]], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged copy (what caches on a GPU use): sources lying end to end in one buffer (an
+    arena's slots of one chain) go over as one run, the others one by one, two blocks staged at
+    a time here; every byte lands where the CPU's copy by address puts it, in an order vLLM
+    could hand out, and gathering back into adjacent slots reads the same bytes."""
+    monkeypatch.setattr(device_copy, "STAGE_BYTES", 2 * BLOCK_BYTES)
+    rng = np.random.default_rng(11)
+    arena = bytearray(rng.integers(0, 256, 6 * BLOCK_BYTES, dtype=np.uint8).tobytes())
+    slot = [memoryview(arena)[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES] for i in range(6)]
+    sources = [slot[0], slot[1], slot[2], slot[4], bytes(slot[3])]  # a run of three, two alone
+    block_ids = [4, 0, 5, 2, 3]
+    expected = [torch.zeros_like(c) for c in make("cpu")]
+    kv_layout.BlockCopier(expected, layouts_of(expected), BLOCKS, by_address=True, native=False).scatter(
+        sources, block_ids
+    )
+    caches = [torch.zeros_like(c) for c in make(device)]
+    copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=False)
+    assert not copier.by_address and copier._staged is not None and copier._staged.stage_blocks == 2
+    copier.scatter(sources, block_ids)
+    copier.synchronize()
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    back = bytearray(6 * BLOCK_BYTES)
+    targets = [memoryview(back)[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES] for i in (0, 1, 2, 4, 3)]
+    copier.gather(block_ids, targets)
+    copier.synchronize()
+    assert [bytes(t) for t in targets] == [bytes(s) for s in sources]
+    with pytest.raises(ValueError, match="read-only"):
+        copier.gather([0], [bytes(BLOCK_BYTES)])
+
+
+@pytest.mark.parametrize(("shape", "word"), [((2, 6, 4, 2, 8), torch.int64), ((2, 6, 3, 1, 5), torch.uint8)])
+def test_the_staged_copy_moves_the_widest_words_the_layout_allows(
+    shape: tuple[int, ...], word: torch.dtype
+) -> None:
+    """Slices of whole 8-byte words move as int64; a layout of odd byte counts (15 B slices)
+    moves byte by byte, and lands the same bytes as the copy by address."""
+    rng = np.random.default_rng(3)
+    caches = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+    layouts = [kv_layout.describe(c, 6) for c in caches]
+    staged = kv_layout.BlockCopier(caches, layouts, 6, by_address=False)
+    assert staged._staged is not None and staged._staged.word == word
+    stored = [bytes(rng.integers(0, 256, staged.block_bytes, dtype=np.uint8)) for _ in range(3)]
+    staged.scatter(stored, [5, 1, 3])
+    expected = [torch.zeros_like(c) for c in caches]
+    kv_layout.BlockCopier(expected, layouts, 6, by_address=True, native=False).scatter(stored, [5, 1, 3])
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+    back = [bytearray(staged.block_bytes) for _ in range(3)]
+    staged.gather([5, 1, 3], back)
+    assert [bytes(b) for b in back] == stored
+
+
 @pytest.mark.parametrize("make", [cpu_caches, kv_split_caches])
 def test_a_copy_by_layer_lands_what_a_whole_copy_does_and_counts_every_layer(
     make: Callable[[], list[torch.Tensor]],
@@ -289,7 +385,7 @@ def test_the_native_layer_copy_refuses_layers_outside_its_parts_and_a_missing_co
     before = [c.clone() for c in caches]
     copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS)
     target = bytearray(BLOCK_BYTES)
-    addresses = np.asarray([kv_layout._address(target)], dtype=np.uint64)
+    addresses = np.asarray([host_buffers.address(target)], dtype=np.uint64)
     ids = np.zeros(1, dtype=np.int64)
     parts = copier._all_parts
     with pytest.raises(ValueError, match="outside"):
@@ -335,7 +431,7 @@ def test_the_copier_moves_runs_of_evenly_spaced_slots_in_one_strided_copy_per_la
     buffers = [*slots, memoryview(bytearray(BLOCK_BYTES))]
     block_ids = [2, 1, 0, 4, 5, 3]
     kv_layout.BlockCopier(source, layouts_of(source), BLOCKS, by_address=False).gather(block_ids, buffers)
-    runs = kv_layout._runs(buffers, [kv_layout._address(b) for b in buffers], BLOCK_BYTES)
+    runs = host_buffers.runs(buffers, [host_buffers.address(b) for b in buffers], BLOCK_BYTES)
     assert [(r.first, r.count, r.stride) for r in runs] == [
         (0, 4, spacing),  # slots 0-3, for blocks 2, 1, 0 and 4
         (4, 1, 0),  # slot 5: twice the spacing, alone before another buffer

@@ -285,3 +285,54 @@ def test_an_attached_arena_fills_its_page_tables_in_the_background_and_closes_cl
         again.close()  # closing while it populates waits for the step under way, then unmaps
     finally:
         owner.close()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_cuda(), reason="checks the machine without CUDA")
+def test_without_cuda_no_mapping_is_pinned_and_the_arena_still_works() -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False))
+    attached = Arena.attach(tier.arena.name)
+    try:
+        assert not tier.pinned and not attached.pin_with_cuda() and not attached.pinned
+        tier.put(TierKey(b"k" * 32), b"x" * 1000, b"f" * 32)
+        out = bytearray(1000)
+        assert tier.get_into(TierKey(b"k" * 32), memoryview(out)) == 1000 and out == b"x" * 1000
+    finally:
+        attached.close()
+        tier.close()
+
+
+@pytest.mark.gpu
+def test_each_process_mapping_of_the_arena_is_pinned_on_its_own_and_let_go_at_close() -> None:
+    """CUDA registers a mapping, not the file: the tier's mapping is pinned, a second mapping of
+    the same arena (what an engine attaches) is not until it pins itself; then bytes written
+    through either reach the GPU and come back; closing the second leaves the first pinned."""
+    import torch
+
+    tier = DramTier(DramConfig(capacity_bytes=64 << 20, page_bytes=16 << 20))
+    attached = Arena.attach(tier.arena.name)
+    try:
+        assert tier.pinned and torch.frombuffer(tier.arena.view, dtype=torch.uint8).is_pinned()
+        assert not attached.pinned
+        assert not torch.frombuffer(attached.view, dtype=torch.uint8).is_pinned()
+        assert attached.pin_with_cuda() and attached.pin_with_cuda()  # once; a second call is a no-op
+        host = torch.frombuffer(attached.view, dtype=torch.uint8)
+        assert host.is_pinned()
+        payload = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+        tier.arena.array[: 8 << 20] = payload.numpy()  # written through the tier's mapping
+        device = host[: 8 << 20].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(device.cpu(), payload)
+        host[8 << 20 : 16 << 20].copy_(device.flip(0), non_blocking=True)  # back through the engine's
+        torch.cuda.synchronize()
+        assert torch.equal(torch.from_numpy(tier.arena.array[8 << 20 : 16 << 20].copy()), payload.flip(0))
+    finally:
+        attached.close()
+    assert not attached.pinned
+    assert tier.pinned and torch.frombuffer(tier.arena.view, dtype=torch.uint8).is_pinned()
+    tier.close()

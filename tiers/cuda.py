@@ -5,7 +5,6 @@ Every function here answers "not available" rather than failing when torch has n
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import Any
 
@@ -16,11 +15,6 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def buffer_address(buffer: Any) -> int:
-    """The address of a writable buffer (an mmap or bytearray)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 def pin_host_memory(address: int, size_bytes: int) -> bool:

@@ -13,7 +13,13 @@ salvaging its blocks. An unnamed one (``Arena.create_unnamed``: a tier without a
 benchmark's reference buffer) holds nothing to salvage: its owner keeps an exclusive ``flock`` on
 the file for as long as it lives, the kernel drops that lock however the process ends, and every
 ``create`` first removes the unnamed arenas whose lock it can take (``sweep_unnamed``), so a
-killed process's arena is gone at the next start instead of filling ``/dev/shm``. Before creating
+killed process's arena is gone at the next start instead of filling ``/dev/shm``.
+
+Pinning is per process: CUDA registers a process's mapping, not the file, so the server's
+registration does nothing for an engine that attached the same arena. Each process that copies
+between the arena and a GPU calls ``Arena.pin_with_cuda`` on its own mapping (the tier does for
+the server's; a client does for an engine whose caches are on a GPU); ``close`` unregisters it
+before unmapping. Before creating
 the file, ``create`` checks that ``/dev/shm`` has room (``ArenaNoRoom`` otherwise) and reserves
 the pages with ``posix_fallocate``, so a full ``/dev/shm`` is an error at start, never a SIGBUS
 while faulting in or later mid-copy. Buffers returned by ``Arena.view`` are valid until that
@@ -85,6 +91,25 @@ class Arena:
         self.array = np.frombuffer(mapping, dtype=np.uint8)
         self._populating: threading.Thread | None = None
         self._stop_populating = threading.Event()
+        self._pinned_address: int | None = None  # registered with CUDA in this process
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_address is not None
+
+    def pin_with_cuda(self) -> bool:
+        """Register this process's mapping as pinned memory with CUDA (once); whether it is.
+
+        Copies between a registered mapping and a GPU are DMA at the link's speed and
+        asynchronous (the caller synchronizes before the bytes are used or the slot is let go);
+        out of an unregistered one the driver stages them through a bounce buffer of its own,
+        slower and synchronous. False without CUDA or when the driver refuses: copies still
+        work, staged. Registering faults the whole mapping in: seconds for tens of GiB."""
+        if self._pinned_address is None and cuda.cuda_available():
+            address = self.array.ctypes.data
+            if cuda.pin_host_memory(address, self.size_bytes):
+                self._pinned_address = address
+        return self._pinned_address is not None
 
     def populate_in_background(self) -> None:
         """Fill this process's page tables for the whole mapping on a thread, a step at a time
@@ -178,6 +203,9 @@ class Arena:
         if self._populating is not None:  # never unmap under a madvise of the mapping
             self._stop_populating.set()
             self._populating.join()
+        if self._pinned_address is not None:  # never unmap memory CUDA still has registered
+            cuda.unpin_host_memory(self._pinned_address)
+            self._pinned_address = None
         self.view.release()
         del self.array
         try:
@@ -265,22 +293,19 @@ class DramTier(SlabTier):
         else:
             self.arena = Arena.create_unnamed(capacity, prefault=config.prefault)
         arena_name = self.arena.name
-        self._pinned_address: int | None = None
-        if config.pin_with_cuda and cuda.cuda_available():
-            address = cuda.buffer_address(self.arena._mmap)
-            if cuda.pin_host_memory(address, self.arena.size_bytes):
-                self._pinned_address = address
+        if config.pin_with_cuda:
+            self.arena.pin_with_cuda()
         self._journal = Journal(Arena.path_of(arena_name) + JOURNAL_SUFFIX) if config.journal else None
         log.info(
             "dram arena %s: %d B, %s",
             arena_name,
             self.arena.size_bytes,
-            "pinned with CUDA" if self._pinned_address else "not pinned (no CUDA)",
+            "pinned with CUDA" if self.arena.pinned else "not pinned (no CUDA)",
         )
 
     @property
     def pinned(self) -> bool:
-        return self._pinned_address is not None
+        return self.arena.pinned
 
     def as_arena(self) -> DramTier:
         return self
@@ -322,8 +347,6 @@ class DramTier(SlabTier):
             self._journal.free(slot.offset)
 
     def _release_region(self) -> None:
-        if self._pinned_address is not None:
-            cuda.unpin_host_memory(self._pinned_address)
         if self._journal is not None:
             self._journal.close(remove=True)
         self.arena.close()

@@ -6,6 +6,7 @@
     kvstore demote                 move blocks out of a tier into the next one (nothing dropped)
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
+    kvstore bench device [--quick] copies between the tiers and a GPU against torch's pinned copies
     kvstore bench service          data planes against raw TCP and memcpy, lookup latency, peers
     kvstore bench crash            kill -9 under load: acknowledged blocks served after restart
     kvstore bench calibrate        prefill curve and tier restore costs -> the connector's calibration
@@ -237,6 +238,12 @@ def _cmd_bench_tiers(args: argparse.Namespace) -> int:
     return run_tier_bench(quick=args.quick, json_path=args.json, data_dir=args.data_dir)
 
 
+def _cmd_bench_device(args: argparse.Namespace) -> int:
+    from benchmarks.device import run_device_bench
+
+    return run_device_bench(quick=args.quick, json_path=args.json)
+
+
 def _cmd_bench_service(args: argparse.Namespace) -> int:
     from benchmarks.service import run_service_bench
 
@@ -413,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--quick", action="store_true", help="fewer repetitions; under two minutes")
     tiers.add_argument("--json", metavar="PATH", help="write results as JSON")
     tiers.set_defaults(func=_cmd_bench_tiers)
+    device = bench_sub.add_parser(
+        "device",
+        parents=[common],
+        help="copies between the arena, the hbm tier and a GPU vs torch's pinned copies (CUDA)",
+    )
+    device.add_argument("--quick", action="store_true", help="a 256 MiB working set, fewer rounds")
+    device.add_argument("--json", metavar="PATH", help="write results as JSON")
+    device.set_defaults(func=_cmd_bench_device)
     service = bench_sub.add_parser(
         "service", parents=[common], help="the service against raw TCP, memcpy, peers"
     )

@@ -123,6 +123,7 @@ class Client:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
         self._arena_lock = threading.Lock()
+        self._pin_arena = False  # register every arena mapped with CUDA (pin_arena_for_cuda)
         self._stub = pb_grpc.KvStoreStub(self._channel)
         # By hand, not the stub's: the frames are bytes, encoded and decoded by kvstore.frames.
         self._get = self._channel.unary_stream(
@@ -357,8 +358,20 @@ class Client:
                 if not self.address.startswith("unix:"):
                     raise FailedPrecondition("the arena is for same-host clients on the Unix socket")
                 r: pb.AttachResponse = self._call(self._stub.Attach, pb.AttachRequest())
-                self._arena = _map_arena(r.arena_name)
+                self._arena = _map_arena(r.arena_name, self._pin_arena)
             return self._arena
+
+    def pin_arena_for_cuda(self) -> bool:
+        """Register the arena's mapping in this process as pinned memory with CUDA (attaching
+        first), and any arena mapped later after a server restart; whether it is pinned now.
+        For an engine whose caches are on a GPU: copies between the arena and the GPU then run
+        by DMA (``Arena.pin_with_cuda``; the server's own registration does not cover this
+        process). False without CUDA or when the driver refuses; copies still work. The first
+        call registers the whole mapping: seconds for tens of GiB."""
+        self._pin_arena = True
+        arena = self.attach()
+        with self._arena_lock:
+            return arena.pin_with_cuda()
 
     def _arena_named(self, name: str) -> Arena:
         """The mapped arena, re-attached when the server now serves another one (it restarted:
@@ -367,7 +380,7 @@ class Client:
             if self._arena is not None and name and self._arena.name != name:
                 stale, self._arena = self._arena, None  # a mapping that fails leaves none
                 stale.close()
-                self._arena = _map_arena(name)
+                self._arena = _map_arena(name, self._pin_arena)
             assert self._arena is not None
             return self._arena
 
@@ -585,6 +598,9 @@ def _method_path(name: str) -> str:
     return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
 
 
-def _map_arena(name: str) -> Arena:
+def _map_arena(name: str, pin_with_cuda: bool) -> Arena:
     with translated(f"mapping the server's arena {name}"):
-        return Arena.attach(name)
+        arena = Arena.attach(name)
+    if pin_with_cuda:
+        arena.pin_with_cuda()
+    return arena
