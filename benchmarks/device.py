@@ -13,6 +13,8 @@ For 256 KiB and 2 MiB blocks and a working set of ``total`` bytes, block by bloc
   slice of the batch), out of and into adjacent slots of the pinned arena, block ids shuffled;
   the reference is one copy of the same bytes between a pinned tensor and the device. The copy
   the connector made before (one ``copy_`` per layer slice of every block) has its own row.
+- The connector's remote restore (the data port of a ``kvstore serve`` on 127.0.0.1) into those
+  caches through its pinned staging buffer, against the same through pageable buffers.
 - The ``hbm`` tier: put from and get into pinned host memory, against the pinned tensor's copies;
   a slot copied into another device buffer (device to device) against torch's copy of the same
   bytes between two device buffers.
@@ -208,6 +210,49 @@ def bench_connector(blocks: int, rounds: int) -> list[Result]:
         tier.close()
 
 
+def bench_remote_restore(blocks: int, rounds: int) -> Result:
+    """The connector's remote restore (a ``kvstore serve`` on 127.0.0.1, the data port) into GPU
+    caches through its pinned staging buffer, against the same restore through the client's
+    pageable receive buffers (what it did before)."""
+    from benchmarks.service import MODEL, TOKEN, bench_server
+    from engine_plugin.transfer import BlockTransfer
+    from kvstore.client import connect
+    from kvstore.keys import block_keys
+
+    shape = (2, blocks, MODEL.tokens_per_block, MODEL.num_kv_heads, MODEL.head_dim)
+    caches = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(MODEL.num_layers)]
+    layouts = [kv_layout.describe(c, blocks) for c in caches]
+    fp, size = MODEL.fingerprint(), MODEL.block_bytes
+    keys = block_keys(fp, list(range(blocks * MODEL.tokens_per_block)), MODEL.tokens_per_block)
+    block_ids = [int(b) for b in np.random.default_rng(4).permutation(blocks)]
+    server = bench_server(arena_bytes=(blocks + 64) * size)
+    try:
+        with connect(server.tcp, token=TOKEN) as kv:
+            kv.register(MODEL)
+            staged = BlockTransfer(caches, layouts, fp, size, False, blocks)
+            plain = BlockTransfer(caches, layouts, fp, size, False, blocks, remote_staging=False)
+            staged.store(kv, keys, block_ids, None)
+
+            def restore(transfer: BlockTransfer) -> Callable[[], None]:
+                def run() -> None:
+                    if transfer.fetch(kv, keys, block_ids) != blocks:
+                        raise AssertionError("the remote restore came back short")
+
+                return run
+
+            staged_s, plain_s = interleaved(_timed(restore(staged)), _timed(restore(plain)), rounds)
+    finally:
+        server.stop()
+    return Result(
+        f"connector remote restore into GPU caches, {_label(size)} blocks",
+        _gbps(blocks * size, staged_s),
+        "GB/s",
+        "the same through pageable buffers (before)",
+        _gbps(blocks * size, plain_s),
+        note=f"{blocks} blocks over the data port, 127.0.0.1; pinned staging of this side's",
+    )
+
+
 def bench_hbm(size: int, total: int, rounds: int) -> list[Result]:
     from tiers.hbm import HbmConfig, HbmTier
 
@@ -294,6 +339,7 @@ def run_device_bench(quick: bool, json_path: str | None) -> int:
         for size in (256 * KiB, 2 * MiB):
             results += bench_arena_copies(size, total, rounds)
         results += bench_connector(64 if quick else 256, rounds)
+        results.append(bench_remote_restore(64 if quick else 256, rounds))
         for size in (256 * KiB, 2 * MiB):
             results += bench_hbm(size, total, rounds)
         results.append(bench_registration(4 * GiB))

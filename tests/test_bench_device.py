@@ -29,9 +29,10 @@ def test_without_cuda_the_device_bench_says_so_and_exits_0(tmp_path: Path) -> No
 
 @pytest.mark.gpu
 def test_on_a_gpu_every_device_row_has_its_figure_and_reference() -> None:
-    from benchmarks.device import bench_arena_copies, bench_connector, bench_hbm
+    from benchmarks.device import bench_arena_copies, bench_connector, bench_hbm, bench_remote_restore
 
     rows = bench_arena_copies(2 << 20, 64 << 20, 2) + bench_connector(16, 2) + bench_hbm(2 << 20, 64 << 20, 2)
+    rows.append(bench_remote_restore(8, 1))
     for row in rows:
         assert row.value is not None and row.value > 0, row
         assert row.reference_value is not None and row.reference_value > 0, row

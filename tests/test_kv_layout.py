@@ -17,6 +17,7 @@ import torch
 from engine_plugin import device_copy, host_buffers, kv_layout
 from engine_plugin.transfer import BlockTransfer
 from kvstore.client import Client
+from kvstore.store import TieredStore
 
 BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 6, 4, 2, 8, 3
 
@@ -147,9 +148,9 @@ def test_an_audit_difference_is_zero_for_the_same_block_and_large_for_another() 
 
 
 @contextlib.contextmanager
-def served_client(address: str) -> Iterator[Client]:
-    """A client of a real server of its own, registered with ``MODEL``: over TCP (a tenant's
-    token) or the Unix socket (the mapped arena)."""
+def served_client(address: str) -> Iterator[tuple[Client, TieredStore]]:
+    """A client of a real server of its own, registered with ``MODEL``, and the server's store:
+    over TCP (a tenant's token) or the Unix socket (the mapped arena)."""
     from kvstore.client import connect
     from kvstore.server.config import load_settings
     from kvstore.server.serve import start_server
@@ -161,17 +162,17 @@ def served_client(address: str) -> Iterator[Client]:
         where = server.unix_address if address == "unix" else server.tcp_address
         with connect(where, token=None if address == "unix" else "tok-a") as kv:
             kv.register(MODEL)
-            yield kv
+            yield kv, server.store
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def block_transfer(layers: list[torch.Tensor], same_host: bool) -> BlockTransfer:
+def block_transfer(layers: list[torch.Tensor], same_host: bool, staging: bool | None = None) -> BlockTransfer:
     from tests.service_fixtures import MODEL
 
     layouts = [kv_layout.describe(c, 6) for c in layers]
-    return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, same_host, 6)
+    return BlockTransfer(layers, layouts, MODEL.fingerprint(), MODEL.block_bytes, same_host, 6, staging)
 
 
 @pytest.mark.parametrize("address", ["tcp", "unix"])
@@ -185,7 +186,7 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
     def caches() -> list[torch.Tensor]:  # [num_blocks, kv_heads, block_size, 2 * head_dim] per layer
         return [torch.randn(6, 2, 16, 64, dtype=torch.bfloat16) for _ in range(MODEL.num_layers)]
 
-    with served_client(address) as kv:
+    with served_client(address) as (kv, _):
         keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)  # 4 blocks
         source, target = caches(), caches()
         block_transfer(source, address == "unix").store(kv, keys[:3], [0, 2, 4], None)
@@ -195,6 +196,41 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
         differences = block_transfer(source, address == "unix").compare(kv, keys, [0, 2, 1, 3])
         assert differences[:2] == [0.0, 0.0] and differences[2] is not None and differences[2] > 0.1
         assert differences[3] is None  # kvstore holds 3 of the 4
+
+
+def test_a_remote_transfer_through_a_staging_buffer_moves_chunk_by_chunk_and_stops_at_a_miss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The remote path caches on a GPU take (a staging buffer of two blocks here, unpinned on
+    the CPU): a save of five blocks goes in three chained puts, a restore comes back chunk by
+    chunk byte for byte, and a chain missing its fourth block restores three."""
+    from kvstore.keys import block_keys
+    from tests.service_fixtures import MODEL
+
+    monkeypatch.setattr(device_copy, "STAGE_BYTES", 2 * MODEL.block_bytes)
+
+    def caches() -> list[torch.Tensor]:  # [2, num_blocks, block_size, kv_heads, head_dim] per layer
+        shape = (2, 6, MODEL.tokens_per_block, MODEL.num_kv_heads, MODEL.head_dim)
+        return [torch.randn(shape).to(torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    with served_client("tcp") as (kv, store):
+        keys = block_keys(MODEL.fingerprint(), list(range(96)), 16)  # 6 blocks
+        source, target = caches(), caches()
+        save = block_transfer(source, False, staging=True)
+        assert len(save._staging) == 2
+        save.store(kv, keys[:5], [5, 0, 2, 4, 1], None)
+        assert kv.lookup(MODEL.fingerprint(), keys) == 5
+        found = {b.key: b for b in store._p.index.blocks.values()}  # one chain across the chunks
+        assert [(found[k].depth, found[k].parent) for k in keys[:5]] == [
+            (0, None),
+            *((i, keys[i - 1]) for i in range(1, 5)),
+        ]
+        load = block_transfer(target, False, staging=True)
+        assert load.fetch(kv, keys[:5], [0, 1, 2, 3, 4]) == 5
+        for s, t in zip(source, target, strict=True):
+            assert torch.equal(s[:, [5, 0, 2, 4, 1]], t[:, [0, 1, 2, 3, 4]])
+        kv.delete(MODEL.fingerprint(), keys[3:4])
+        assert block_transfer(caches(), False, staging=True).fetch(kv, keys[:5], [0, 1, 2, 3, 4]) == 3
 
 
 @pytest.mark.gpu
@@ -211,7 +247,7 @@ def test_a_block_transfer_on_gpu_caches_round_trips_and_pins_the_engines_mapping
         shape = (2, 6, MODEL.tokens_per_block, MODEL.num_kv_heads, MODEL.head_dim)
         return [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(MODEL.num_layers)]
 
-    with served_client(address) as kv:
+    with served_client(address) as (kv, _):
         keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)
         source, target = caches(), caches()
         block_transfer(source, address == "unix").store(kv, keys[:4], [5, 0, 2, 4], None)
