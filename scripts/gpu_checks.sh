@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one short run on a lent CUDA machine that has torch but cannot
-# reach a package registry: the packages torch's image lacks come as wheels in .whl/ (Python
-# 3.12, manylinux; see the issue notes for the pip download line), the native copiers are built
-# in place. Prints, in this order: the machine; the gpu-marked tests; `kvstore bench device`;
+# reach a package registry: the packages torch's image lacks come as wheels in .whl/ (ignored by
+# git; carried to the machine), the native copiers are built in place. Fetch the wheels here first:
+#   echo /.whl/ >> .git/info/exclude
+#   for p in lmdb==3.0.0 zstandard==0.25.0 grpcio==1.85.3 protobuf==7.36.2 redis==8.2.0 \
+#            xxhash==4.1.0 cryptography==50.0.2 cffi pycparser; do
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$p"; done
+#   python3 -m pip download --no-deps -d .whl grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+# (the versions .venv has: the generated stubs need that protobuf). ~20 MiB. Prints, in this order: the machine; the gpu-marked tests; `kvstore bench device`;
 # the CPU suites that touch the arena and the copier, run with CUDA present (every dram arena is
 # registered then); the service rows that a 2-core CI machine cannot settle (same-host store,
 # lookup latency with 4 clients); with `quick`, the first two only. Each part has its own time limit; logs and JSON go to $OUT.
