@@ -336,3 +336,23 @@ def test_each_process_mapping_of_the_arena_is_pinned_on_its_own_and_let_go_at_cl
     assert not attached.pinned
     assert tier.pinned and torch.frombuffer(tier.arena.view, dtype=torch.uint8).is_pinned()
     tier.close()
+
+
+def test_a_mapping_the_driver_refuses_to_pin_is_asked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudaHostRegister refusing (a driver's limit, say) leaves the copies staged and is not
+    asked again at every restore: a refusal costs a failed call and a warning each time."""
+    from tiers import cuda
+
+    asked: list[int] = []
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda, "pin_host_memory", lambda address, size: asked.append(size) is not None)
+    tier = DramTier(
+        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False, pin_with_cuda=False)
+    )
+    attached = Arena.attach(tier.arena.name)
+    try:
+        assert not attached.pin_with_cuda() and not attached.pin_with_cuda()
+        assert asked == [attached.size_bytes] and not attached.pinned
+    finally:
+        attached.close()
+        tier.close()

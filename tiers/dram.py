@@ -92,6 +92,7 @@ class Arena:
         self._populating: threading.Thread | None = None
         self._stop_populating = threading.Event()
         self._pinned_address: int | None = None  # registered with CUDA in this process
+        self._pin_refused = False
 
     @property
     def pinned(self) -> bool:
@@ -103,12 +104,15 @@ class Arena:
         Copies between a registered mapping and a GPU are DMA at the link's speed and
         asynchronous (the caller synchronizes before the bytes are used or the slot is let go);
         out of an unregistered one the driver stages them through a bounce buffer of its own,
-        slower and synchronous. False without CUDA or when the driver refuses: copies still
-        work, staged. Registering faults the whole mapping in: seconds for tens of GiB."""
-        if self._pinned_address is None and cuda.cuda_available():
+        slower and synchronous. False without CUDA or when the driver refuses (asked once a
+        mapping): copies still work, staged. Registering pins every page of the mapping: ~1 s
+        for 4 GiB on an H200 host (`kvstore bench device`)."""
+        if self._pinned_address is None and not self._pin_refused and cuda.cuda_available():
             address = self.array.ctypes.data
             if cuda.pin_host_memory(address, self.size_bytes):
                 self._pinned_address = address
+            else:  # asked once a mapping: a refusal is logged once, not at every restore
+                self._pin_refused = True
         return self._pinned_address is not None
 
     def populate_in_background(self) -> None:
