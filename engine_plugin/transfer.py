@@ -207,6 +207,8 @@ class BlockTransfer:
             self._scatter(staged.views, staged.block_ids)  # device copies done before the slots go
             copied = True
         finally:
+            if not copied:
+                self._settle()
             stands = self.finish(kv, staged, copied)
         if not stands:
             raise FailedPrecondition(
@@ -283,9 +285,20 @@ class BlockTransfer:
             self._copier.gather([b for b, _ in wanted], [v for _, v in wanted])
             self._copier.synchronize()  # device copies done before the commit
         except BaseException:
+            self._settle()
             kv.abort(pending.reservation_id)
             raise
         kv.commit(pending.reservation_id)
+
+    def _settle(self) -> None:
+        """After a copy that failed midway: wait for whatever of it the device had started, so
+        that no copy still reads a slot once its lease is let go, or writes one once its
+        reservation is given back to be reused. A device that fails even that (a CUDA error
+        is sticky) must not hide the first failure, which is what the caller raises."""
+        try:
+            self._copier.synchronize()
+        except RuntimeError as exc:
+            log.warning("kvstore connector: waiting for a failed copy's device work: %s", exc)
 
     def _scatter(self, sources: Sequence[Buffer], block_ids: Sequence[int]) -> None:
         """Copy stored blocks in, synchronized; a block of another size than this layout's (a

@@ -198,6 +198,53 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
         assert differences[3] is None  # kvstore holds 3 of the 4
 
 
+def test_a_copy_that_fails_midway_waits_for_the_device_before_giving_its_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Same host: a save whose copy fails gives its reservation back, and a restore whose copy
+    fails lets its lease go, only after waiting for what the device had started (on a GPU the
+    copies are asynchronous: a slot handed back while a copy still reads or writes it would
+    lose or corrupt another block); the failure is what the caller sees."""
+    from kvstore.keys import block_keys
+    from tests.service_fixtures import MODEL
+
+    def caches() -> list[torch.Tensor]:  # [num_blocks, kv_heads, block_size, 2 * head_dim] per layer
+        return [torch.randn(6, 2, 16, 64, dtype=torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    with served_client("unix") as (kv, _):
+        keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)
+        events: list[str] = []
+
+        def broken(name: str) -> Callable[..., None]:
+            def fail(*args: object, **kwargs: object) -> None:
+                events.append(name)
+                raise RuntimeError(f"{name} failed on the device")
+
+            return fail
+
+        for call in ("abort", "release"):
+            original = getattr(kv, call)
+            monkeypatch.setattr(
+                kv, call, lambda *a, _o=original, _c=call, **k: (events.append(_c), _o(*a, **k))[1]
+            )
+        save = block_transfer(caches(), True)
+        monkeypatch.setattr(save._copier, "gather", broken("gather"))
+        monkeypatch.setattr(save._copier, "synchronize", lambda: events.append("synchronize"))
+        with pytest.raises(RuntimeError, match="gather failed"):
+            save.store(kv, keys[:2], [0, 1], None)
+        assert events == ["gather", "synchronize", "abort"]
+        assert kv.lookup(MODEL.fingerprint(), keys) == 0  # nothing half-written was kept
+
+        block_transfer(caches(), True).store(kv, keys[:2], [0, 1], None)
+        events.clear()
+        load = block_transfer(caches(), True)
+        monkeypatch.setattr(load._copier, "scatter", broken("scatter"))
+        monkeypatch.setattr(load._copier, "synchronize", lambda: events.append("synchronize"))
+        with pytest.raises(RuntimeError, match="scatter failed"):
+            load.fetch(kv, keys[:2], [2, 3])
+        assert events == ["scatter", "synchronize", "release"]
+
+
 def test_a_remote_transfer_through_a_staging_buffer_moves_chunk_by_chunk_and_stops_at_a_miss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
