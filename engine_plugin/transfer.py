@@ -11,12 +11,12 @@ present prefix to arena slots, pinned under a lease, copies each slot straight i
 block and releases the lease; given the slots a pinning lookup found (``InPlace``), it copies
 them and checks that lookup's lease held, one round trip after the copy instead of two.
 ``store`` reserves arena slots, gathers each block's layers straight into its slot and commits
-(or aborts on any failure). Remote (``host:port``): ``fetch``
-reads the bytes off the data port and copies them in; ``store`` gathers each block into a host
-buffer and puts them (with caches on a GPU, through a pinned staging buffer of this side's, a
-chunk of up to ``device_copy.STAGE_BYTES`` at a time). Either way a block is one contiguous copy per layer (two for the
-``kv-split`` layout: ``engine_plugin.kv_layout``), and the device copies are synchronized before
-a slot is released or committed, or ``fetch``/``store`` returns.
+(or aborts on any failure). Remote (``host:port``): ``fetch`` reads the bytes off the data
+port and copies them in; ``store`` gathers each block into a host buffer and puts them (with
+caches on a GPU, through a pinned staging buffer of this side's, a chunk of up to
+``device_copy.STAGE_BYTES`` at a time). Either way the copies are ``engine_plugin.kv_layout``'s,
+and the device copies are synchronized before a slot is released or committed, or
+``fetch``/``store`` returns, a copy that failed midway too.
 
 Buffers: no view of the arena outlives a call. Errors: every ``KvStoreError`` passes to the
 caller (``engine_plugin.sidecar.SidecarLink.call`` turns it into a recompute or a skipped save),
