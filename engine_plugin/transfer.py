@@ -153,11 +153,13 @@ class BlockTransfer:
 
     def _fetch_staged(self, kv: Client, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         """Remote, a chunk of the staging buffer at a time: received straight into it, then
-        copied in (synchronized before the buffer takes the next chunk); stops at the first miss."""
+        copied in (synchronized before the buffer takes the next chunk); stops at the first miss.
+        A block of another size than this layout's (a foreign or damaged writer) is refused as
+        it arrives (``InvalidArgument``): a short one would leave stale bytes in its slot."""
         loaded, per = 0, len(self._staging)
         for first in range(0, len(keys), per):
             chunk = keys[first : first + per]
-            got = kv.get_into(self._fingerprint, chunk, self._staging[: len(chunk)])
+            got = kv.get_into(self._fingerprint, chunk, self._staging[: len(chunk)], exact=True)
             self._scatter(self._staging[:got], block_ids[first : first + got])
             loaded += got
             if got < len(chunk):

@@ -198,6 +198,41 @@ def test_a_block_transfer_stores_fetches_and_compares_through_a_real_server(addr
         assert differences[3] is None  # kvstore holds 3 of the 4
 
 
+def test_a_remote_staged_restore_refuses_a_block_shorter_than_its_layout() -> None:
+    """A chain stored under an unregistered fingerprint (the server checks sizes only against a
+    registered layout) with a block 64 B short: the staged restore refuses it as it arrives,
+    rather than load the block with the staging buffer's stale tail."""
+    from kvstore.errors import InvalidArgument
+    from kvstore.keys import Fingerprint, block_keys
+    from tests.service_fixtures import MODEL
+
+    def caches() -> list[torch.Tensor]:
+        return [torch.randn(6, 2, 16, 64, dtype=torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    foreign = Fingerprint(b"\x07" * 32)
+    with served_client("tcp") as (kv, _):
+        keys = block_keys(foreign, list(range(48)), 16)
+        whole = [bytes([i + 1]) * MODEL.block_bytes for i in range(2)]
+        kv.put(foreign, keys, [*whole, b"\x09" * (MODEL.block_bytes - 64)])
+        layers = caches()
+        load = BlockTransfer(
+            layers, [kv_layout.describe(c, 6) for c in layers], foreign, MODEL.block_bytes, False, 6, True
+        )
+        before = [c.clone() for c in layers]
+        assert load.fetch(kv, keys[:2], [0, 1]) == 2  # whole blocks: loaded
+        with pytest.raises(InvalidArgument, match="does not match"):
+            load.fetch(kv, keys, [3, 4, 5])
+        for now, then in zip(layers, before, strict=True):
+            assert torch.equal(now[5], then[5])  # the short block's place untouched
+        from kvstore.client import connect
+
+        with connect(kv.address, token="tok-a", data_plane="grpc") as over_grpc:  # the same refusal
+            outs = [memoryview(bytearray(MODEL.block_bytes)) for _ in range(3)]
+            assert over_grpc.get_into(foreign, keys, outs) == 3  # a short block fits its buffer
+            with pytest.raises(InvalidArgument, match="does not match"):
+                over_grpc.get_into(foreign, keys, outs, exact=True)
+
+
 def test_a_copy_that_fails_midway_waits_for_the_device_before_giving_its_slots_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -56,6 +56,7 @@ from typing import Any
 import grpc
 
 from kvstore.client.connections import DataConnections
+from kvstore.client.dataport import block_misfit
 from kvstore.client.inplace import chunks, copy_into, gather_from_slots, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
@@ -332,19 +333,27 @@ class Client:
         return views
 
     def get_into(
-        self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str = ""
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        scope: str = "",
+        exact: bool = False,
     ) -> int:
         """Receive the present prefix into ``outs`` (block i into ``outs[i]``, which must hold
-        it: InvalidArgument otherwise); how many blocks. The fast path for callers with buffers
-        of their own: over the data port the bytes go straight from the socket into ``outs``.
-        After a failure ``outs`` may hold part of the blocks."""
+        it, and with ``exact`` be exactly its size: InvalidArgument otherwise; a caller whose
+        buffers are blocks of one layout cannot tell a short block from a whole one without
+        it); how many blocks. The fast path for callers with buffers of their own: over the
+        data port the bytes go straight from the socket into ``outs``. After a failure ``outs``
+        may hold part of the blocks."""
         if (data := self._data_port()) is not None:
-            copied = data.call(scope, lambda c: c.get_into(fingerprint, keys, outs))
+            copied = data.call(scope, lambda c: c.get_into(fingerprint, keys, outs, exact))
             return copied
         n = 0
         for payload in self._stream(fingerprint, keys, scope):
-            if n >= len(outs) or memoryview(outs[n]).nbytes < len(payload):
-                raise InvalidArgument(f"block {n} of {len(payload)} B does not fit its buffer")
+            nbytes = memoryview(outs[n]).nbytes if n < len(outs) else -1
+            if nbytes < len(payload) or (exact and nbytes != len(payload)):
+                raise InvalidArgument(block_misfit(n, len(payload), exact))
             copy_into(outs[n], payload)
             n += 1
         return n

@@ -221,13 +221,16 @@ class DataPortClient:
         self._check()
         return bool(self._stream.read(1)[0])
 
-    def get_into(self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
-        """Copy the present prefix into ``outs`` (each at least as long as its block)."""
+    def get_into(
+        self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], exact: bool = False
+    ) -> int:
+        """Copy the present prefix into ``outs`` (each at least as long as its block; with
+        ``exact``, each exactly as long)."""
         n = 0
 
         def into(size: int) -> memoryview:
-            if n >= len(outs) or outs[n].nbytes < size:
-                raise InvalidArgument(f"block {n} of {size} B does not fit its buffer")
+            if n >= len(outs) or outs[n].nbytes < size or (exact and outs[n].nbytes != size):
+                raise InvalidArgument(block_misfit(n, size, exact))
             return outs[n].cast("B")[:size]
 
         for _ in self._blocks(fingerprint, keys, into):
@@ -314,3 +317,8 @@ def reserve_request(
 def commit_request(reservation_id: int) -> bytes:
     """The bytes of a commit request (``DataPortClient.send``)."""
     return _COMMIT.pack(OP_COMMIT, reservation_id)
+
+
+def block_misfit(index: int, size: int, exact: bool) -> str:
+    """Why block ``index`` of ``size`` B was refused by ``get_into``."""
+    return f"block {index} of {size} B does not {'match' if exact else 'fit'} its buffer"
