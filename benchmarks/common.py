@@ -62,6 +62,16 @@ class Result:
         return out
 
 
+def gbps(nbytes: int, seconds: float) -> float:
+    """Throughput in GB/s (10^9 bytes a second)."""
+    return nbytes / seconds / 1e9
+
+
+def size_label(size_bytes: int) -> str:
+    """``256 KiB``, ``2 MiB``: a block size as the rows name it."""
+    return f"{size_bytes >> 20} MiB" if size_bytes >= 1 << 20 else f"{size_bytes >> 10} KiB"
+
+
 def machine_info() -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from benchmarks.common import Result, interleaved, print_results, write_json
+from benchmarks.common import Result, gbps, interleaved, print_results, size_label, write_json
 from engine_plugin import kv_layout
 from tiers import TierKey
 from tiers.dram import Arena, DramConfig, DramTier
@@ -40,14 +40,6 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 FP = b"\x42" * 32
 # A 32-layer model with 8 KV heads of 128, 16-token blocks, bf16: 2 MiB a block.
 LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def _label(size: int) -> str:
-    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
 
 
 def _timed(fn: Callable[[], None]) -> Callable[[], float]:
@@ -72,7 +64,7 @@ def _blockwise(dst: torch.Tensor, src: torch.Tensor, size: int) -> Callable[[], 
 
 
 def bench_arena_copies(size: int, total: int, rounds: int) -> list[Result]:
-    label = _label(size)
+    label = size_label(size)
     tier = DramTier(DramConfig(capacity_bytes=total, page_bytes=max(size, 32 * MiB), pin_with_cuda=False))
     pinned_map, plain_map = Arena.attach(tier.arena.name), Arena.attach(tier.arena.name)
     try:
@@ -94,10 +86,10 @@ def bench_arena_copies(size: int, total: int, rounds: int) -> list[Result]:
             results.append(
                 Result(
                     f"arena -> GPU {label}, mapping {name}",
-                    _gbps(total, h2d),
+                    gbps(total, h2d),
                     "GB/s",
                     "pinned tensor -> GPU",
-                    _gbps(total, ref),
+                    gbps(total, ref),
                     target,
                 )
             )
@@ -105,10 +97,10 @@ def bench_arena_copies(size: int, total: int, rounds: int) -> list[Result]:
             results.append(
                 Result(
                     f"GPU -> arena {label}, mapping {name}",
-                    _gbps(total, d2h),
+                    gbps(total, d2h),
                     "GB/s",
                     "GPU -> pinned tensor",
-                    _gbps(total, ref),
+                    gbps(total, ref),
                     target,
                 )
             )
@@ -177,31 +169,31 @@ def bench_connector(blocks: int, rounds: int) -> list[Result]:
         before_s, ref_before = interleaved(
             _timed(_per_slice_scatter(caches, sources, block_ids)), ref_in, rounds
         )
-        label = f"{_label(size)} blocks, {LAYERS} layers kv-split"
+        label = f"{size_label(size)} blocks, {LAYERS} layers kv-split"
         return [
             Result(
                 f"connector restore into GPU caches, {label}",
-                _gbps(total, restore_s),
+                gbps(total, restore_s),
                 "GB/s",
                 "pinned tensor -> GPU, one copy",
-                _gbps(total, ref_restore),
+                gbps(total, ref_restore),
                 ">= 0.9",
                 note=f"{blocks} blocks staged {copier._staged.stage_blocks if copier._staged else 0} at a time",
             ),
             Result(
                 f"connector save from GPU caches, {label}",
-                _gbps(total, save_s),
+                gbps(total, save_s),
                 "GB/s",
                 "GPU -> pinned tensor, one copy",
-                _gbps(total, ref_save),
+                gbps(total, ref_save),
                 ">= 0.9",
             ),
             Result(
                 f"connector restore, a copy per layer slice (before), {label}",
-                _gbps(total, before_s),
+                gbps(total, before_s),
                 "GB/s",
                 "pinned tensor -> GPU, one copy",
-                _gbps(total, ref_before),
+                gbps(total, ref_before),
                 note=f"{blocks * LAYERS * 2} copies",
             ),
         ]
@@ -244,11 +236,11 @@ def bench_remote_restore(blocks: int, rounds: int) -> Result:
     finally:
         server.stop()
     return Result(
-        f"connector remote restore into GPU caches, {_label(size)} blocks",
-        _gbps(blocks * size, staged_s),
+        f"connector remote restore into GPU caches, {size_label(size)} blocks",
+        gbps(blocks * size, staged_s),
         "GB/s",
         "the same through pageable buffers (before)",
-        _gbps(blocks * size, plain_s),
+        gbps(blocks * size, plain_s),
         note=f"{blocks} blocks over the data port, 127.0.0.1; pinned staging of this side's",
     )
 
@@ -256,7 +248,7 @@ def bench_remote_restore(blocks: int, rounds: int) -> Result:
 def bench_hbm(size: int, total: int, rounds: int) -> list[Result]:
     from tiers.hbm import HbmConfig, HbmTier
 
-    label = _label(size)
+    label = size_label(size)
     tier = HbmTier(HbmConfig(capacity_bytes=total + 64 * MiB, page_bytes=max(size, 32 * MiB)))
     try:
         count = total // size
@@ -292,17 +284,17 @@ def bench_hbm(size: int, total: int, rounds: int) -> list[Result]:
         d2d_s, ref_d2d = interleaved(_timed(device_copies), _timed(_blockwise(other, device, size)), rounds)
         return [
             Result(
-                f"hbm put {label}", _gbps(total, put_s), "GB/s", "pinned tensor -> GPU", _gbps(total, ref_put)
+                f"hbm put {label}", gbps(total, put_s), "GB/s", "pinned tensor -> GPU", gbps(total, ref_put)
             ),
             Result(
-                f"hbm get {label}", _gbps(total, get_s), "GB/s", "GPU -> pinned tensor", _gbps(total, ref_get)
+                f"hbm get {label}", gbps(total, get_s), "GB/s", "GPU -> pinned tensor", gbps(total, ref_get)
             ),
             Result(
                 f"hbm slot -> GPU buffer {label}",
-                _gbps(total, d2d_s),
+                gbps(total, d2d_s),
                 "GB/s",
                 "GPU -> GPU, torch",
-                _gbps(total, ref_d2d),
+                gbps(total, ref_d2d),
                 note="bytes read; the copy writes as many",
             ),
         ]

@@ -46,7 +46,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from benchmarks.common import Result, interleaved, print_results, write_json
+from benchmarks.common import Result, gbps, interleaved, print_results, size_label, write_json
 from kvstore.keys import Fingerprint, ModelIdentity, block_keys
 from kvstore.store import Scope, StoreConfig, TieredStore
 from tiers import Codec, Tier, TierKey
@@ -58,14 +58,6 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (256 * KiB, 2 * MiB, 32 * MiB)
 FP = Fingerprint(b"\x42" * 32)
 BATCH_BLOCKS = 64
-
-
-def _label(size: int) -> str:
-    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
 
 
 class _Working:
@@ -185,14 +177,12 @@ def bench_dram(w: _Working, rounds: int) -> list[Result]:
     finally:
         tier.close()
         shm.close()
-    label = _label(w.size)
+    label = size_label(w.size)
 
     def row(
         metric: str, s: float, ref: str, ref_s: float, target: str | None = None, note: str = ""
     ) -> Result:
-        return Result(
-            f"{metric} {label}", _gbps(w.total, s), "GB/s", ref, _gbps(w.total, ref_s), target, note
-        )
+        return Result(f"{metric} {label}", gbps(w.total, s), "GB/s", ref, gbps(w.total, ref_s), target, note)
 
     return [
         row("dram put", put_s, "memcpy", ref_put, note="reference copies into distinct warm memory too"),
@@ -311,34 +301,34 @@ def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE
         read_s, ref_read = interleaved(tier.read, raw_read, rounds)
     finally:
         tier.close()
-    label = _label(w.size)
+    label = size_label(w.size)
     name = "nvme" if codec is Codec.NONE else f"nvme[{codec.name.lower()}]"
     reads = "one read txn per block; the tier verifies xxh3-64 on every read, raw LMDB does not"
     return [
         Result(
             f"{name} write {label}",
-            _gbps(w.total, write_s),
+            gbps(w.total, write_s),
             "GB/s",
             "raw LMDB",
-            _gbps(w.total, ref_write),
+            gbps(w.total, ref_write),
             ">= 0.7",
             "incl. final sync",
         ),
         Result(
             f"{name} read cold {label}",
-            _gbps(w.total, cold_s),
+            gbps(w.total, cold_s),
             "GB/s",
             "raw LMDB",
-            _gbps(w.total, ref_cold),
+            gbps(w.total, ref_cold),
             ">= 0.8",
             "page cache dropped (fadvise) before each round; " + reads,
         ),
         Result(
             f"{name} read warm {label}",
-            _gbps(w.total, read_s),
+            gbps(w.total, read_s),
             "GB/s",
             "raw LMDB",
-            _gbps(w.total, ref_read),
+            gbps(w.total, ref_read),
             ">= 0.85",
             "page cache warm; " + reads,
         ),
@@ -367,23 +357,23 @@ def bench_nvme_encryption(w: _Working, rounds: int, folder: Path) -> list[Result
     finally:
         encrypted.close()
         clear.close()
-    label = _label(w.size)
+    label = size_label(w.size)
     note = "AES-256-GCM (cryptography/OpenSSL), one key per tenant; xxh3 and the GCM tag both checked"
     return [
         Result(
             f"nvme write {label}, encrypted",
-            _gbps(w.total, write_s),
+            gbps(w.total, write_s),
             "GB/s",
             "nvme plain",
-            _gbps(w.total, ref_write),
+            gbps(w.total, ref_write),
             note=note,
         ),
         Result(
             f"nvme read warm {label}, encrypted",
-            _gbps(w.total, read_s),
+            gbps(w.total, read_s),
             "GB/s",
             "nvme plain",
-            _gbps(w.total, ref_read),
+            gbps(w.total, ref_read),
             note=note,
         ),
     ]
@@ -401,7 +391,7 @@ def drop_page_cache(folder: Path) -> None:
 
 
 def bench_hbm(w: _Working, rounds: int) -> list[Result]:
-    label = _label(w.size)
+    label = size_label(w.size)
     if not torch.cuda.is_available():
         return [Result(f"hbm put/get {label}", None, "GB/s", note="skipped: no CUDA device on this machine")]
     from tiers.hbm import HbmConfig, HbmTier
@@ -438,8 +428,8 @@ def bench_hbm(w: _Working, rounds: int) -> list[Result]:
     finally:
         tier.close()
     return [
-        Result(f"hbm put {label}", _gbps(w.total, put_s), "GB/s", "pinned H2D copy", _gbps(w.total, ref_s)),
-        Result(f"hbm get {label}", _gbps(w.total, get_s), "GB/s", "pinned H2D copy", _gbps(w.total, ref_g)),
+        Result(f"hbm put {label}", gbps(w.total, put_s), "GB/s", "pinned H2D copy", gbps(w.total, ref_s)),
+        Result(f"hbm get {label}", gbps(w.total, get_s), "GB/s", "pinned H2D copy", gbps(w.total, ref_g)),
     ]
 
 
@@ -475,8 +465,8 @@ def bench_codecs() -> list[Result]:
         results.append(
             Result(f"{name} ratio on bf16 KV", len(data) / len(stored), "x", note="randn as bf16, level 1")
         )
-        results.append(Result(f"{name} encode", _gbps(len(data), enc_s), "GB/s"))
-        results.append(Result(f"{name} decode", _gbps(len(data), dec_s), "GB/s"))
+        results.append(Result(f"{name} encode", gbps(len(data), enc_s), "GB/s"))
+        results.append(Result(f"{name} decode", gbps(len(data), dec_s), "GB/s"))
     return results
 
 
@@ -523,18 +513,18 @@ def bench_sglang_pages(rounds: int, pages: int = 64, pieces: int = 64) -> list[R
     return [
         Result(
             f"sglang page restore 2 MiB, {pieces} pieces",
-            _gbps(total, restore_s),
+            gbps(total, restore_s),
             "GB/s",
             "memcpy into one buffer a page",
-            _gbps(total, ref_s),
+            gbps(total, ref_s),
             note=note + "; one native call a page (kvstore.client.inplace)",
         ),
         Result(
             f"sglang page restore 2 MiB, {pieces} pieces (one numpy copy a piece)",
-            _gbps(total, before_s),
+            gbps(total, before_s),
             "GB/s",
             "memcpy into one buffer a page",
-            _gbps(total, ref_s),
+            gbps(total, ref_s),
             note=note + "; the backend's copy before sitting 16",
         ),
     ]
@@ -551,10 +541,10 @@ def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> 
             task = progress.add_task("tiers", total=len(SIZES) * 3 + 3)
             for size in SIZES:
                 w = _Working(size, total)
-                progress.update(task, description=f"dram {_label(size)}")
+                progress.update(task, description=f"dram {size_label(size)}")
                 results += bench_dram(w, rounds)
                 progress.advance(task)
-                progress.update(task, description=f"nvme {_label(size)}")
+                progress.update(task, description=f"nvme {size_label(size)}")
                 results += bench_nvme(w, rounds, folder / f"nvme-{size}")
                 if size == 2 * MiB:
                     results += bench_nvme_encryption(w, rounds, folder / "nvme-encrypted")

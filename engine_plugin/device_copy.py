@@ -47,7 +47,7 @@ class StagedCopier:
             layer = []
             for start, stride, size in places:
                 words = slice(offset // width, (offset + size) // width)
-                layer.append((_rows(cache, start, stride, size, num_blocks, self.word), words))
+                layer.append((rows_of(cache, start, stride, size, num_blocks, self.word), words))
                 offset += size
             self._rows.append(layer)
         self.block_bytes = offset
@@ -170,12 +170,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def _rows(
-    cache: torch.Tensor, start: int, stride: int, size: int, num_blocks: int, word: torch.dtype
+def rows_of(
+    cache: torch.Tensor, start: int, stride: int, size: int, num_blocks: int, word: torch.dtype = torch.uint8
 ) -> torch.Tensor:
-    """``[num_blocks, size / width]`` words of ``word`` over a cache's own storage, row ``b`` at
-    byte ``start + b * stride`` past its storage offset: a view (``as_strided``, bounds-checked
-    by torch), never a copy."""
+    """``[num_blocks, size / width]`` words of ``word`` (bytes by default) over a cache's own
+    storage, on its device, row ``b`` at byte ``start + b * stride`` past its storage offset: a
+    view (``as_strided``, bounds-checked by torch), never a copy."""
     width = word.itemsize
     flat = torch.empty(0, dtype=word, device=cache.device).set_(cache.untyped_storage())
     first = int(cache.storage_offset()) * cache.element_size() + start

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from engine_plugin import host_buffers
-from engine_plugin.device_copy import StagedCopier
+from engine_plugin.device_copy import StagedCopier, rows_of
 from engine_plugin.host_buffers import Buffer, address
 
 try:
@@ -190,7 +190,7 @@ class BlockCopier:
         for cache, places in zip(self._caches, places_of, strict=True):
             parts = []
             for start, stride, size in places:
-                rows = _byte_rows(cache, start, stride, size, num_blocks) if host else None
+                rows = rows_of(cache, start, stride, size, num_blocks).numpy() if host else None
                 parts.append(_Slice(cache.data_ptr() + start, stride, size, offset, rows))
                 offset += size
             self._slices.append(parts)
@@ -357,16 +357,6 @@ class LayerCopy:
         self.wait_for(self.num_layers)
         self._keep = []
         return int(self._progress[1]) / 1e9
-
-
-def _byte_rows(cache: torch.Tensor, start: int, stride: int, size: int, num_blocks: int) -> np.ndarray:
-    """``[num_blocks, size]`` bytes of a host cache, row ``b`` at ``start + b * stride``: a view
-    (``as_strided`` over the cache's own storage, bounds-checked by torch), never a copy."""
-    flat = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage())
-    rows = flat.as_strided(
-        (num_blocks, size), (stride, 1), cache.storage_offset() * cache.element_size() + start
-    )
-    return rows.numpy()
 
 
 def _native_addresses(buffers: Sequence[Buffer], writable: bool) -> bytes:

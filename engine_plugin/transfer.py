@@ -84,16 +84,16 @@ class BlockTransfer:
         self._block_bytes = block_bytes
         self._same_host = same_host
         self._copier = kv_layout.BlockCopier(self._caches, self._layouts, num_blocks)
+        on_gpu = any(c.is_cuda for c in self._caches)
         # Copies between the arena and caches on a GPU run by DMA only out of a mapping this
         # process registered (the sidecar's registration covers the sidecar's mapping alone).
-        self._pin_arena = same_host and any(c.is_cuda for c in self._caches)
+        self._pin_arena = same_host and on_gpu
         if self._copier.block_bytes != block_bytes:
             raise ValueError(f"the caches hold {self._copier.block_bytes} B per block, not {block_bytes}")
         # Remote with caches on a GPU (``remote_staging`` None): blocks come off the data port
         # into a pinned buffer of this side's, a chunk at a time, and go to the device from
         # there, and saves the other way. Out of pageable memory CUDA stages every copy itself:
         # 7.6 against 51.6 GB/s on an H200 host (`kvstore bench device`).
-        on_gpu = any(c.is_cuda for c in self._caches)
         self._staging: list[memoryview] = []
         if (not same_host and on_gpu) if remote_staging is None else remote_staging:
             per = max(1, device_copy.STAGE_BYTES // block_bytes)
