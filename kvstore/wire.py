@@ -44,6 +44,7 @@ operation rather than per recv. A lookup's round trip is then a send and a recv 
 from __future__ import annotations
 
 import math
+import select
 import socket
 import ssl
 import struct
@@ -138,6 +139,7 @@ class Stream:
         self._start = self._end = 0  # the buffered bytes not read yet
         self._armed_at = -math.inf
         self._timeout_s: float | None = sock.gettimeout()  # what the socket has, when known
+        self._poller: select.poll | None = None  # for ``spin``, made on its first call
 
     def begin(self, deadline: float | None) -> None:
         self.deadline = deadline
@@ -150,6 +152,18 @@ class Stream:
         elif self._timeout_s != self._default_timeout_s:  # a syscall saved on the hot path
             self.sock.settimeout(self._default_timeout_s)
             self._timeout_s = self._default_timeout_s
+
+    def spin(self, seconds: float) -> None:
+        """Poll up to ``seconds`` for a next message without sleeping (the GIL free between
+        polls), so one that comes soon finds this thread awake; ``wait`` then reads it."""
+        if self._end > self._start:
+            return
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        poll, end = self._poller.poll, time.monotonic() + seconds
+        while not poll(0) and time.monotonic() < end:
+            pass
 
     def wait(self, timeout_s: float) -> bool:
         """Whether a next message starts within ``timeout_s`` (False: timed out, or the peer

@@ -701,3 +701,57 @@ def test_a_remote_put_in_small_steps_keeps_its_chain(served: Served, monkeypatch
         (0, None),
         *((i, keys[i - 1]) for i in range(1, 9)),
     ]
+
+
+def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
+    served: Served, small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data port polls for the next request while a write on that connection has a
+    reservation open (a chunk being copied), and sleeps as before once the last commit is in, or
+    after an abort, and after any other request."""
+    from kvstore.wire import Stream
+
+    port = served.server.data_socket
+    assert port is not None
+    monkeypatch.setattr(port, "spin_s", 0.25)  # as configured on a machine with two CPUs or more
+    spins: list[float] = []
+    real_spin = Stream.spin
+
+    def spin(self: Stream, seconds: float) -> None:
+        spins.append(seconds)
+        real_spin(self, seconds)
+
+    monkeypatch.setattr(Stream, "spin", spin)
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(7, salt="awake")  # chunks 2 2 2 1: requests R0 R1 C0 R2 C1 R3 C2 C3
+        assert kv.write(fp, keys, blocks_for(keys)) == 7
+        assert spins == [0.25] * 7  # after each request but the last commit
+        spins.clear()
+        assert kv.lookup(fp, keys) == 7
+        reservation = kv.reserve(fp, chain(2, salt="given back"), [BLOCK] * 2)
+        kv.abort(reservation.reservation_id)
+        assert kv.lookup(fp, keys) == 7
+        assert spins == [0.25]  # after the reserve alone: its commit (here an abort) comes next
+
+
+def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up() -> None:
+    import socket
+    import threading
+    import time
+
+    from kvstore.wire import Stream
+
+    a, b = socket.socketpair()
+    with a, b:
+        stream = Stream(a, 5.0)
+        started = time.monotonic()
+        stream.spin(0.05)  # nothing comes
+        assert time.monotonic() - started >= 0.05
+        sender = threading.Timer(0.1, lambda: b.sendall(b"next"))
+        sender.start()
+        started = time.monotonic()
+        stream.spin(30.0)  # returns when the message comes, not after 30 s
+        assert time.monotonic() - started < 20.0
+        assert stream.wait(1.0) and stream.read(4) == b"next"
+        sender.join()

@@ -131,6 +131,7 @@ class ServerSettings:
         8  # in flight at once; beyond: RESOURCE_EXHAUSTED (no tenant holds every worker)
     )
     stream_timeout_s: float = 60.0  # a Get or Put stream still open after this is cut (DEADLINE_EXCEEDED)
+    data_spin_s: float = 0.002  # a same-host write between chunks: poll this long before sleeping; 0 = off
 
 
 @dataclass(frozen=True)

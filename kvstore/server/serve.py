@@ -177,7 +177,9 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     if data_socket_path == "auto":
         data_socket_path = str(Path(settings.data_dir) / "kvstore-data.sock")
     if data_socket_path:
-        data_socket = _data_port(auth, service, f"unix:{data_socket_path}", "server.data_socket_path")
+        address = f"unix:{data_socket_path}"
+        spin_s = settings.server.data_spin_s
+        data_socket = _data_port(auth, service, address, "server.data_socket_path", spin_s=spin_s)
         undo.callback(data_socket.close, 0.0)
         service.data_socket = data_socket_path
     metrics_port = None
@@ -293,10 +295,11 @@ def _data_port(
     address: str,
     setting: str,
     tls: ServerTls | None = None,
+    spin_s: float = 0.0,
 ) -> DataPort:
     context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
     try:
-        port = DataPort(auth, address, service.plane, context)
+        port = DataPort(auth, address, service.plane, context, spin_s=spin_s)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"
