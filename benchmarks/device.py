@@ -10,7 +10,8 @@ For 256 KiB and 2 MiB blocks and a working set of ``total`` bytes, block by bloc
   covers the server's mapping alone). Target: the pinned mapping >= 0.9x the pinned tensor.
 - The connector's restore and save of 2 MiB blocks into FlashAttention's kv-split caches of a
   32-layer model (``BlockCopier`` on GPU caches: whole blocks staged on the device, one kernel a
-  slice of the batch), out of and into adjacent slots of the pinned arena, block ids shuffled;
+  slice of the batch, a full batch's kernels replayed from a CUDA graph after its first run),
+  out of and into adjacent slots of the pinned arena, block ids shuffled;
   the reference is one copy of the same bytes between a pinned tensor and the device. The copy
   the connector made before (one ``copy_`` per layer slice of every block) has its own row.
 - The connector's remote restore (the data port of a ``kvstore serve`` on 127.0.0.1) into those
@@ -170,6 +171,8 @@ def bench_connector(blocks: int, rounds: int) -> list[Result]:
             _timed(_per_slice_scatter(caches, sources, block_ids)), ref_in, rounds
         )
         label = f"{size_label(size)} blocks, {LAYERS} layers kv-split"
+        staged = copier._staged
+        assert staged is not None  # caches on a GPU are copied staged
         return [
             Result(
                 f"connector restore into GPU caches, {label}",
@@ -178,7 +181,8 @@ def bench_connector(blocks: int, rounds: int) -> list[Result]:
                 "pinned tensor -> GPU, one copy",
                 gbps(total, ref_restore),
                 ">= 0.9",
-                note=f"{blocks} blocks staged {copier._staged.stage_blocks if copier._staged else 0} at a time",
+                note=f"{blocks} blocks staged {staged.stage_blocks} at a time; {staged.replays} full "
+                "batches (both rows) replayed from CUDA graphs",
             ),
             Result(
                 f"connector save from GPU caches, {label}",

@@ -16,17 +16,29 @@ stream (``BlockCopier.synchronize``) covers it; until then the host buffers must
 are (the caller holds the lease or the reservation). On the CPU the same code runs in order,
 no streams: that is how it is tested without a GPU.
 
+A full batch's kernels (a slice of each layer: 64 for a 32-layer kv-split model) cost more to
+issue from Python than to run: measured on an H200, 256 blocks of 2 MiB, 6.5 ms of issuing
+against 1.4 ms on the device, and the issuing of the first batch of a save (the last of a
+restore) is not overlapped by any copy. So on CUDA, once a full batch of a stage has run its
+kernels one by one, they are captured into a CUDA graph over that stage's buffer and a fixed
+index tensor, and every later full batch of that stage is one replay (``replays`` counts
+them). Partial batches and layer-wise restores issue their kernels as before; a capture that
+fails leaves the copier issuing them one by one.
+
 Thread rules: one call at a time per copier (the connector's worker thread).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from engine_plugin.host_buffers import Buffer, tensor_runs
+
+log = logging.getLogger(__name__)
 
 STAGE_BYTES = 64 << 20  # staged on the device at a time, per stage (two stages)
 
@@ -52,6 +64,14 @@ class StagedCopier:
             self._rows.append(layer)
         self.block_bytes = offset
         self.stage_blocks = max(1, STAGE_BYTES // max(1, offset))
+        # On CUDA: the two stages kept for the copier's life (a graph holds their addresses),
+        # the index tensor the graphs read, and a graph per (direction, stage) once captured
+        # (None: its capture failed).
+        self._graphing = self.device.type == "cuda"
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._graph_ids: torch.Tensor | None = None
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
+        self.replays = 0
 
     def scatter(
         self, sources: Sequence[Buffer], block_ids: Sequence[int], layers: Sequence[int] | None = None
@@ -68,9 +88,10 @@ class StagedCopier:
                     raw[start : start + count].view(-1).copy_(host, non_blocking=True)
             lanes.main_waits_side()
             batch_ids = ids[first : first + len(batch)]
-            for layer in range(len(self._rows)) if layers is None else layers:
-                for rows, part in self._rows[layer]:
-                    rows.index_copy_(0, batch_ids, words[: len(batch), part])
+            if layers is None:
+                self._kernels("scatter", n % 2, batch_ids, words)
+            else:
+                self._scatter_kernels(batch_ids, words, layers)
             lanes.main_done(n % 2)
         lanes.join()
 
@@ -83,24 +104,87 @@ class StagedCopier:
             batch = targets[first : first + self.stage_blocks]
             words, raw = stages[n % 2]
             lanes.main_waits(n % 2)  # once the copy that last read this stage is done
-            batch_ids = ids[first : first + len(batch)]
-            for layer in self._rows:
-                for rows, part in layer:
-                    torch.index_select(rows, 0, batch_ids, out=words[: len(batch), part])
+            self._kernels("gather", n % 2, ids[first : first + len(batch)], words)
             with lanes.side():  # once this batch's kernels are done
                 for start, count, host in tensor_runs(batch, self.block_bytes):
                     host.copy_(raw[start : start + count].view(-1), non_blocking=True)
             lanes.side_done(n % 2)
         lanes.join()
 
+    def _scatter_kernels(
+        self, ids: torch.Tensor, words: torch.Tensor, layers: Sequence[int] | range | None = None
+    ) -> None:
+        """Staged rows ``words[i]`` into block ``ids[i]``, a kernel a slice of each layer."""
+        for layer in range(len(self._rows)) if layers is None else layers:
+            for rows, part in self._rows[layer]:
+                rows.index_copy_(0, ids, words[: len(ids), part])
+
+    def _gather_kernels(self, ids: torch.Tensor, words: torch.Tensor) -> None:
+        """Block ``ids[i]`` into staged row ``words[i]``, a kernel a slice of each layer."""
+        for layer in self._rows:
+            for rows, part in layer:
+                torch.index_select(rows, 0, ids, out=words[: len(ids), part])
+
+    def _kernels(self, direction: str, stage: int, ids: torch.Tensor, words: torch.Tensor) -> None:
+        """A batch's kernels (every layer) between the blocks ``ids`` and stage ``stage``'s
+        ``words``: one replay where a graph of a full batch of this stage is captured; else one
+        by one, and on CUDA, after a full batch's first run, captured for the next."""
+        run: Callable[[torch.Tensor, torch.Tensor], None] = (
+            self._scatter_kernels if direction == "scatter" else self._gather_kernels
+        )
+        full = self._graphing and len(ids) == self.stage_blocks
+        graph = self._graphs.get((direction, stage)) if full else None
+        if graph is not None and self._graph_ids is not None:
+            self._graph_ids.copy_(ids)
+            graph.replay()
+            self.replays += 1
+            return
+        run(ids, words)  # the first full batch's run also loads every kernel before a capture
+        if full and (direction, stage) not in self._graphs:
+            self._graphs[(direction, stage)] = self._capture(run, words)
+
+    def _capture(
+        self, run: Callable[[torch.Tensor, torch.Tensor], None], words: torch.Tensor
+    ) -> torch.cuda.CUDAGraph | None:
+        """``run`` over ``words`` and the graphs' index tensor, captured on a stream of its own
+        (nothing runs: a capture records). Only this thread's calls may not interrupt it."""
+        if self._graph_ids is None:
+            self._graph_ids = torch.zeros(self.stage_blocks, dtype=torch.int64, device=self.device)
+        current = torch.cuda.current_stream(self.device)
+        capture = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        capture.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+        try:
+            with torch.cuda.stream(capture):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    run(self._graph_ids, words)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:  # torch's errors, the CUDA ones too: kernels one by one
+            log.warning(
+                "the staged copy's kernels could not be captured in a CUDA graph (%s): issued one by one", exc
+            )
+            self._graphing = False
+            return None
+        finally:
+            current.wait_stream(capture)
+        return graph
+
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _stages(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Up to two staging tensors, each of ``stage_blocks`` blocks (fewer for a small copy),
-        in words and the same memory as bytes."""
-        per = min(blocks, self.stage_blocks)
-        count = 1 if blocks <= self.stage_blocks else 2
+        in words and the same memory as bytes. On CUDA a copy of a full stage or more uses the
+        two kept for the copier's life: the only ones a graph reads and writes."""
+        if self._graphing and blocks >= self.stage_blocks:
+            if not self._kept:
+                self._kept = self._new_stages(self.stage_blocks, 2)
+            return self._kept
+        return self._new_stages(min(blocks, self.stage_blocks), 1 if blocks <= self.stage_blocks else 2)
+
+    def _new_stages(self, per: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (per, self.block_bytes // self.word.itemsize)
         stages = []
         for _ in range(count):
@@ -119,6 +203,9 @@ class _Lanes:
         if self._cuda:
             self._main = torch.cuda.current_stream(device)
             self._side = _side_stream(device)
+            # The kept stages outlive a call: no copy of this one may overtake the kernels of
+            # the one before on them (its own copies the main stream waited for at its end).
+            self._side.wait_stream(self._main)
 
     @contextlib.contextmanager
     def side(self, stage: int | None = None) -> Iterator[None]:

@@ -449,6 +449,43 @@ def test_the_staged_copy_moves_runs_of_adjacent_slots_in_batches(
         copier.gather([0], [bytes(BLOCK_BYTES)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("make", [block_major_caches, kv_split_caches])
+def test_the_staged_copy_replays_full_batches_byte_for_byte(
+    make: Callable[[str], list[torch.Tensor]], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a full batch's kernels are captured once and replayed after (``replays``); on
+    the CPU they are always issued one by one. Either way three calls of five blocks (batches
+    of 2, 2 and 1, other blocks and bytes each time) put every byte where the copy by address
+    puts it, and a gather reads the same bytes back, a layer-wise restore between them."""
+    monkeypatch.setattr(device_copy, "STAGE_BYTES", 2 * BLOCK_BYTES)
+    rng = np.random.default_rng(21)
+    caches = [torch.zeros_like(c) for c in make(device)]
+    copier = kv_layout.BlockCopier(caches, layouts_of(caches), BLOCKS, by_address=False)
+    expected = [torch.zeros_like(c) for c in make("cpu")]
+    by_address = kv_layout.BlockCopier(expected, layouts_of(expected), BLOCKS, by_address=True, native=False)
+    for call in range(3):
+        sources = [bytes(rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)) for _ in range(5)]
+        block_ids = [int(b) for b in rng.permutation(BLOCKS)[:5]]
+        if call == 1:  # layer by layer, as a layer-wise restore: never a graph
+            for layer in range(LAYERS):
+                copier.scatter(sources, block_ids, layers=(layer,))
+        else:
+            copier.scatter(sources, block_ids)
+        by_address.scatter(sources, block_ids)
+        copier.synchronize()
+        for got, want in zip(caches, expected, strict=True):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+        back = [bytearray(BLOCK_BYTES) for _ in range(5)]
+        copier.gather(block_ids, back)
+        copier.synchronize()
+        assert [bytes(b) for b in back] == sources
+    assert copier._staged is not None
+    # On CUDA: the first call captures each stage's batch, the last replays them (two scatter
+    # batches, and four gather batches of the last two calls).
+    assert copier._staged.replays == (6 if device == "cuda" else 0)
+
+
 @pytest.mark.parametrize(("shape", "word"), [((2, 6, 4, 2, 8), torch.int64), ((2, 6, 3, 1, 5), torch.uint8)])
 def test_the_staged_copy_moves_the_widest_words_the_layout_allows(
     shape: tuple[int, ...], word: torch.dtype
