@@ -31,7 +31,8 @@ import ssl
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -40,7 +41,7 @@ from benchmarks.common import Result, interleaved, print_results, write_json
 from benchmarks.gc_pause import bench_gc_pause
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, ResolvedBlocks, connect
-from kvstore.client.inplace import gather_from_slots, scatter_into_slots
+from kvstore.client.inplace import Slots, gather_from_slots, scatter_into_slots
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
 from kvstore.tls import ClientTls
 from tiers.dram import Arena
@@ -420,17 +421,26 @@ def _same_host_rounds(
     private_slots = [(i * size, size) for i in range(count)]
     private_view = memoryview(private.data)
 
-    def copy_out() -> float:
-        """The same bytes, block by block, out of the arena's slots into the engine's buffer:
-        the data movement of a restore without the service."""
-        start = time.perf_counter()
-        gather_from_slots(region, slots_out, outs)
-        return time.perf_counter() - start
+    def copying(
+        copy: Callable[[memoryview, Slots, Sequence[Any]], None],
+        source: memoryview,
+        slots: Slots,
+        bufs: Sequence[Any],
+    ) -> Callable[[], float]:
+        """A reference: the same bytes, block by block, through the client's own copy loop."""
 
-    def copy_out_private() -> float:
-        start = time.perf_counter()
-        gather_from_slots(private_view, private_slots, outs)
-        return time.perf_counter() - start
+        def run() -> float:
+            start = time.perf_counter()
+            copy(source, slots, bufs)
+            return time.perf_counter() - start
+
+        return run
+
+    # out of the arena's slots into the engine's buffer: the data movement of a restore
+    copy_out = copying(gather_from_slots, region, slots_out, outs)
+    copy_out_private = copying(gather_from_slots, private_view, private_slots, outs)
+    own = [memoryview(bytearray(size)) for _ in range(count)]  # buffers like the receive pool's
+    copy_out_own = copying(gather_from_slots, region, slots_out, own)
 
     def copy_out_whole() -> float:
         start = time.perf_counter()
@@ -446,19 +456,21 @@ def _same_host_rounds(
             raise RuntimeError(f"same-host write stored {stored} of {count} blocks")
         return elapsed
 
-    def copy_in() -> float:
-        """The same bytes, block by block, into slots of the arena: a store's data movement."""
-        start = time.perf_counter()
-        scatter_into_slots(region, slots_in, blocks)
-        return time.perf_counter() - start
+    copy_in = copying(scatter_into_slots, region, slots_in, blocks)  # into the arena: a store's data movement
+    copy_in_private = copying(scatter_into_slots, private_view, private_slots, blocks)
 
-    def copy_in_private() -> float:
+    def plain_get() -> float:
+        """What a script writes: ``kv.get``, views of the thread's receive pool, dropped."""
         start = time.perf_counter()
-        scatter_into_slots(private_view, private_slots, blocks)
+        if len(kv.get(fp, keys)) != count:
+            raise RuntimeError("same-host get found fewer blocks than stored")
         return time.perf_counter() - start
 
     restore()
     restore_s, ref_s = interleaved(restore, copy_out, rounds)
+    plain_get()
+    copy_out_own()
+    get_s, ref_get = interleaved(plain_get, copy_out_own, rounds)
     _, ref_private = interleaved(restore, copy_out_private, rounds)
     _, ref_whole = interleaved(restore, copy_out_whole, rounds)
     if bytes(outs[-1]) != blocks[-1]:
@@ -476,6 +488,15 @@ def _same_host_rounds(
             gbps / ref_s,
             ">= 0.9",
             "lookup naming the arena slots (pins) + copy from the mapped arena + release, Unix socket",
+        ),
+        Result(
+            f"same-host get {label} (plain client.get)",
+            gbps / get_s,
+            "GB/s",
+            "memcpy out of the arena's slots into a buffer a block, block by block",
+            gbps / ref_get,
+            ">= 0.9",
+            "lookup naming the arena slots (pins) + copy into the thread's receive pool + release",
         ),
         Result(
             f"same-host restore {label} (vs a private region)",

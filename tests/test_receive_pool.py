@@ -57,6 +57,22 @@ def test_a_released_view_counts_as_dropped() -> None:
     assert id(pool.take(4 * KiB).obj) == buffer_id
 
 
+def test_take_many_reuses_free_buffers_and_adds_new_ones_for_the_rest() -> None:
+    pool = ReceivePool(capacity_bytes=64 * KiB)
+    pool.begin()
+    first = pool.take_many([4 * KiB] * 3)
+    ids = {id(v.obj) for v in first}
+    kept = first[0]
+    del first
+    pool.begin()  # two free, one still held through ``kept``
+    again = pool.take_many([4 * KiB] * 4)
+    assert len(again) == 4 and all(len(v) == 4 * KiB and not v.readonly for v in again)
+    assert len({id(v.obj) for v in again} & ids) == 2 and id(kept.obj) not in {id(v.obj) for v in again}
+    assert len({id(v.obj) for v in again}) == 4  # no buffer handed out twice
+    mixed = pool.take_many([KiB, 2 * KiB])
+    assert [len(v) for v in mixed] == [KiB, 2 * KiB]
+
+
 def test_the_pool_keeps_at_most_its_capacity() -> None:
     pool = ReceivePool(capacity_bytes=16 * KiB)
     pool.begin()

@@ -207,6 +207,67 @@ def test_get_returns_views_the_caller_keeps_and_reuses_dropped_ones(served: Serv
         assert kept_ids.isdisjoint(dropped_ids)
 
 
+def test_a_same_host_get_copies_out_of_the_arena_and_reads_the_rest_through_the_socket(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the Unix socket ``get`` names the blocks' slots in one pinning lookup and copies
+    them out of the mapped arena into its receive pool (the socket's get is not used, and the
+    pin is released); a prefix with blocks in nvme goes through the socket, which promotes them;
+    views kept are never overwritten by the next get."""
+    from kvstore.client.dataport import DataPortClient
+
+    store = served.server.store
+    sent: list[int] = []
+    real_get = DataPortClient.get
+
+    def socket_get(self: DataPortClient, *args: object, **kwargs: object) -> list[memoryview]:
+        sent.append(1)
+        return real_get(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DataPortClient, "get", socket_get)
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys, other = chain(4, salt="in place"), chain(3, salt="demoted")
+        blocks, other_blocks = blocks_for(keys), blocks_for(other)
+        kv.write(fp, other, other_blocks)
+        assert store.demote("dram", fingerprint=fp) == 3
+        kv.write(fp, keys, blocks)
+        kept = kv.get(fp, keys)
+        assert kept == blocks and all(not v.readonly for v in kept) and not sent
+        assert kv.get(fp, [*keys[:2], chain(1, salt="absent")[0], keys[3]]) == blocks[:2]  # the prefix
+        assert not sent
+        assert kv.lookup_tiers(fp, other).tiers == ("nvme",) * 3
+        assert kv.get(fp, other) == other_blocks and sent == [1]  # through the socket: promoted
+        assert kv.lookup_tiers(fp, other).tiers == ("dram",) * 3
+        assert kv.get(fp, other) == other_blocks and sent == [1]  # in place again
+        assert kept == blocks  # never overwritten behind the caller's back
+    assert _leases_drop_to_zero(store)
+
+
+def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that shares the socket but not the server's /dev/shm (another container)."""
+    from kvstore.client import client as client_module
+
+    tried: list[str] = []
+
+    def unmappable(name: str, pin_with_cuda: bool) -> None:
+        tried.append(name)
+        with client_module.translated(f"mapping the server's arena {name}"):
+            raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
+
+    monkeypatch.setattr(client_module, "_map_arena", unmappable)
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(3, salt="no shm")
+        blocks = blocks_for(keys)
+        kv.put(fp, keys, blocks)
+        assert kv.get(fp, keys) == blocks
+        assert kv.get(fp, keys) == blocks
+        assert len(tried) == 1  # asked once
+
+
 def test_get_without_a_receive_pool_still_returns_the_blocks(served: Served) -> None:
     with connect(served.tcp, token="tok-a", receive_pool_bytes=0) as kv:
         fp = kv.register(MODEL)

@@ -27,7 +27,9 @@ its buffer, nothing allocated. Each buffer must hold its block (InvalidArgument 
 
 Same-host calls (Unix socket only) move no bytes through the service: ``resolve`` returns views
 of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
-write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases.
+write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases, and ``get``
+copies a prefix held in the arena out of it into the receive pool (through the socket when a
+block is in a slower tier, or when this process cannot map the arena).
 
 Deadlines: every call waits at most the client's ``timeout_s``; inside ``with kv.deadline(s):``
 every call this thread makes (with the ``server_info`` and ``attach`` the first data call makes
@@ -50,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -124,6 +126,7 @@ class Client:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
         self._arena_lock = threading.Lock()
+        self._unmappable = False  # the arena could not be mapped here: ``get`` reads through the socket
         self._pin_arena = False  # register every arena mapped with CUDA (pin_arena_for_cuda)
         self._stub = pb_grpc.KvStoreStub(self._channel)
         # By hand, not the stub's: the frames are bytes, encoded and decoded by kvstore.frames.
@@ -323,6 +326,11 @@ class Client:
         pool = self._receive_pool()
         pool.begin()
         if (data := self._data_port()) is not None:
+            if self._arena_mapped():  # same host: copied out of the arena, not sent through the socket
+                views: list[memoryview] = []
+                got = self._from_arena(fingerprint, keys, scope, lambda places: _taken(pool, places, views))
+                if got is not None:
+                    return views
             blocks = data.call(scope, lambda c: c.get(fingerprint, keys, pool.take))
             return blocks
         views = []
@@ -367,7 +375,11 @@ class Client:
                 if not self.address.startswith("unix:"):
                     raise FailedPrecondition("the arena is for same-host clients on the Unix socket")
                 r: pb.AttachResponse = self._call(self._stub.Attach, pb.AttachRequest())
-                self._arena = _map_arena(r.arena_name, self._pin_arena)
+                try:
+                    self._arena = _map_arena(r.arena_name, self._pin_arena)
+                except Unavailable:
+                    self._unmappable = True
+                    raise
             return self._arena
 
     def pin_arena_for_cuda(self) -> bool:
@@ -424,23 +436,9 @@ class Client:
         answer; otherwise a ``resolve`` first copies the others into the arena."""
         self.attach()
         if self._data_port() is not None:
-            asked = time.monotonic()
-            found = self.lookup_tiers(fingerprint, keys, pin_ttl_s=READ_TTL_S, scope=scope, slots=True)
-            if found.hit_blocks == 0:
-                return 0
-            places = [slot for slot in found.slots if slot is not None]
-            if len(places) == found.hit_blocks:
-                try:
-                    n = min(len(places), len(outs))
-                    gather_from_slots(self._arena_named(found.arena).view, places[:n], outs[:n])
-                finally:
-                    self.release(found.lease_id, wait=False)
-                if time.monotonic() - asked > READ_TTL_S - READ_MARGIN_S:
-                    # The pin may have run out mid-copy: a slot reused since then would have
-                    # given another block's bytes.
-                    raise LeaseExpired(f"the copy outlasted its {READ_TTL_S:g} s pin; read again")
-                return found.hit_blocks
-            self.release(found.lease_id, wait=False)
+            hit = self._from_arena(fingerprint, keys, scope, lambda places: outs[: len(places)])
+            if hit is not None:
+                return hit
         resolved = self.resolve(fingerprint, keys, ttl_s=READ_TTL_S, scope=scope)
         try:
             for view, out in zip(resolved.views, outs, strict=False):
@@ -449,6 +447,54 @@ class Client:
             if resolved.lease_id:
                 self.release(resolved.lease_id)
         return len(resolved.views)
+
+    def _from_arena(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        scope: str,
+        buffers: Callable[[list[tuple[int, int]]], Sequence[memoryview]],
+    ) -> int | None:
+        """The present prefix copied straight out of the arena (attached, data port up) into
+        ``buffers(slots)`` (one per (offset, size) slot, or fewer: the first ones); how many
+        blocks are present. One pinning lookup names the slots, the release goes out without
+        waiting for its answer. None when a block of the prefix is in a tier below the arena:
+        the caller reads the way that brings it up."""
+        asked = time.monotonic()
+        found = self.lookup_tiers(fingerprint, keys, pin_ttl_s=READ_TTL_S, scope=scope, slots=True)
+        if found.hit_blocks == 0:
+            return 0
+        places = [slot for slot in found.slots if slot is not None]
+        if len(places) != found.hit_blocks:
+            self.release(found.lease_id, wait=False)
+            return None
+        try:
+            outs = buffers(places)
+            gather_from_slots(self._arena_named(found.arena).view, places[: len(outs)], outs)
+        finally:
+            self.release(found.lease_id, wait=False)
+        if time.monotonic() - asked > READ_TTL_S - READ_MARGIN_S:
+            # The pin may have run out mid-copy: a slot reused since then would have given
+            # another block's bytes.
+            raise LeaseExpired(f"the copy outlasted its {READ_TTL_S:g} s pin; read again")
+        return found.hit_blocks
+
+    def _arena_mapped(self) -> bool:
+        """Whether this client can read blocks out of the arena: on the Unix socket, once the
+        arena maps. A client that shares the server's socket but not its ``/dev/shm`` (another
+        container) cannot map it; it is asked once, and its ``get`` then reads through the
+        socket."""
+        if self._arena is not None:
+            return True
+        if self._unmappable or not self.address.startswith("unix:"):
+            return False
+        try:
+            self.attach()
+        except Unavailable:
+            if self._unmappable:
+                return False
+            raise
+        return True
 
     def reserve(
         self,
@@ -605,6 +651,12 @@ def connect(
 def _method_path(name: str) -> str:
     """The path of a KvStore method; a KeyError at import when the proto has no such method."""
     return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
+
+
+def _taken(pool: ReceivePool, places: list[tuple[int, int]], views: list[memoryview]) -> list[memoryview]:
+    """A view of ``pool`` for each slot's block, kept in ``views`` too."""
+    views.extend(pool.take_many([size for _, size in places]))
+    return views
 
 
 def _map_arena(name: str, pin_with_cuda: bool) -> Arena:

@@ -21,6 +21,7 @@ nothing). Not thread-safe: the client keeps one pool per thread.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 # getrefcount's own argument, the loop variable and the pool's list: the count of a free buffer
 _FREE_REFS = 3
@@ -54,6 +55,16 @@ class ReceivePool:
             self._buffers.append(buffer)
             self.held_bytes += size_bytes
         return memoryview(buffer)
+
+    def take_many(self, sizes: Sequence[int]) -> list[memoryview]:
+        """``take`` of each size, in order; blocks of one size (the usual case) in one step."""
+        if len(set(sizes)) != 1:
+            return [self.take(size) for size in sizes]
+        size, count = sizes[0], len(sizes)
+        same_size = self._free.get(size, [])
+        reused = same_size[-count:] if count <= len(same_size) else same_size[:]
+        del same_size[len(same_size) - len(reused) :]
+        return [*(memoryview(b) for b in reused), *(self.take(size) for _ in range(count - len(reused)))]
 
     def clear(self) -> None:
         """Forget every buffer (those lent out stay valid with whoever holds them)."""
