@@ -341,6 +341,66 @@ def test_a_block_transfer_on_gpu_caches_round_trips_and_pins_the_engines_mapping
             assert block_transfer(target, True).compare(kv, keys[:4], [1, 3, 5, 0]) == [0.0] * 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("address", ["tcp", "unix"])
+def test_a_restore_from_a_sidecar_killed_mid_call_fails_at_once_and_the_restarted_one_serves_it(
+    address: str, device: str
+) -> None:
+    """``kill -9`` of the sidecar while a restore into kv-split caches waits on it (stopped
+    first, so the kill lands mid-call): remote through the staging buffer, or same host out of
+    the arena. The restore raises ``Unavailable`` on the kill, not at its deadline, and writes
+    no block of the caches; the sidecar restarted on its folder (the arena's blocks salvaged
+    into nvme) serves the same blocks byte for byte."""
+    import threading
+    import time
+
+    from benchmarks.server_process import ServerProcess
+    from kvstore.client import connect
+    from kvstore.errors import Unavailable
+    from kvstore.keys import block_keys
+    from tests.service_fixtures import MODEL
+
+    def caches() -> list[torch.Tensor]:  # [2, num_blocks, block_size, kv_heads, head_dim] per layer
+        shape = (2, 6, MODEL.tokens_per_block, MODEL.num_kv_heads, MODEL.head_dim)
+        return [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(MODEL.num_layers)]
+
+    server = ServerProcess(
+        {
+            "dram.capacity_bytes": "16MiB",
+            "dram.page_bytes": "1MiB",
+            "dram.prefault": "false",
+            "nvme.capacity_bytes": "64MiB",
+            "server.tokens": "tok-a=tenant-a",
+        },
+        tcp=True,
+    )
+    same_host = address == "unix"
+    where, token = (server.unix, None) if same_host else (server.tcp, "tok-a")
+    keys = block_keys(MODEL.fingerprint(), list(range(64)), 16)  # 4 blocks
+    source, target = caches(), [torch.zeros_like(c) for c in caches()]
+    try:
+        with connect(where, token=token, timeout_s=60) as kv:
+            kv.register(MODEL)
+            block_transfer(source, same_host, staging=not same_host).store(kv, keys, [5, 0, 2, 4], None)
+            server.freeze()
+            killer = threading.Timer(0.5, server.kill)
+            killer.start()
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                block_transfer(target, same_host, staging=not same_host).fetch(kv, keys, [1, 3, 5, 0])
+            assert time.monotonic() - started < 30  # the kill ended it, not the 60 s deadline
+            killer.join()
+        assert not any(c.any() for c in target)  # nothing landed
+        server.start()
+        with connect(where, token=token, timeout_s=60) as kv:
+            kv.register(MODEL)
+            assert block_transfer(target, same_host, staging=not same_host).fetch(kv, keys, [1, 3, 5, 0]) == 4
+        for s, t in zip(source, target, strict=True):
+            assert torch.equal(s[:, [5, 0, 2, 4]], t[:, [1, 3, 5, 0]])
+    finally:
+        server.stop()
+
+
 # (by_address, native): the native C copier where it is built, numpy's, and torch's copy_ per slice
 COPY_PATHS = [*([(True, True)] if kv_layout._blockcopy is not None else []), (True, False), (False, None)]
 
