@@ -447,14 +447,22 @@ def _same_host_rounds(
         np.copyto(engine, private)
         return time.perf_counter() - start
 
-    def write_round() -> float:
-        kv.invalidate(fp)
-        start = time.perf_counter()
-        stored = kv.write(fp, keys, blocks)
-        elapsed = time.perf_counter() - start
-        if stored != count:
-            raise RuntimeError(f"same-host write stored {stored} of {count} blocks")
-        return elapsed
+    def storing(store: Callable[[bytes, list[BlockKey], list[bytes]], int]) -> Callable[[], float]:
+        """A round of ``store`` (``kv.write``, or ``kv.put``: in place too on the same host)
+        into an arena emptied first."""
+
+        def run() -> float:
+            kv.invalidate(fp)
+            start = time.perf_counter()
+            stored = store(fp, keys, blocks)
+            elapsed = time.perf_counter() - start
+            if stored != count:
+                raise RuntimeError(f"same-host store stored {stored} of {count} blocks")
+            return elapsed
+
+        return run
+
+    write_round, put_round = storing(kv.write), storing(kv.put)
 
     copy_in = copying(scatter_into_slots, region, slots_in, blocks)  # into the arena: a store's data movement
     copy_in_private = copying(scatter_into_slots, private_view, private_slots, blocks)
@@ -478,6 +486,7 @@ def _same_host_rounds(
     kv.release(held.lease_id)
     write_s, ref_w = interleaved(write_round, copy_in, rounds)
     _, ref_w_private = interleaved(write_round, copy_in_private, rounds)
+    put_s, ref_put = interleaved(put_round, copy_in, rounds)
     gbps = count * size / 1e9
     return [
         Result(
@@ -523,6 +532,15 @@ def _same_host_rounds(
             gbps / ref_w,
             ">= 0.9",
             "Reserve + copy into the mapped arena + Commit over the Unix data socket, pipelined in chunks",
+        ),
+        Result(
+            f"same-host put {label} (plain client.put)",
+            gbps / put_s,
+            "GB/s",
+            "memcpy into the arena's slots",
+            gbps / ref_put,
+            ">= 0.9",
+            "the same in-place write as the row above, reached through put",
         ),
         Result(
             f"same-host store {label} (vs a private region)",

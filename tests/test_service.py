@@ -244,6 +244,41 @@ def test_a_same_host_get_copies_out_of_the_arena_and_reads_the_rest_through_the_
     assert _leases_drop_to_zero(store)
 
 
+def test_a_same_host_put_writes_in_place_and_sends_only_what_finds_no_room(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the Unix socket ``put`` copies into the arena (the socket's put is not used; a
+    second put of the chain stores nothing new); with the arena full of pinned blocks the
+    chain goes through the socket instead, and the store places it in nvme."""
+    from kvstore.client.dataport import DataPortClient
+
+    sent: list[int] = []
+    real_put = DataPortClient.put
+
+    def socket_put(self: DataPortClient, *args: object, **kwargs: object) -> int:
+        sent.append(1)
+        return real_put(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DataPortClient, "put", socket_put)
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(4, salt="put in place")
+        blocks = blocks_for(keys)
+        assert kv.put(fp, keys, blocks) == 4 and not sent
+        assert kv.put(fp, keys, blocks) == 0 and not sent
+        assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 4 and kv.get(fp, keys) == blocks
+        filler = chain(60, salt="pinned")  # with the 4 above: the 64-block arena, all pinned
+        kv.write(fp, filler, blocks_for(filler))
+        held = [kv.resolve(fp, keys, ttl_s=60), kv.resolve(fp, filler, ttl_s=60)]
+        more = chain(3, salt="no room")
+        more_blocks = blocks_for(more)
+        assert kv.put(fp, more, more_blocks) == 3 and sent == [1]
+        assert kv.lookup_tiers(fp, more).tiers == ("nvme",) * 3
+        for resolved in held:
+            kv.release(resolved.lease_id)
+        assert kv.get(fp, more) == more_blocks
+
+
 def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,9 +27,10 @@ its buffer, nothing allocated. Each buffer must hold its block (InvalidArgument 
 
 Same-host calls (Unix socket only) move no bytes through the service: ``resolve`` returns views
 of the shared arena to read in place (valid until ``release``), ``reserve`` returns views to
-write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases, and ``get``
-copies a prefix held in the arena out of it into the receive pool (through the socket when a
-block is in a slower tier, or when this process cannot map the arena).
+write in place before ``commit``; ``read_into`` and ``write`` wrap the two phases. ``put``
+writes in place too (what finds no room goes through the socket), and ``get`` copies a prefix
+held in the arena out of it into the receive pool (through the socket when a block is in a
+slower tier, or when this process cannot map the arena).
 
 Deadlines: every call waits at most the client's ``timeout_s``; inside ``with kv.deadline(s):``
 every call this thread makes (with the ``server_info`` and ``attach`` the first data call makes
@@ -293,13 +294,24 @@ class Client:
         parent: bytes | None = None,
         scope: str = "",
     ) -> int:
-        """Store a chain (over the data port, else the Put stream); how many blocks were new."""
+        """Store a chain (over the data port, else the Put stream); how many blocks were new. On
+        the same host the blocks are copied into the arena in place (``write``), and only what
+        finds no room there (a full arena of pinned blocks; no arena) goes through the socket,
+        which may place it in a slower tier."""
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         if not keys:
             return 0
         if (data := self._data_port()) is not None:
-            stored = data.call(scope, lambda c: c.put(fingerprint, keys, blocks, parent))
+            stored = 0
+            if self._arena_mapped():
+                try:
+                    return self.write(fingerprint, keys, blocks, parent=parent, scope=scope)
+                except StoreFull as exc:  # the rest through the socket: the blocks in are skipped
+                    stored = exc.stored
+                except FailedPrecondition:  # no arena to write in place (or a throttled one)
+                    pass
+            stored += data.call(scope, lambda c: c.put(fingerprint, keys, blocks, parent))
             return stored
 
         def frames() -> Iterator[bytes]:
