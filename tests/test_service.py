@@ -279,11 +279,15 @@ def test_a_same_host_put_writes_in_place_and_sends_only_what_finds_no_room(
         assert kv.get(fp, more) == more_blocks
 
 
+@pytest.mark.parametrize("why", ["no shared /dev/shm", "no arena"])
 def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
-    served: Served, monkeypatch: pytest.MonkeyPatch
+    served: Served, monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    """A client that shares the socket but not the server's /dev/shm (another container)."""
+    """A client that shares the socket but not the server's /dev/shm (another container), or a
+    server that has no arena to map: ``get`` and ``put`` work through the socket, and the
+    client asks to map the arena once."""
     from kvstore.client import client as client_module
+    from kvstore.errors import FailedPrecondition
 
     tried: list[str] = []
 
@@ -292,12 +296,19 @@ def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
         with client_module.translated(f"mapping the server's arena {name}"):
             raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
 
-    monkeypatch.setattr(client_module, "_map_arena", unmappable)
+    def no_arena() -> None:
+        tried.append("attach")
+        raise FailedPrecondition("this server has no dram arena to move blocks through")
+
+    if why == "no arena":
+        monkeypatch.setattr(served.server.service, "_arena", no_arena)
+    else:
+        monkeypatch.setattr(client_module, "_map_arena", unmappable)
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
         keys = chain(3, salt="no shm")
         blocks = blocks_for(keys)
-        kv.put(fp, keys, blocks)
+        assert kv.put(fp, keys, blocks) == 3
         assert kv.get(fp, keys) == blocks
         assert kv.get(fp, keys) == blocks
         assert len(tried) == 1  # asked once

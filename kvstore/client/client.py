@@ -506,6 +506,9 @@ class Client:
             if self._unmappable:
                 return False
             raise
+        except FailedPrecondition:  # a server without an arena to map: the socket it is
+            self._unmappable = True
+            return False
         return True
 
     def reserve(
