@@ -3,6 +3,7 @@ byte, tenancy, the status code of every bad request, health, reflection, metrics
 
 from __future__ import annotations
 
+import itertools
 import os
 import urllib.request
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.client import connect
+from kvstore.client import Client, connect
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -25,7 +26,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.frames import encode_frame
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import TieredStore
 from tests.service_fixtures import BLOCK, MODEL, Served, served
 
@@ -38,6 +39,15 @@ def chain(n: int, salt: str = "s", start: int = 0) -> list[BlockKey]:
 
 def blocks_for(keys: list[BlockKey]) -> list[bytes]:
     return [os.urandom(BLOCK) for _ in keys]
+
+
+def stored_chain(kv: Client, n: int, salt: str) -> tuple[Fingerprint, list[BlockKey], list[bytes]]:
+    """A chain of ``n`` random blocks written through ``kv``: (fingerprint, keys, blocks)."""
+    fp = kv.register(MODEL)
+    keys = chain(n, salt=salt)
+    blocks = blocks_for(keys)
+    kv.write(fp, keys, blocks)
+    return fp, keys, blocks
 
 
 @pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-socket", "grpc"])
@@ -137,10 +147,7 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
 def test_read_into_reads_blocks_outside_the_arena_through_resolve(served: Served) -> None:
     store = served.server.store
     with connect(served.unix) as kv:
-        fp = kv.register(MODEL)
-        keys = chain(4, salt="demoted")
-        blocks = blocks_for(keys)
-        kv.write(fp, keys, blocks)
+        fp, keys, blocks = stored_chain(kv, 4, "demoted")
         assert store.demote("dram", fingerprint=fp) == 4
         assert kv.lookup_tiers(fp, keys).tiers == ("nvme",) * 4
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
@@ -156,12 +163,15 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
     import time
 
     from kvstore.client import client as client_module
+    from kvstore.client import inplace
 
-    real_copy = client_module.gather_from_slots
+    real_copy = inplace._copy_slots
 
-    def slow_copy(region: memoryview, slots: Sequence[tuple[int, int]], outs: Sequence[memoryview]) -> None:
+    def slow_copy(
+        region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool
+    ) -> None:
         time.sleep(0.6)  # past READ_TTL_S - READ_MARGIN_S
-        real_copy(region, slots, outs)
+        real_copy(region, slots, outs, into_region)
 
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -169,10 +179,138 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         kv.write(fp, keys, blocks_for(keys))
         monkeypatch.setattr(client_module, "READ_TTL_S", 1.0)
         monkeypatch.setattr(client_module, "READ_MARGIN_S", 0.5)
-        monkeypatch.setattr(client_module, "gather_from_slots", slow_copy)
+        monkeypatch.setattr(inplace, "_copy_slots", slow_copy)
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(LeaseExpired, match="outlasted"):
             kv.read_into(fp, keys, outs)
+    assert _leases_drop_to_zero(served.server.store)  # the pin given back, not left to run out
+
+
+def test_read_chunks_start_small_and_grow() -> None:
+    from kvstore.client.inplace import FIRST_READ_KEYS, READ_GROWTH, read_chunks
+
+    assert read_chunks(0) == []
+    assert read_chunks(3) == [(0, 3)]
+    f, g = FIRST_READ_KEYS, READ_GROWTH
+    assert read_chunks(f + f * g + 1) == [(0, f), (f, f + f * g), (f + f * g, f + f * g + 1)]
+    parts = read_chunks(5000)
+    assert parts[0][0] == 0 and parts[-1][1] == 5000
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))  # contiguous, in order
+
+
+@pytest.fixture
+def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipelined same-host reads in chunks of 1, 2, 4, 8, ... blocks."""
+    from kvstore.client import inplace
+
+    monkeypatch.setattr(inplace, "FIRST_READ_KEYS", 1)
+    monkeypatch.setattr(inplace, "READ_GROWTH", 2)
+
+
+def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
+    served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """read_into and get over 11 blocks (chunks 1 2 4 4): the lookup of the next chunk goes out
+    before the copy of this one, each chunk's pin is released, the bytes are the blocks'."""
+    from kvstore.client import inplace
+
+    store = served.server.store
+    copies: list[int] = []
+    asked_before_copy: list[int] = []
+    asked: list[int] = []
+    real_copy, real_request = inplace._copy_slots, inplace.lookup_slots_request
+
+    def copy(region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool) -> None:
+        if not into_region:
+            copies.append(len(slots))
+            asked_before_copy.append(len(asked))
+        real_copy(region, slots, outs, into_region)
+
+    def request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
+        asked.append(len(keys))
+        return real_request(fingerprint, keys, pin_ttl_s)
+
+    monkeypatch.setattr(inplace, "_copy_slots", copy)
+    monkeypatch.setattr(inplace, "lookup_slots_request", request)
+    with connect(served.unix) as kv:
+        fp, keys, blocks = stored_chain(kv, 11, "pipelined read")
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 11
+        assert [bytes(o) for o in outs] == blocks
+        assert copies == [1, 2, 4, 4] and asked == [1, 2, 4, 4]
+        assert asked_before_copy == [2, 3, 4, 4]  # one chunk's lookup ahead of each copy
+        assert _leases_drop_to_zero(store)
+        copies.clear()
+        assert kv.get(fp, keys) == blocks
+        assert copies == [1, 2, 4, 4]
+    assert _leases_drop_to_zero(store)
+
+
+def test_a_pipelined_read_ends_at_the_first_miss_and_releases_what_it_asked_past_it(
+    served: Served, small_reads: None
+) -> None:
+    """Block 4 missing: the chunk of blocks 3-6 ends the prefix there; the lookup of the chunk
+    after it (blocks 7-14, present) went out already, and its pin is given back."""
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp, keys, blocks = stored_chain(kv, 15, "gap")
+        assert kv.delete(fp, [keys[4]]) == 1
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 4
+        assert [bytes(o) for o in outs[:4]] == blocks[:4]
+        assert kv.get(fp, keys) == blocks[:4]
+        assert _leases_drop_to_zero(store)
+        assert kv.lookup(fp, keys[5:]) == 10  # still there
+
+
+def test_a_pipelined_read_that_meets_a_block_below_the_arena_resolves_the_chain(
+    served: Served, small_reads: None
+) -> None:
+    """Blocks 3-7 in nvme: the chunks before them were copied out of the arena, then the read
+    goes the way that promotes the rest; every byte right, every pin given back."""
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp, keys, blocks = stored_chain(kv, 8, "partly demoted")
+        assert store.demote("dram", fingerprint=fp) >= 8
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys[:3], outs[:3]) == 3  # promoted by the resolve
+        assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 3 + ("nvme",) * 5
+        assert kv.read_into(fp, keys, outs) == 8
+        assert [bytes(o) for o in outs] == blocks
+        assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 8
+        assert store.demote("dram", fingerprint=fp) >= 8
+        kv.read_into(fp, keys[:3], outs[:3])
+        assert kv.get(fp, keys) == blocks
+    assert _leases_drop_to_zero(store)
+
+
+def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
+    served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.client import inplace
+
+    real_copy = inplace._copy_slots
+    copies: list[int] = []
+
+    def failing_copy(
+        region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool
+    ) -> None:
+        if not into_region and len(copies) == 1:  # the second chunk, the third's lookup out already
+            raise ValueError("the caller's buffer went away")
+        copies.append(1)
+        real_copy(region, slots, outs, into_region)
+
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp, keys, blocks = stored_chain(kv, 8, "read fails")
+        monkeypatch.setattr(inplace, "_copy_slots", failing_copy)
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        with pytest.raises(ValueError, match="went away"):
+            kv.read_into(fp, keys, outs)
+        assert _leases_drop_to_zero(store, within_s=2.0)  # not left to run out their 30 s
+        monkeypatch.setattr(inplace, "_copy_slots", real_copy)
+        assert kv.read_into(fp, keys, outs) == 8  # the next read works
+        assert [bytes(o) for o in outs] == blocks
 
 
 @pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])

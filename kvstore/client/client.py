@@ -60,7 +60,7 @@ import grpc
 
 from kvstore.client.connections import DataConnections
 from kvstore.client.dataport import block_misfit
-from kvstore.client.inplace import chunks, copy_into, gather_from_slots, write_pipelined
+from kvstore.client.inplace import chunks, copy_into, read_pipelined, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
 from kvstore.client.translate import translated
@@ -69,7 +69,6 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvStoreError,
-    LeaseExpired,
     StoreFull,
     Unavailable,
 )
@@ -340,7 +339,9 @@ class Client:
         if (data := self._data_port()) is not None:
             if self._arena_mapped():  # same host: copied out of the arena, not sent through the socket
                 views: list[memoryview] = []
-                got = self._from_arena(fingerprint, keys, scope, lambda places: _taken(pool, places, views))
+                got = self._from_arena(
+                    fingerprint, keys, scope, lambda _, places: _taken(pool, places, views)
+                )
                 if got is not None:
                     return views
             blocks = data.call(scope, lambda c: c.get(fingerprint, keys, pool.take))
@@ -448,7 +449,9 @@ class Client:
         answer; otherwise a ``resolve`` first copies the others into the arena."""
         self.attach()
         if self._data_port() is not None:
-            hit = self._from_arena(fingerprint, keys, scope, lambda places: outs[: len(places)])
+            hit = self._from_arena(
+                fingerprint, keys, scope, lambda first, places: outs[first : first + len(places)]
+            )
             if hit is not None:
                 return hit
         resolved = self.resolve(fingerprint, keys, ttl_s=READ_TTL_S, scope=scope)
@@ -465,31 +468,22 @@ class Client:
         fingerprint: bytes,
         keys: Sequence[bytes],
         scope: str,
-        buffers: Callable[[list[tuple[int, int]]], Sequence[memoryview]],
+        buffers: Callable[[int, list[tuple[int, int]]], Sequence[memoryview]],
     ) -> int | None:
         """The present prefix copied straight out of the arena (attached, data port up) into
-        ``buffers(slots)`` (one per (offset, size) slot, or fewer: the first ones); how many
-        blocks are present. One pinning lookup names the slots, the release goes out without
-        waiting for its answer. None when a block of the prefix is in a tier below the arena:
-        the caller reads the way that brings it up."""
-        asked = time.monotonic()
-        found = self.lookup_tiers(fingerprint, keys, pin_ttl_s=READ_TTL_S, scope=scope, slots=True)
-        if found.hit_blocks == 0:
-            return 0
-        places = [slot for slot in found.slots if slot is not None]
-        if len(places) != found.hit_blocks:
-            self.release(found.lease_id, wait=False)
-            return None
-        try:
-            outs = buffers(places)
-            gather_from_slots(self._arena_named(found.arena).view, places[: len(outs)], outs)
-        finally:
-            self.release(found.lease_id, wait=False)
-        if time.monotonic() - asked > READ_TTL_S - READ_MARGIN_S:
-            # The pin may have run out mid-copy: a slot reused since then would have given
-            # another block's bytes.
-            raise LeaseExpired(f"the copy outlasted its {READ_TTL_S:g} s pin; read again")
-        return found.hit_blocks
+        ``buffers(first, slots)`` (one per (offset, size) slot of the blocks from ``first`` on,
+        or fewer: the first ones); how many blocks are present. Pinning lookups name the slots,
+        in chunks pipelined with the copies (``kvstore.client.inplace.read_pipelined``); each
+        release goes out without waiting for its answer. None when a block of the prefix is in
+        a tier below the arena: the caller reads the way that brings it up."""
+        data = self._data_port()
+        assert data is not None
+        return data.call(
+            scope,
+            lambda c: read_pipelined(
+                c, self._region_named, fingerprint, keys, READ_TTL_S, READ_MARGIN_S, buffers
+            ),
+        )
 
     def _arena_mapped(self) -> bool:
         """Whether this client can read blocks out of the arena: on the Unix socket, once the
@@ -669,9 +663,10 @@ def _method_path(name: str) -> str:
 
 
 def _taken(pool: ReceivePool, places: list[tuple[int, int]], views: list[memoryview]) -> list[memoryview]:
-    """A view of ``pool`` for each slot's block, kept in ``views`` too."""
-    views.extend(pool.take_many([size for _, size in places]))
-    return views
+    """A view of ``pool`` for each slot's block, appended to ``views`` too."""
+    taken = pool.take_many([size for _, size in places])
+    views.extend(taken)
+    return taken
 
 
 def _map_arena(name: str, pin_with_cuda: bool) -> Arena:

@@ -128,7 +128,7 @@ class DataPortClient:
 
     def release(self, lease_id: int, wait: bool = True) -> None:
         if not wait:  # no answer comes: the next request's status is the next thing to read
-            self._stream.send(struct.pack("<BQ", OP_RELEASE_NOWAIT, lease_id))
+            self._stream.send(release_request(lease_id))
             return
         self._stream.send(struct.pack("<BQ", OP_RELEASE, lease_id))
         self._check()
@@ -159,8 +159,8 @@ class DataPortClient:
         self._stream.send(reserve_request(fingerprint, keys, sizes, parent, ttl_s))
 
     def send(self, requests: Sequence[bytes]) -> None:
-        """Requests made by ``reserve_request`` and ``commit_request``, in one send; their
-        answers are read with ``read_*`` in this order."""
+        """Requests made by the ``*_request`` functions below, in one send; their answers are
+        read with ``read_*`` in this order (a ``release_request`` has none)."""
         self._stream.send(b"".join(requests))
 
     def read_reserve(self, n_keys: int) -> tuple[str, int, list[tuple[int, int] | None]]:
@@ -205,7 +205,12 @@ class DataPortClient:
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float
     ) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
         """``lookup`` pinning, with the arena's name and each hit's (offset, size) in it or None."""
-        self._request(OP_LOOKUP_SLOTS, fingerprint, keys, struct.pack("<d", pin_ttl_s))
+        self.send([lookup_slots_request(fingerprint, keys, pin_ttl_s)])
+        return self.read_lookup_slots()
+
+    def read_lookup_slots(self) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
+        """The answer of a ``lookup_slots_request`` sent with ``send``."""
+        self._check()
         read = self._stream.read
         (hit,) = struct.unpack("<I", read(4))
         tiers = read(hit)
@@ -290,7 +295,7 @@ class DataPortClient:
 _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
-_COMMIT = struct.Struct("<BQ")  # op, reservation id
+_COMMIT = struct.Struct("<BQ")  # op, reservation or lease id
 
 
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
@@ -312,6 +317,19 @@ def reserve_request(
         f"<{len(sizes)}Q", *sizes
     )
     return b"".join([_OP_KEYS.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
+
+
+def lookup_slots_request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
+    """The bytes of a pinning lookup that names the arena slots (``DataPortClient.send``)."""
+    _check_ids(fingerprint, keys)
+    return b"".join(
+        [_OP_KEYS.pack(OP_LOOKUP_SLOTS, fingerprint, len(keys)), *keys, struct.pack("<d", pin_ttl_s)]
+    )
+
+
+def release_request(lease_id: int) -> bytes:
+    """The bytes of a release that is not answered (``DataPortClient.send``)."""
+    return _COMMIT.pack(OP_RELEASE_NOWAIT, lease_id)
 
 
 def commit_request(reservation_id: int) -> bytes:

@@ -1,4 +1,4 @@
-"""Same-host writes pipelined over one data-port connection.
+"""Same-host writes and reads pipelined over one data-port connection.
 
 A write in place is reserve, copy into the arena, commit. Done once for a whole chain, the
 server's reserve and commit work (tens of microseconds a block in Python) adds to the copy.
@@ -25,18 +25,34 @@ abort then finds nothing). A copy that fails (this process's error) first reads 
 still coming, so the reservations sent ahead are among them; after a failure of the stream
 itself one sent ahead may be unknown and runs out with its lease. The connection pool drops the
 connection after any failure.
+
+A read in place is a pinning lookup that names the slots, the copy out of them, a release
+(unanswered). For one lookup of a whole chain the server's work on every key (about a
+microsecond and a half each) comes before the first byte is copied. ``read_pipelined`` asks for
+a small first chunk, then chunks twice the size of the one before, one ahead of the copy: the
+lookup of chunk k+1 runs on the server while chunk k is copied, and chunk k's release goes out
+in the same send as the lookup of chunk k+2. Each chunk's pin covers its own copy. A chunk that
+ends short (a miss) ends the prefix; a lookup already sent past it is read and its pin released.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
 
-from kvstore.client.dataport import DataPortClient, commit_request, reserve_request
+from kvstore.client.dataport import (
+    DataPortClient,
+    commit_request,
+    lookup_slots_request,
+    release_request,
+    reserve_request,
+)
+from kvstore.errors import LeaseExpired
 
 try:
     from tiers import _gather  # type: ignore[attr-defined]
@@ -46,6 +62,7 @@ except ImportError:  # built without a C compiler: the copies run in Python, blo
 CHUNK_BYTES = 8 << 20  # a chunk of the pipeline: at least this many bytes, and CHUNK_MIN_BLOCKS
 CHUNK_MIN_BLOCKS = 4
 AHEAD = 2  # chunks reserved ahead of the one being copied
+READ_AHEAD = 2  # lookups out before the first copy: the one copied and the next
 
 Regions = Callable[[str], memoryview]  # the mapping of the arena of that name
 Data = bytes | bytearray | memoryview
@@ -131,6 +148,89 @@ def write_pipelined(
     while coming:
         read_next()
     return stored, skipped
+
+
+FIRST_READ_KEYS = 16  # the first chunk of a pipelined read
+READ_GROWTH = 4  # each next chunk this many times the one before
+
+
+def read_chunks(n_keys: int) -> list[tuple[int, int]]:
+    """(first, end) of each chunk of a pipelined read of ``n_keys`` keys."""
+    out: list[tuple[int, int]] = []
+    first, size = 0, FIRST_READ_KEYS
+    while first < n_keys:
+        out.append((first, min(n_keys, first + size)))
+        first, size = first + size, READ_GROWTH * size
+    return out
+
+
+Buffers = Callable[[int, list[tuple[int, int]]], Sequence[memoryview]]
+
+
+def read_pipelined(
+    conn: DataPortClient,
+    region_of: Regions,
+    fingerprint: bytes,
+    keys: Sequence[bytes],
+    pin_s: float,
+    margin_s: float,
+    buffers: Buffers,
+) -> int | None:
+    """Copy the present prefix of ``keys`` out of the arena, in chunks of ``read_chunks``, into
+    ``buffers(first, slots)`` (a buffer for each slot of the chunk starting at block ``first``,
+    or fewer: the first ones); how many blocks are present. Each chunk is pinned for ``pin_s``
+    and its copy must end ``margin_s`` before that (LeaseExpired otherwise: a slot reused since
+    would have given another block's bytes). None when a block of the prefix is in a tier below
+    the arena: the caller reads the way that brings it up."""
+    parts = read_chunks(len(keys))
+    coming: deque[tuple[int, float]] = deque()  # (chunk, when its lookup went out), not read yet
+    hit = 0
+    ended = False  # the prefix ended, or left the arena: no more lookups, the rest released
+    below = False
+
+    def lookup(k: int) -> bytes:
+        first, end = parts[k]
+        coming.append((k, time.monotonic()))
+        return lookup_slots_request(fingerprint, keys[first:end], pin_s)
+
+    def drain(releases: list[bytes]) -> None:
+        """Read the answers still coming, releasing their pins with ``releases``."""
+        while coming:
+            coming.popleft()
+            lease_id = conn.read_lookup_slots()[2]
+            if lease_id:
+                releases.append(release_request(lease_id))
+        if releases:
+            conn.send(releases)
+
+    conn.send([lookup(k) for k in range(min(READ_AHEAD, len(parts)))])
+    sent = len(coming)
+    while coming:
+        k, asked = coming.popleft()
+        first, end = parts[k]
+        n, _, lease_id, name, places = conn.read_lookup_slots()
+        out = [release_request(lease_id)] if lease_id else []  # what goes out after this chunk
+        in_arena = [place for place in places if place is not None]
+        if not ended and len(in_arena) != n:
+            below = ended = True
+        if not ended and n:
+            try:
+                bufs = buffers(first, in_arena)
+                _copy_slots(region_of(name), in_arena[: len(bufs)], bufs, into_region=False)
+                if time.monotonic() - asked > pin_s - margin_s:
+                    raise LeaseExpired(f"the copy outlasted its {pin_s:g} s pin; read again")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    drain(out)  # the pins sent ahead go back too
+                raise
+            hit += n
+            ended = n < end - first
+            if not ended and sent < len(parts):
+                out.append(lookup(sent))
+                sent += 1
+        if out:
+            conn.send(out)
+    return None if below else hit
 
 
 def scatter_into_slots(region: memoryview, slots: Slots, blocks: Sequence[Data]) -> None:
