@@ -263,6 +263,23 @@ def test_a_pipelined_read_ends_at_the_first_miss_and_releases_what_it_asked_past
         assert kv.lookup(fp, keys[5:]) == 10  # still there
 
 
+def test_a_pipelined_read_whose_first_chunk_finds_nothing_copies_nothing_past_it(
+    served: Served, small_reads: None
+) -> None:
+    """Block 0 missing, blocks 1-7 present: the lookup of blocks 1-2, sent before the first
+    answer came, finds them, but they are past the end of the prefix: nothing is copied or
+    counted, and their pin is given back."""
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp, keys, _ = stored_chain(kv, 8, "no root")
+        assert kv.delete(fp, [keys[0]]) == 1
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 0
+        assert all(not any(o) for o in outs)
+        assert kv.get(fp, keys) == []
+    assert _leases_drop_to_zero(store)
+
+
 def test_a_pipelined_read_that_meets_a_block_below_the_arena_resolves_the_chain(
     served: Served, small_reads: None
 ) -> None:

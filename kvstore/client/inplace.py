@@ -213,18 +213,19 @@ def read_pipelined(
         in_arena = [place for place in places if place is not None]
         if not ended and len(in_arena) != n:
             below = ended = True
-        if not ended and n:
-            try:
-                bufs = buffers(first, in_arena)
-                _copy_slots(region_of(name), in_arena[: len(bufs)], bufs, into_region=False)
-                if time.monotonic() - asked > pin_s - margin_s:
-                    raise LeaseExpired(f"the copy outlasted its {pin_s:g} s pin; read again")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    drain(out)  # the pins sent ahead go back too
-                raise
+        if not ended:
+            if n:
+                try:
+                    bufs = buffers(first, in_arena)
+                    _copy_slots(region_of(name), in_arena[: len(bufs)], bufs, into_region=False)
+                    if time.monotonic() - asked > pin_s - margin_s:
+                        raise LeaseExpired(f"the copy outlasted its {pin_s:g} s pin; read again")
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        drain(out)  # the pins sent ahead go back too
+                    raise
             hit += n
-            ended = n < end - first
+            ended = n < end - first  # a miss, even at the chunk's first key, ends the prefix
             if not ended and sent < len(parts):
                 out.append(lookup(sent))
                 sent += 1
