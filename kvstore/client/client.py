@@ -53,14 +53,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from kvstore.client.connections import DataConnections
 from kvstore.client.dataport import block_misfit
-from kvstore.client.inplace import chunks, copy_into, read_pipelined, write_pipelined
+from kvstore.client.inplace import Buffers, chunks, copy_into, read_pipelined, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
 from kvstore.client.translate import translated
@@ -468,7 +468,7 @@ class Client:
         fingerprint: bytes,
         keys: Sequence[bytes],
         scope: str,
-        buffers: Callable[[int, list[tuple[int, int]]], Sequence[memoryview]],
+        buffers: Buffers,
     ) -> int | None:
         """The present prefix copied straight out of the arena (attached, data port up) into
         ``buffers(first, slots)`` (one per (offset, size) slot of the blocks from ``first`` on,

@@ -295,7 +295,7 @@ class DataPortClient:
 _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
-_COMMIT = struct.Struct("<BQ")  # op, reservation or lease id
+_OP_ID = struct.Struct("<BQ")  # op, reservation or lease id
 
 
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
@@ -329,12 +329,12 @@ def lookup_slots_request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: f
 
 def release_request(lease_id: int) -> bytes:
     """The bytes of a release that is not answered (``DataPortClient.send``)."""
-    return _COMMIT.pack(OP_RELEASE_NOWAIT, lease_id)
+    return _OP_ID.pack(OP_RELEASE_NOWAIT, lease_id)
 
 
 def commit_request(reservation_id: int) -> bytes:
     """The bytes of a commit request (``DataPortClient.send``)."""
-    return _COMMIT.pack(OP_COMMIT, reservation_id)
+    return _OP_ID.pack(OP_COMMIT, reservation_id)
 
 
 def block_misfit(index: int, size: int, exact: bool) -> str:

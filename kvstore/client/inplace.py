@@ -29,7 +29,7 @@ connection after any failure.
 A read in place is a pinning lookup that names the slots, the copy out of them, a release
 (unanswered). For one lookup of a whole chain the server's work on every key (about a
 microsecond and a half each) comes before the first byte is copied. ``read_pipelined`` asks for
-a small first chunk, then chunks twice the size of the one before, one ahead of the copy: the
+a small first chunk, then chunks READ_GROWTH times the one before, one ahead of the copy: the
 lookup of chunk k+1 runs on the server while chunk k is copied, and chunk k's release goes out
 in the same send as the lookup of chunk k+2. Each chunk's pin covers its own copy. A chunk that
 ends short (a miss) ends the prefix; a lookup already sent past it is read and its pin released.
