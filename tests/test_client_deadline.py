@@ -54,13 +54,16 @@ def test_every_call_ends_at_its_deadline_on_a_hung_server(
         fp = kv.register(MODEL)
         kv.write(fp, keys, [os.urandom(MODEL.block_bytes) for _ in keys])
         assert kv.lookup(fp, keys) == 4  # its data connection is open now
+        outs = [memoryview(bytearray(MODEL.block_bytes)) for _ in keys]
         serving.freeze()
         try:
             # The data port (lookups go over it), gRPC, and a first data call's implicit
             # ServerInfo and Attach: each ends at the deadline, not at the client's 30 s.
             calls: dict[str, tuple[Client, Callable[[], object]]] = {
+                "read_into": (kv, lambda: kv.read_into(fp, keys, outs)),  # on the open connection
                 "lookup": (kv, lambda: kv.lookup(fp, keys)),
                 "stats": (kv, kv.stats),
+                "same-host get": (kv, lambda: kv.get(fp, keys)),
                 "first lookup": (fresh, lambda: fresh.lookup(fp, keys)),
                 "first resolve": (fresh, lambda: fresh.resolve(fp, keys)),
             }
