@@ -44,6 +44,7 @@ operation rather than per recv. A lookup's round trip is then a send and a recv 
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import ssl
@@ -153,17 +154,23 @@ class Stream:
             self.sock.settimeout(self._default_timeout_s)
             self._timeout_s = self._default_timeout_s
 
-    def spin(self, seconds: float) -> None:
+    def spin(self, seconds: float, yielding: bool = False) -> bool:
         """Poll up to ``seconds`` for a next message without sleeping (the GIL free between
-        polls), so one that comes soon finds this thread awake; ``wait`` then reads it."""
+        polls), so one that comes soon finds this thread awake, and its sender wakes nobody;
+        whether one came. ``yielding``: give the CPU to any other runnable thread between polls
+        (the peer, on a machine with fewer CPUs than busy threads)."""
         if self._end > self._start:
-            return
+            return True
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN)
         poll, end = self._poller.poll, time.monotonic() + seconds
-        while not poll(0) and time.monotonic() < end:
-            pass
+        while not poll(0):
+            if time.monotonic() >= end:
+                return False
+            if yielding:
+                os.sched_yield()
+        return True
 
     def wait(self, timeout_s: float) -> bool:
         """Whether a next message starts within ``timeout_s`` (False: timed out, or the peer

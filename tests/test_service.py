@@ -80,8 +80,8 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipelined same-host writes in chunks of two blocks."""
     from kvstore.client import inplace
 
-    monkeypatch.setattr(inplace, "CHUNK_BYTES", BLOCK)
-    monkeypatch.setattr(inplace, "CHUNK_MIN_BLOCKS", 2)
+    for name in ("FIRST_CHUNK_BYTES", "CHUNK_BYTES", "LAST_CHUNK_BYTES"):
+        monkeypatch.setattr(inplace, name, 2 * BLOCK)
 
 
 @pytest.mark.parametrize("copies", ["native", "python"])
@@ -184,6 +184,26 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         with pytest.raises(LeaseExpired, match="outlasted"):
             kv.read_into(fp, keys, outs)
     assert _leases_drop_to_zero(served.server.store)  # the pin given back, not left to run out
+
+
+def test_write_chunks_start_small_grow_and_end_small() -> None:
+    from kvstore.client.inplace import CHUNK_BYTES, FIRST_CHUNK_BYTES, LAST_CHUNK_BYTES, chunks
+
+    def counts(sizes: list[int]) -> list[int]:
+        parts = chunks(sizes)
+        assert parts[0][0] == 0 and parts[-1][1] == len(sizes)
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(parts))
+        return [end - first for first, end in parts]
+
+    kib256 = 256 << 10
+    n = counts([kib256] * 512)
+    assert n[0] * kib256 == FIRST_CHUNK_BYTES and n[1] == 2 * n[0]  # small, then doubling
+    assert max(n) * kib256 == CHUNK_BYTES
+    assert n[-1] * kib256 == LAST_CHUNK_BYTES and n[-2] >= n[-1]  # and small again at the end
+    assert counts([2 << 20] * 64)[:3] == [1, 1, 2]  # at least a block, however large
+    assert counts([64 << 20] * 3) == [1, 1, 1]
+    assert counts([kib256]) == [1]
+    assert chunks([]) == []
 
 
 def test_read_chunks_start_small_and_grow() -> None:
@@ -979,9 +999,10 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
     spins: list[float] = []
     real_spin = Stream.spin
 
-    def spin(self: Stream, seconds: float) -> None:
-        spins.append(seconds)
-        real_spin(self, seconds)
+    def spin(self: Stream, seconds: float, yielding: bool = False) -> bool:
+        if not yielding:  # the server's (a same-host client polls for its answers, yielding)
+            spins.append(seconds)
+        return real_spin(self, seconds, yielding)
 
     monkeypatch.setattr(Stream, "spin", spin)
     with connect(served.unix) as kv:
@@ -997,7 +1018,8 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
         assert spins == [0.25]  # after the reserve alone: its commit (here an abort) comes next
 
 
-def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up() -> None:
+@pytest.mark.parametrize("yielding", [False, True], ids=["busy", "yielding"])
+def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up(yielding: bool) -> None:
     import socket
     import threading
     import time
@@ -1008,12 +1030,51 @@ def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up() -> None:
     with a, b:
         stream = Stream(a, 5.0)
         started = time.monotonic()
-        stream.spin(0.05)  # nothing comes
+        assert not stream.spin(0.05, yielding)  # nothing comes
         assert time.monotonic() - started >= 0.05
         sender = threading.Timer(0.1, lambda: b.sendall(b"next"))
         sender.start()
         started = time.monotonic()
-        stream.spin(30.0)  # returns when the message comes, not after 30 s
+        assert stream.spin(30.0, yielding)  # returns when the message comes, not after 30 s
         assert time.monotonic() - started < 20.0
-        assert stream.wait(1.0) and stream.read(4) == b"next"
+        assert stream.wait(1.0) and stream.read(2) == b"ne"
+        assert stream.spin(0.0, yielding)  # the rest is buffered already
+        assert stream.read(2) == b"xt"
         sender.join()
+
+
+def test_a_same_host_client_polls_for_its_answers_and_sleeps_after_a_poll_that_ran_out(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the Unix socket each answer is polled for (yielding the CPU) before the client sleeps
+    on it; a poll that runs out sends the next SPIN_BACKOFF answers to sleep; over TCP, never."""
+    from kvstore.client import dataport
+    from kvstore.wire import Stream
+
+    polls: list[float] = []
+    real_spin = Stream.spin
+
+    def spin(self: Stream, seconds: float, yielding: bool = False) -> bool:
+        if not yielding:  # the server's own spin
+            return real_spin(self, seconds, yielding)
+        polls.append(seconds)
+        return len(polls) > 1 and real_spin(self, seconds, yielding)  # the first one runs out
+
+    monkeypatch.setattr(dataport, "ANSWER_SPIN_S", 0.5)  # as on any machine with two CPUs or more
+    monkeypatch.setattr(Stream, "spin", spin)
+    with connect(served.unix) as kv:
+        fp, keys, _ = stored_chain(kv, 3, salt="polled")
+        polls.clear()
+        kv.close()
+    with connect(served.unix) as kv:
+        kv.register(MODEL)
+        for _ in range(dataport.SPIN_BACKOFF):  # the hello's answer polled, ran out: asleep after
+            assert kv.lookup(fp, keys) == 3
+        assert polls == [0.5]
+        assert kv.lookup(fp, keys) == 3  # polls again; that poll finds the answer
+        assert kv.lookup(fp, keys) == 3  # and so does the next
+        assert polls == [0.5] * 3
+    with connect(served.tcp, token="tok-a") as kv:
+        kv.register(MODEL)
+        kv.lookup(fp, keys)
+        assert polls == [0.5] * 3
