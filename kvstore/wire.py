@@ -115,6 +115,11 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
         got += n
 
 
+# A yield that took longer than this gave the CPU to another thread: the spinning one shares its
+# CPU with a busy thread (often the very peer it waits for) and sleeps instead.
+SHARED_CPU_S = 0.00002
+
+
 class Stream:
     """One end of a data connection: its reads through one reused buffer, its timeouts.
 
@@ -164,12 +169,16 @@ class Stream:
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN)
-        poll, end = self._poller.poll, time.monotonic() + seconds
+        poll, now = self._poller.poll, time.monotonic
+        end = now() + seconds
         while not poll(0):
-            if time.monotonic() >= end:
+            before = now()
+            if before >= end:
                 return False
             if yielding:
                 os.sched_yield()
+                if now() - before > SHARED_CPU_S:  # another thread ran here: let it have the CPU
+                    return bool(poll(0))  # (unless it was the peer, and its message is here)
         return True
 
     def wait(self, timeout_s: float) -> bool:

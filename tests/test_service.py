@@ -991,6 +991,7 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
     """The data port polls for the next request while a write on that connection has a
     reservation open (a chunk being copied), and sleeps as before once the last commit is in, or
     after an abort, and after any other request."""
+    from kvstore.client import dataport
     from kvstore.wire import Stream
 
     port = served.server.data_socket
@@ -1000,10 +1001,10 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
     real_spin = Stream.spin
 
     def spin(self: Stream, seconds: float, yielding: bool = False) -> bool:
-        if not yielding:  # the server's (a same-host client polls for its answers, yielding)
-            spins.append(seconds)
+        spins.append(seconds)
         return real_spin(self, seconds, yielding)
 
+    monkeypatch.setattr(dataport, "ANSWER_SPIN_S", 0.0)  # the client's own polls left out
     monkeypatch.setattr(Stream, "spin", spin)
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -1031,16 +1032,52 @@ def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up(yielding: boo
         stream = Stream(a, 5.0)
         started = time.monotonic()
         assert not stream.spin(0.05, yielding)  # nothing comes
-        assert time.monotonic() - started >= 0.05
+        # (a yielding spin stops sooner when another thread wanted its CPU meanwhile)
+        assert yielding or time.monotonic() - started >= 0.05
         sender = threading.Timer(0.1, lambda: b.sendall(b"next"))
         sender.start()
         started = time.monotonic()
-        assert stream.spin(30.0, yielding)  # returns when the message comes, not after 30 s
-        assert time.monotonic() - started < 20.0
+        while not stream.spin(30.0, yielding):  # a yielding one may stop early: spin again
+            assert yielding
+        assert time.monotonic() - started < 20.0  # returned when the message came, not after 30 s
         assert stream.wait(1.0) and stream.read(2) == b"ne"
         assert stream.spin(0.0, yielding)  # the rest is buffered already
         assert stream.read(2) == b"xt"
         sender.join()
+
+
+def test_a_yielding_spin_gives_its_cpu_to_a_busy_thread_there() -> None:
+    """A spin that yields stops polling once a yield gave its CPU to another runnable thread (on
+    a machine with fewer CPUs than busy threads, the peer it waits for may be the one waiting
+    for that CPU); a busy spin polls on to its end."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from kvstore.wire import Stream
+
+    cpu = min(os.sched_getaffinity(0))
+    mask = os.sched_getaffinity(0)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    a, b = socket.socketpair()
+    try:
+        os.sched_setaffinity(busy.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.1)
+        with a, b:
+            stream = Stream(a, 5.0)
+            started = time.monotonic()
+            assert not stream.spin(2.0, yielding=True)
+            assert time.monotonic() - started < 1.0
+            started = time.monotonic()
+            assert not stream.spin(0.3)
+            assert time.monotonic() - started >= 0.3
+    finally:
+        os.sched_setaffinity(0, mask)
+        busy.kill()
+        busy.wait()
 
 
 def test_a_same_host_client_polls_for_its_answers_and_sleeps_after_a_poll_that_ran_out(
@@ -1058,9 +1095,11 @@ def test_a_same_host_client_polls_for_its_answers_and_sleeps_after_a_poll_that_r
         if not yielding:  # the server's own spin
             return real_spin(self, seconds, yielding)
         polls.append(seconds)
-        return len(polls) > 1 and real_spin(self, seconds, yielding)  # the first one runs out
+        real_spin(self, seconds, yielding)
+        return len(polls) > 1  # the first one runs out, the others find their answer
 
     monkeypatch.setattr(dataport, "ANSWER_SPIN_S", 0.5)  # as on any machine with two CPUs or more
+    assert dataport.SPIN_BACKOFF > 1
     monkeypatch.setattr(Stream, "spin", spin)
     with connect(served.unix) as kv:
         fp, keys, _ = stored_chain(kv, 3, salt="polled")
@@ -1071,8 +1110,8 @@ def test_a_same_host_client_polls_for_its_answers_and_sleeps_after_a_poll_that_r
         for _ in range(dataport.SPIN_BACKOFF):  # the hello's answer polled, ran out: asleep after
             assert kv.lookup(fp, keys) == 3
         assert polls == [0.5]
-        assert kv.lookup(fp, keys) == 3  # polls again; that poll finds the answer
-        assert kv.lookup(fp, keys) == 3  # and so does the next
+        assert kv.lookup(fp, keys) == 3  # polls again, finds the answer
+        assert kv.lookup(fp, keys) == 3  # so polls for the next too
         assert polls == [0.5] * 3
     with connect(served.tcp, token="tok-a") as kv:
         kv.register(MODEL)

@@ -37,10 +37,11 @@ from kvstore.wire import (
 IO_TIMEOUT_S = 30.0  # the per-operation default when the caller sets no deadline
 # A same-host client polls this long for an answer before it sleeps: the server's send then
 # finds it awake. On a VM, waking a thread whose CPU sleeps costs both ends tens of
-# microseconds (a 64-key lookup's round trip 113 us asleep, 82 us polling, on 2 vCPUs).
-ANSWER_SPIN_S = 0.00025 if len(os.sched_getaffinity(0)) >= 2 else 0.0
-# After a poll that ran out (a server slow to answer, or CPUs oversubscribed: polling would
-# take the CPU the server needs), this many answers are waited for asleep before polling again.
+# microseconds (a 64-key lookup's round trip 111-118 us asleep, 78-83 us polling, on 2 vCPUs).
+ANSWER_SPIN_S = 0.0001 if len(os.sched_getaffinity(0)) >= 2 else 0.0
+# After a poll that ran out, or stopped because another thread wanted its CPU (a server slow
+# to answer, or CPUs oversubscribed: polling would keep the server's thread off a CPU), this
+# many answers are waited for asleep before polling again.
 SPIN_BACKOFF = 16
 
 

@@ -301,7 +301,7 @@ class DataPort:
         try:
             if spin_s > 0 and self._spinner.acquire(blocking=False):  # one thread spins at a time
                 try:
-                    stream.spin(spin_s)
+                    stream.spin(spin_s, yielding=True)
                 finally:
                     self._spinner.release()
             return stream.wait(IDLE_S)
