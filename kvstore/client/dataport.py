@@ -42,7 +42,7 @@ ANSWER_SPIN_S = 0.0001 if len(os.sched_getaffinity(0)) >= 2 else 0.0
 # After a poll that ran out, or stopped because another thread wanted its CPU (a server slow
 # to answer, or CPUs oversubscribed: polling would keep the server's thread off a CPU), this
 # many answers are waited for asleep before polling again.
-SPIN_BACKOFF = 16
+SPIN_BACKOFF = 64
 
 
 class DataPortClient:
