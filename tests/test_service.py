@@ -991,7 +991,6 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
     """The data port polls for the next request while a write on that connection has a
     reservation open (a chunk being copied), and sleeps as before once the last commit is in, or
     after an abort, and after any other request."""
-    from kvstore.client import dataport
     from kvstore.wire import Stream
 
     port = served.server.data_socket
@@ -1004,7 +1003,6 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
         spins.append(seconds)
         return real_spin(self, seconds, yielding)
 
-    monkeypatch.setattr(dataport, "ANSWER_SPIN_S", 0.0)  # the client's own polls left out
     monkeypatch.setattr(Stream, "spin", spin)
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -1078,42 +1076,3 @@ def test_a_yielding_spin_gives_its_cpu_to_a_busy_thread_there() -> None:
         os.sched_setaffinity(0, mask)
         busy.kill()
         busy.wait()
-
-
-def test_a_same_host_client_polls_for_its_answers_and_sleeps_after_a_poll_that_ran_out(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over the Unix socket each answer is polled for (yielding the CPU) before the client sleeps
-    on it; a poll that runs out sends the next SPIN_BACKOFF answers to sleep; over TCP, never."""
-    from kvstore.client import dataport
-    from kvstore.wire import Stream
-
-    polls: list[float] = []
-    real_spin = Stream.spin
-
-    def spin(self: Stream, seconds: float, yielding: bool = False) -> bool:
-        if not yielding:  # the server's own spin
-            return real_spin(self, seconds, yielding)
-        polls.append(seconds)
-        real_spin(self, seconds, yielding)
-        return len(polls) > 1  # the first one runs out, the others find their answer
-
-    monkeypatch.setattr(dataport, "ANSWER_SPIN_S", 0.5)  # as on any machine with two CPUs or more
-    assert dataport.SPIN_BACKOFF > 1
-    monkeypatch.setattr(Stream, "spin", spin)
-    with connect(served.unix) as kv:
-        fp, keys, _ = stored_chain(kv, 3, salt="polled")
-        polls.clear()
-        kv.close()
-    with connect(served.unix) as kv:
-        kv.register(MODEL)
-        for _ in range(dataport.SPIN_BACKOFF):  # the hello's answer polled, ran out: asleep after
-            assert kv.lookup(fp, keys) == 3
-        assert polls == [0.5]
-        assert kv.lookup(fp, keys) == 3  # polls again, finds the answer
-        assert kv.lookup(fp, keys) == 3  # so polls for the next too
-        assert polls == [0.5] * 3
-    with connect(served.tcp, token="tok-a") as kv:
-        kv.register(MODEL)
-        kv.lookup(fp, keys)
-        assert polls == [0.5] * 3

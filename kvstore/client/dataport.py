@@ -6,7 +6,6 @@ should need this class.
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import struct
@@ -35,14 +34,6 @@ from kvstore.wire import (
 )
 
 IO_TIMEOUT_S = 30.0  # the per-operation default when the caller sets no deadline
-# A same-host client polls this long for an answer before it sleeps: the server's send then
-# finds it awake. On a VM, waking a thread whose CPU sleeps costs both ends tens of
-# microseconds (a 64-key lookup's round trip 111-118 us asleep, 78-83 us polling, on 2 vCPUs).
-ANSWER_SPIN_S = 0.0001 if len(os.sched_getaffinity(0)) >= 2 else 0.0
-# After a poll that ran out, or stopped because another thread wanted its CPU (a server slow
-# to answer, or CPUs oversubscribed: polling would keep the server's thread off a CPU), this
-# many answers are waited for asleep before polling again.
-SPIN_BACKOFF = 64
 
 
 class DataPortClient:
@@ -90,8 +81,6 @@ class DataPortClient:
                     raise
         token_b, scope_b = (token or "").encode(), scope.encode()
         self._stream = Stream(self.sock, IO_TIMEOUT_S)
-        self._spin_s = ANSWER_SPIN_S if self.sock.family == socket.AF_UNIX else 0.0
-        self._asleep = 0  # answers still to wait for asleep (SPIN_BACKOFF)
         try:
             self._stream.begin(hello_deadline)
             self._stream.send(
@@ -109,11 +98,6 @@ class DataPortClient:
         self._stream.begin(deadline)
 
     def _check(self) -> None:
-        """Read an answer's status (the server's error raised)."""
-        if self._asleep:
-            self._asleep -= 1
-        elif self._spin_s and not self._stream.spin(self._spin_s, yielding=True):
-            self._asleep = SPIN_BACKOFF
         code, message = self._stream.read_status()
         if code != Status.OK:
             self.sock.close()
