@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tiers.base import TierKey
 from tiers.dram import JOURNAL_SUFFIX, DramConfig, DramTier, salvage
-from tiers.journal import Journal, JournalRecord, replay
+from tiers.journal import COMMIT, Journal, JournalRecord, _encode, replay
 
 FP = b"\x07" * 32
 
@@ -102,3 +102,22 @@ def test_a_batch_of_commits_is_one_append_whose_torn_tail_drops_only_its_last_re
     record = (len(whole) - before) // 4
     Path(path).write_bytes(whole[: len(whole) - record - 1])  # torn inside the batch's third record
     assert sorted(replay(path)) == [0, 4096, 8192]
+
+
+def test_a_batch_of_commits_writes_the_bytes_of_its_records_written_one_by_one(tmp_path: Path) -> None:
+    """Keys and metas of different lengths in one batch (each run of equal lengths shares a
+    layout), a short fingerprint padded, plain tuples and records alike."""
+    records = [
+        JournalRecord(0, 10, b"k0", FP, b"m"),
+        JournalRecord(4096, 20, b"k1", FP, b"m"),
+        JournalRecord(8192, 30, b"a longer key", FP, b""),
+        JournalRecord(12288, 40, b"k3", b"short", b"a longer meta"),
+        JournalRecord(16384, 50, b"k4", FP, b"m"),
+    ]
+    path = str(tmp_path / "j")
+    journal = Journal(path)
+    journal.commit_many([tuple(r) for r in records[:2]])
+    journal.commit_many(records[2:])
+    journal.close(remove=False)
+    assert Path(path).read_bytes() == b"".join(_encode(COMMIT, *r) for r in records)
+    assert replay(path)[12288] == JournalRecord(12288, 40, b"k3", b"short".ljust(32, b"\0"), b"a longer meta")

@@ -334,17 +334,14 @@ class DramTier(SlabTier):
     def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
         if self._journal is None:
             return
-        records = [
-            JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
-            for k, e in published
-        ]
-        self._journal.commit_many(records)
+        self._journal.commit_many(
+            [(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta) for k, e in published]
+        )
         if self._journal.needs_compaction:
-            records += [
+            self._journal.rewrite(
                 JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
-                for k, e in self._entries.items()
-            ]
-            self._journal.rewrite(records)
+                for k, e in (*published, *self._entries.items())
+            )
 
     def _freeing(self, slot: Slot) -> None:
         if self._journal is not None:
