@@ -59,36 +59,27 @@ def _layout(key_len: int, meta_len: int) -> struct.Struct:
 Fields = tuple[int, int, bytes, bytes, bytes]  # a JournalRecord's, in a plain tuple
 
 
-def _encode_commits(records: Iterable[Fields]) -> bytes:
-    """The commit records of ``records`` (offset, size, key, fingerprint, meta), one after the
-    other: ``_encode`` of each, with its layout looked up once for a run of equal lengths (a
-    commit's blocks all have them)."""
+def _encode_records(kind: int, records: Iterable[Fields]) -> bytes:
+    """Records of ``kind`` for ``records`` (offset, size, key, fingerprint, meta), one after the
+    other; the layout looked up once for a run of equal lengths (a commit's blocks all have them)."""
     out: list[bytes] = []
     append, crc, pack_crc = out.append, zlib.crc32, _CRC.pack
     lengths: tuple[int, int] | None = None
-    layout = _HEAD
+    layout = _HEAD  # replaced at the first record
     for offset, size, key, fingerprint, meta in records:
         if len(fingerprint) != 32:
             fingerprint = fingerprint.ljust(32, b"\0")[:32]
         if lengths != (len(key), len(meta)):
             lengths = (len(key), len(meta))
             layout = _layout(*lengths)
-        record = layout.pack(
-            layout.size, COMMIT, offset, size, lengths[0], key, fingerprint, lengths[1], meta
-        )
+        record = layout.pack(layout.size, kind, offset, size, lengths[0], key, fingerprint, lengths[1], meta)
         append(record)
         append(pack_crc(crc(record)))
     return b"".join(out)
 
 
 def _encode(kind: int, offset: int, size: int, key: bytes, fingerprint: bytes, meta: bytes) -> bytes:
-    if len(fingerprint) != 32:
-        fingerprint = fingerprint.ljust(32, b"\0")[:32]
-    layout = _layout(len(key), len(meta))
-    record = layout.pack(
-        layout.size - 4 + _CRC.size, kind, offset, size, len(key), key, fingerprint, len(meta), meta
-    )
-    return record + _CRC.pack(zlib.crc32(record))
+    return _encode_records(kind, ((offset, size, key, fingerprint, meta),))
 
 
 class Journal:
@@ -109,7 +100,7 @@ class Journal:
     def commit_many(self, records: Sequence[Fields]) -> None:
         """One commit record per block (a ``JournalRecord`` or a plain tuple of its fields),
         appended in one write (O_APPEND keeps them together)."""
-        self._append(_encode_commits(records))
+        self._append(_encode_records(COMMIT, records))
 
     def free(self, offset: int) -> None:
         self._append(_encode(FREE, offset, 0, b"", b"", b""))
