@@ -3,6 +3,7 @@ corrupt block is a miss, never wrong bytes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lmdb
@@ -12,7 +13,9 @@ from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.server.builder import open_store
 from kvstore.server.config import load_settings
 from kvstore.store import Scope, StoreConfig, TieredStore, tier_key
-from tiers.dram import DramConfig, DramTier
+from kvstore.store.model import parse_meta
+from tiers.base import TierKey
+from tiers.dram import DramConfig, DramTier, salvage
 from tiers.nvme import NvmeConfig, NvmeTier
 
 BLOCK = 1 << 16
@@ -127,5 +130,30 @@ def test_retention_counts_from_the_first_store_across_restarts(tmp_path: Path) -
     store = open_at()
     try:
         assert store.lookup(A, keys).hit_blocks == 0
+    finally:
+        store.close()
+
+
+def test_a_killed_servers_blocks_keep_their_birth_time_in_the_journal() -> None:
+    """What salvage copies into nvme after a kill -9 is the journal's metadata: a block written
+    in place (reserve, commit) or put must carry its birth time there, or its retention would
+    count again from the restart."""
+    name = f"kvstore-test-{os.getpid()}-birth"
+    born = 1_800_000_000.0
+    dram = DramTier(
+        DramConfig(capacity_bytes=16 * BLOCK, page_bytes=BLOCK, arena_name=name, prefault=False, journal=True)
+    )
+    store = TieredStore([dram], StoreConfig(), wall_clock=lambda: born)
+    try:
+        written, put = chain(2, "in place"), chain(2, "put")
+        reservation = store.reserve(A, written, [BLOCK] * 2)
+        for k, slot in zip(written, reservation.slots, strict=True):
+            assert slot is not None
+            dram.slot_view(slot)[:] = data(k)
+        assert store.commit(reservation.reservation_id) == 2
+        store.put(A, put, [data(k) for k in put])
+        with salvage(name) as blocks:
+            births = {TierKey(r.key): parse_meta(r.meta)[2] for r, _ in blocks}
+        assert births == {tier_key(A, k): born for k in written + put}
     finally:
         store.close()

@@ -272,6 +272,7 @@ class ArenaCalls:
             # The parent as it stands now: a pipelined write reserves a chunk before the chunk
             # holding its parent is committed.
             first_depth = p.index.depth_after(scope, pending.parent)
+            now = p.wall()  # in the journal's record of each block: salvage keeps its birth
             new: list[tuple[Block, ArenaSlot]] = []
             prev = pending.parent
             for i, (key, tkey, slot) in enumerate(
@@ -281,7 +282,9 @@ class ArenaCalls:
                     if p.index.get((scope, key)) is not None:
                         arena.abort(tkey)  # stored meanwhile by another path
                     else:
-                        block = new_block(p.config, scope, key, slot.size_bytes, prev, first_depth + i, tkey)
+                        block = new_block(
+                            p.config, scope, key, slot.size_bytes, prev, first_depth + i, tkey, now
+                        )
                         new.append((block, slot))
                 prev = key
             arena.commit_many([(block.tkey, block.meta) for block, _ in new])

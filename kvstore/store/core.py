@@ -312,6 +312,7 @@ class TieredStore:
             p.placement.pace(0, sum(sizes[first:end]), PACE_S)
             with p.locked():
                 p.expire()
+                now = p.wall()  # each block's birth, in the metadata its tiers keep
                 for i in range(first, end):
                     key = keys[i]
                     existing = p.vacate((scope, key))
@@ -321,7 +322,9 @@ class TieredStore:
                         p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
                         continue
                     prev = keys[i - 1] if i else parent
-                    block = new_block(self.config, scope, key, sizes[i], prev, first_depth + i)
+                    block = new_block(
+                        self.config, scope, key, sizes[i], prev, first_depth + i, stored_at_s=now
+                    )
                     self._put_one(block, blocks[i], stored, len(keys), to_remote)
                     stored += 1
                     p.count(scope, "put_blocks")

@@ -205,11 +205,15 @@ def new_block(
     parent: BlockKey | None,
     depth: int,
     tkey: TierKey | None = None,
+    stored_at_s: float = 0.0,
 ) -> Block:
     """A fresh index entry; its recompute cost grows with its depth in the chain. ``tkey``:
-    ``tier_key(scope, key)`` where the caller has it already."""
+    ``tier_key(scope, key)`` where the caller has it already. ``stored_at_s``: its birth time,
+    set before its bytes reach a tier, whose metadata keeps it (0.0: set on admission)."""
     cost = 1.0 + config.attention_cost_per_block * depth
-    return Block(scope, key, tkey or tier_key(scope, key), size_bytes, parent, depth, cost)
+    block = Block(scope, key, tkey or tier_key(scope, key), size_bytes, parent, depth, cost)
+    block.stored_at_s = stored_at_s
+    return block
 
 
 _META = struct.Struct("<Id")  # depth, stored_at_s; then the parent key if any

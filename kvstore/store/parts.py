@@ -52,6 +52,7 @@ class StoreParts:
         self.counters: Counter[str] = Counter()
         self.namespace_counters: dict[str, Counter[str]] = {}
         self.persistent = list(persistent) if persistent is not None else [t.persistent for t in tiers]
+        self.wall = wall_clock  # birth times and retention deadlines
         self.index = BlockIndex(wall_clock, self._retention_of)
         self.eviction = Eviction(self.index, len(tiers))
         self.pins = Pins(config, clock, self.eviction, on_free=self._free)
