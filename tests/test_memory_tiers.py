@@ -58,6 +58,19 @@ def test_double_free_raises() -> None:
         alloc.free(Slot(0, 100))
 
 
+def test_a_batch_of_slots_is_the_slots_alloc_gives_one_by_one_and_stops_when_full() -> None:
+    one, many = (SlabAllocator(capacity_bytes=4 * MIB, page_bytes=MIB) for _ in range(2))
+    for alloc in (one, many):  # a partly used extent first: its free slot comes before a new one
+        first, second = alloc.alloc(256 * 1024), alloc.alloc(256 * 1024)
+        assert first is not None and second is not None
+        alloc.free(first)
+    singles = [one.alloc(256 * 1024) for _ in range(10)]  # across three extents
+    assert many.alloc_many(256 * 1024, 10) == singles
+    assert many.used_slot_bytes == one.used_slot_bytes == 11 * 256 * 1024
+    assert len(many.alloc_many(256 * 1024, 100)) == 5  # 16 slots in all: fewer when full
+    assert many.alloc_many(256 * 1024, 1) == [] and many.alloc(100) is None
+
+
 def test_reserve_is_invisible_until_commit_and_abort_frees() -> None:
     tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
     try:
@@ -96,6 +109,21 @@ def test_reserve_many_skips_busy_and_oversize_keys_and_stops_where_the_tier_is_f
         assert all(tier.locate(TierKey(k)) is not None for k in (b"a", b"b", b"c", b"d"))
         with pytest.raises(ValueError):
             tier.reserve_many([(TierKey(b"x"), 10)], b"short fingerprint")
+    finally:
+        tier.close()
+
+
+def test_reserve_many_of_mixed_sizes_and_a_key_asked_twice() -> None:
+    tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
+    try:
+        items = [(TierKey(b"a"), 4096), (TierKey(b"b"), 4096), (TierKey(b"c"), MIB), (TierKey(b"a"), 4096)]
+        items += [(TierKey(b"d"), 4096)]
+        slots = tier.reserve_many(items, FP)
+        assert [s is not None for s in slots] == [True, True, True, False, True]  # "a" once only
+        assert [s.size_bytes for s in slots if s is not None] == [4096, 4096, MIB, 4096]
+        assert len({s.offset for s in slots if s is not None}) == 4
+        tier.commit_many([(TierKey(k), None) for k in (b"a", b"b", b"c", b"d")])
+        assert tier.usage().stored_bytes == MIB + 3 * 4096
     finally:
         tier.close()
 

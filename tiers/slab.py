@@ -89,30 +89,46 @@ class SlabAllocator:
 
     def alloc(self, size_bytes: int) -> Slot | None:
         """A free slot for ``size_bytes``, or None when the region has no room for it."""
+        slots = self.alloc_many(size_bytes, 1)
+        return slots[0] if slots else None
+
+    def alloc_many(self, size_bytes: int, count: int) -> list[Slot]:
+        """``count`` free slots for blocks of ``size_bytes``, each the one ``alloc`` would have
+        given in turn; fewer when the region runs out of room. A run of slots is taken from an
+        extent's free list in one slice (a chunk of a same-host write is one call)."""
         slot_bytes = slot_size_for(size_bytes)
         cls = self._classes.get(slot_bytes)
         if cls is None:
             cls = self._classes[slot_bytes] = _SizeClass(slot_bytes)
-        if not cls.partial:
-            npages = self._pages_for(slot_bytes)
-            first = self._find_free_run(npages)
-            if first is None:
-                return None
-            start = first * self.page_bytes
-            nslots = npages * self.page_bytes // slot_bytes
-            extent = _Extent(
-                first, npages, slot_bytes, [start + i * slot_bytes for i in reversed(range(nslots))]
-            )
-            for page in range(first, first + npages):
-                self._owner[page] = extent
-            cls.partial[first] = extent
-        extent = next(iter(cls.partial.values()))
-        offset = extent.free.pop()
-        extent.used += 1
-        if not extent.free:
-            del cls.partial[extent.first_page]
-        self.used_slot_bytes += slot_bytes
-        return Slot(offset, size_bytes)
+        offsets: list[int] = []
+        while len(offsets) < count:
+            if not cls.partial and not self._new_extent(cls):
+                break
+            extent = next(iter(cls.partial.values()))
+            free = extent.free
+            take = min(count - len(offsets), len(free))
+            offsets += reversed(free[len(free) - take :])  # the order pop() would give them in
+            del free[len(free) - take :]
+            extent.used += take
+            if not free:
+                del cls.partial[extent.first_page]
+        self.used_slot_bytes += slot_bytes * len(offsets)
+        return [Slot(offset, size_bytes) for offset in offsets]
+
+    def _new_extent(self, cls: _SizeClass) -> bool:
+        """Claim free pages for one more extent of ``cls``; False when no run of them is free."""
+        slot_bytes = cls.slot_bytes
+        npages = self._pages_for(slot_bytes)
+        first = self._find_free_run(npages)
+        if first is None:
+            return False
+        start = first * self.page_bytes
+        nslots = npages * self.page_bytes // slot_bytes
+        extent = _Extent(first, npages, slot_bytes, [start + i * slot_bytes for i in reversed(range(nslots))])
+        for page in range(first, first + npages):
+            self._owner[page] = extent
+        cls.partial[first] = extent
+        return True
 
     def free(self, slot: Slot) -> None:
         extent = self._owner[slot.offset // self.page_bytes]
@@ -138,7 +154,7 @@ class SlabAllocator:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class SlabEntry:
     slot: Slot
     fingerprint: bytes
@@ -214,17 +230,41 @@ class SlabTier(Tier):
         for key, _ in items:
             check_key(key)
         fp = bytes(fingerprint)
-        slots: list[Slot | None] = []
+        alloc = self._alloc
         with self._lock:
             self._check_open()
-            for key, size_bytes in items:
-                try:
-                    slots.append(self._reserve_locked(key, size_bytes, fp, b""))
-                except TierFull:
+            pending = self._pending
+            # The items to give a slot: not reserved already (nor twice in this call), not
+            # larger than the tier; None for the others.
+            wanted: list[int] = []
+            seen: set[TierKey] = set()
+            fits: dict[int, bool] = {}
+            for i, (key, size_bytes) in enumerate(items):
+                if key in pending or key in seen:
+                    continue
+                fit = fits.get(size_bytes)
+                if fit is None:
+                    fit = fits[size_bytes] = alloc.fits_ever(size_bytes)
+                if fit:
+                    wanted.append(i)
+                    seen.add(key)
+            slots: list[Slot | None] = [None] * len(items)
+            end = len(items)  # cut at the first wanted item the tier has no room for
+            run = 0
+            while run < len(wanted):  # runs of equal sizes, a slice of slots each
+                size_bytes = items[wanted[run]][1]
+                run_end = run + 1
+                while run_end < len(wanted) and items[wanted[run_end]][1] == size_bytes:
+                    run_end += 1
+                taken = alloc.alloc_many(size_bytes, run_end - run)
+                for i, slot in zip(wanted[run:run_end], taken, strict=False):
+                    slots[i] = slot
+                    pending[items[i][0]] = SlabEntry(slot, fp, b"", False)
+                if len(taken) < run_end - run:
+                    end = wanted[run + len(taken)]
                     break
-                except (SlotBusy, BlockTooLarge):
-                    slots.append(None)
-        return slots
+                run = run_end
+        return slots[:end]
 
     def _reserve_locked(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes) -> Slot:
         if key in self._pending:
@@ -251,7 +291,7 @@ class SlabTier(Tier):
             if meta is not None:
                 check_meta(meta)
         with self._lock:
-            pending = self._pending
+            pending, entries = self._pending, self._entries
             for key, _ in items:
                 if key not in pending:
                     raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
@@ -261,14 +301,12 @@ class SlabTier(Tier):
                 entry.committed = True
                 if meta is not None:
                     entry.meta = bytes(meta)
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._forget(old)
+                if key in entries:
+                    self._forget(entries.pop(key))
                 published.append((key, entry))
             self._committed(published)
-            for key, entry in published:
-                self._entries[key] = entry
-                self._used_bytes += entry.slot.size_bytes
+            entries.update(published)
+            self._used_bytes += sum(entry.slot.size_bytes for _, entry in published)
 
     def abort(self, key: TierKey) -> bool:
         """Give back the reserved slot of ``key``; whether there was one."""

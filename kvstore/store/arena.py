@@ -273,7 +273,7 @@ class ArenaCalls:
             # holding its parent is committed.
             first_depth = p.index.depth_after(scope, pending.parent)
             now = p.wall()  # in the journal's record of each block: salvage keeps its birth
-            new: list[tuple[Block, ArenaSlot]] = []
+            blocks: list[Block] = []
             prev = pending.parent
             for i, (key, tkey, slot) in enumerate(
                 zip(pending.keys, pending.tkeys, pending.slots, strict=True)
@@ -285,19 +285,17 @@ class ArenaCalls:
                         block = new_block(
                             p.config, scope, key, slot.size_bytes, prev, first_depth + i, tkey, now
                         )
-                        new.append((block, slot))
+                        block.tiers.add(a)
+                        blocks.append(block)
                 prev = key
-            arena.commit_many([(block.tkey, block.meta) for block, _ in new])
-            blocks = [block for block, _ in new]
-            for block in blocks:
-                block.tiers.add(a)
+            arena.commit_many([(block.tkey, block.meta) for block in blocks])
             p.index.admit_many(blocks)
             p.eviction.touch_many(blocks)
             self._on_new_blocks(blocks, lambda block: slot_bytes(arena, block))
-            p.count(scope, "put_blocks", len(new))
+            p.count(scope, "put_blocks", len(blocks))
             if pending.pinned_parent is not None:
                 p.pins.unhold(pending.pinned_parent)
-            return len(new)
+            return len(blocks)
 
     def abort(self, reservation_id: int, owner: str = "") -> None:
         """Give back a reservation's slots without storing anything."""
