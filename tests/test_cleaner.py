@@ -314,3 +314,49 @@ def test_a_write_whose_victims_are_clean_never_waits_for_a_busy_disk(
         if gate is not None:
             gate.set()
         s.close()
+
+
+def _keep_writing(s: TieredStore, seconds: float, until: Callable[[], bool] = lambda: False) -> bool:
+    """Poke the cleaner as a stream of writes does, every 10 ms, for ``seconds`` or until
+    ``until()``; whether ``until()`` came true."""
+    cleaner = s._cleaner
+    assert isinstance(cleaner, Cleaner)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if until():
+            return True
+        cleaner.poke()
+        time.sleep(0.01)
+    return until()
+
+
+def test_the_cleaner_waits_for_a_pause_in_the_writes(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cleaning takes the CPU and memory bandwidth a burst of writes copies with: it waits
+    until the writes pause (QUIET_S), then cleans as before."""
+    monkeypatch.setattr("kvstore.store.cleaner.QUIET_S", 1.0)
+    monkeypatch.setattr("kvstore.store.cleaner.MAX_DEFER_S", 60.0)
+    s = _store(tmp_path)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])  # the arena is full: the cleaner is poked
+        assert not _keep_writing(s, 1.5, lambda: s.stats().counters.get("cleaned_blocks", 0) > 0)
+        _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 4)  # the pause came
+        assert [_tiers(s, k) for k in singles[:4]] == [{"dram", "nvme"}] * 4
+    finally:
+        s.close()
+
+
+def test_writes_that_never_pause_get_their_cleaning_alongside(
+    tmp_path: Path, singles: list[BlockKey], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvstore.store.cleaner.QUIET_S", 1.0)
+    monkeypatch.setattr("kvstore.store.cleaner.MAX_DEFER_S", 0.2)
+    s = _store(tmp_path)
+    try:
+        for key in singles[:8]:
+            s.put(A, [key], [data(key)])
+        assert _keep_writing(s, 10.0, lambda: s.stats().counters.get("cleaned_blocks", 0) >= 4)
+    finally:
+        s.close()
