@@ -89,17 +89,24 @@ class SlabAllocator:
 
     def alloc(self, size_bytes: int) -> Slot | None:
         """A free slot for ``size_bytes``, or None when the region has no room for it."""
-        slots = self.alloc_many(size_bytes, 1)
-        return slots[0] if slots else None
+        slot_bytes = slot_size_for(size_bytes)
+        cls = self._class_of(slot_bytes)
+        if not cls.partial and not self._new_extent(cls):
+            return None
+        extent = next(iter(cls.partial.values()))
+        offset = extent.free.pop()
+        extent.used += 1
+        if not extent.free:
+            del cls.partial[extent.first_page]
+        self.used_slot_bytes += slot_bytes
+        return Slot(offset, size_bytes)
 
     def alloc_many(self, size_bytes: int, count: int) -> list[Slot]:
         """``count`` free slots for blocks of ``size_bytes``, each the one ``alloc`` would have
         given in turn; fewer when the region runs out of room. A run of slots is taken from an
         extent's free list in one slice (a chunk of a same-host write is one call)."""
         slot_bytes = slot_size_for(size_bytes)
-        cls = self._classes.get(slot_bytes)
-        if cls is None:
-            cls = self._classes[slot_bytes] = _SizeClass(slot_bytes)
+        cls = self._class_of(slot_bytes)
         offsets: list[int] = []
         while len(offsets) < count:
             if not cls.partial and not self._new_extent(cls):
@@ -114,6 +121,12 @@ class SlabAllocator:
                 del cls.partial[extent.first_page]
         self.used_slot_bytes += slot_bytes * len(offsets)
         return [Slot(offset, size_bytes) for offset in offsets]
+
+    def _class_of(self, slot_bytes: int) -> _SizeClass:
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = _SizeClass(slot_bytes)
+        return cls
 
     def _new_extent(self, cls: _SizeClass) -> bool:
         """Claim free pages for one more extent of ``cls``; False when no run of them is free."""
