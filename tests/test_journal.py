@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tiers.base import TierKey
 from tiers.dram import JOURNAL_SUFFIX, DramConfig, DramTier, salvage
-from tiers.journal import COMMIT, Journal, JournalRecord, _encode, replay
+from tiers.journal import COMMIT, FREE, Journal, JournalRecord, _encode, replay
 
 FP = b"\x07" * 32
 
@@ -121,3 +121,41 @@ def test_a_batch_of_commits_writes_the_bytes_of_its_records_written_one_by_one(t
     journal.close(remove=False)
     assert Path(path).read_bytes() == b"".join(_encode(COMMIT, *r) for r in records)
     assert replay(path)[12288] == JournalRecord(12288, 40, b"k3", b"short".ljust(32, b"\0"), b"a longer meta")
+
+
+def test_a_free_record_is_the_bytes_the_general_encoder_writes(tmp_path: Path) -> None:
+    """Frees have their own short path (one for each victim of an eviction)."""
+    path = str(tmp_path / "j")
+    journal = Journal(path)
+    journal.free(4096)
+    journal.free(1 << 40)
+    journal.close(remove=False)
+    assert Path(path).read_bytes() == _encode(FREE, 4096, 0, b"", b"", b"") + _encode(
+        FREE, 1 << 40, 0, b"", b"", b""
+    )
+
+
+def test_frees_in_a_batch_are_written_at_its_end_or_before_a_slot_is_handed_out(tmp_path: Path) -> None:
+    """An eviction pass frees many slots (``frees_batched``): their records go out in one
+    write, and always before any slot is handed out again, so a salvage never takes a slot's
+    new bytes for the block it held before."""
+    name = f"kvstore-test-{os.getpid()}-batch"
+    tier = DramTier(
+        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, arena_name=name, prefault=False, journal=True)
+    )
+    path = tier.arena.path_of(name) + JOURNAL_SUFFIX
+    try:
+        for i in range(4):
+            tier.put(key(i), bytes([i]) * 4096, FP)
+        with tier.frees_batched():
+            tier.delete(key(0))
+            tier.delete(key(1))
+            assert len(replay(path)) == 4  # not written yet: salvage would find both, whole
+            slot = tier.reserve(key(9), 4096, FP)  # a slot handed out: the frees go first
+            assert len(replay(path)) == 2
+            tier.abort(key(9))
+            tier.delete(key(2))
+        assert sorted(r.key for r in replay(path).values()) == [bytes(key(3))]
+        assert slot.offset in (0, 4096)  # one of the slots just freed
+    finally:
+        tier.close()

@@ -71,6 +71,24 @@ def test_a_batch_of_slots_is_the_slots_alloc_gives_one_by_one_and_stops_when_ful
     assert many.alloc_many(256 * 1024, 1) == [] and many.alloc(100) is None
 
 
+def test_free_slots_counts_what_alloc_many_would_give() -> None:
+    alloc = SlabAllocator(capacity_bytes=4 * MIB, page_bytes=MIB)
+    assert alloc.free_slots(256 * 1024, 100) == 16 and alloc.free_slots(256 * 1024, 5) == 5
+    taken = alloc.alloc_many(256 * 1024, 5)  # two extents: 3 slots left in the second
+    assert alloc.free_slots(256 * 1024, 100) == 3 + 2 * 4
+    big = alloc.alloc(2 * MIB)  # pages 2 and 3, the two left
+    assert big is not None
+    assert alloc.free_slots(256 * 1024, 100) == 3 and alloc.free_slots(2 * MIB, 9) == 0
+    for slot in taken[:4]:  # the first extent empties: its page goes back
+        alloc.free(slot)
+    assert alloc.free_slots(256 * 1024, 100) == 3 + 4
+    assert alloc.free_slots(2 * MIB, 9) == 0  # page 0 alone: a 2 MiB slot needs two side by side
+    alloc.free(big)
+    assert alloc.free_slots(2 * MIB, 9) == 1  # pages 2-3 again
+    assert len(alloc.alloc_many(2 * MIB, 9)) == 1
+    assert len(alloc.alloc_many(256 * 1024, 100)) == 3 + 4
+
+
 def test_reserve_is_invisible_until_commit_and_abort_frees() -> None:
     tier = DramTier(DramConfig(capacity_bytes=4 * MIB, page_bytes=MIB, prefault=False))
     try:

@@ -304,6 +304,20 @@ def test_a_reservation_in_a_full_arena_makes_room_for_each_block_it_can(store: T
     assert store.get(A, old) == [data(k) for k in old]
 
 
+def test_a_chunk_into_a_full_arena_evicts_as_many_blocks_as_it_needs_in_one_pass(store: TieredStore) -> None:
+    """Room for a chunk's run of equal blocks is made at once (not a block at a time, each with
+    its own reserve): exactly as many victims as slots wanted, the coldest."""
+    singles = [chain(1, salt=f"single-{i}")[0] for i in range(4)]
+    for key in singles:
+        store.put(A, [key], [data(key)])  # the arena (4 blocks) is full, coldest first
+    new = chain(3, salt="new")
+    reservation = store.reserve(A, new, [BLOCK] * 3)
+    assert all(s is not None for s in reservation.slots)
+    assert store.stats().counters["evicted_dram_blocks"] == 3
+    assert [store.tier_of(A, k) for k in singles] == ["nvme", "nvme", "nvme", "dram"]
+    assert store.commit(reservation.reservation_id) == 3
+
+
 def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore) -> None:
     parent = chain(1, salt="parent")
     store.put(A, parent, [data(parent[0])])

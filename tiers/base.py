@@ -29,6 +29,9 @@ What a tier says about itself:
     in_place_read_s(n)   -> seconds a read of n bytes made in place (through a mapped slot)
                          costs beyond the reader's own copy: 0 for real media; a throttle
                          wrapper (``tiers.throttle``) answers its delay.
+    frees_batched()      -> a context in which what the tier records of the space it frees may be
+                         written once at its end (the `dram` journal: one write for an
+                         eviction pass, not one a victim); nothing for other tiers.
 
 Threads: every method may be called from any thread. The caller must not put and delete the
 same key concurrently; the tiered store guarantees that by holding its own index lock.
@@ -40,6 +43,7 @@ medium.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -212,6 +216,10 @@ class Tier(ABC):
         """Seconds an in-place read of ``nbytes`` costs beyond the reader's copy (0: none)."""
         return 0.0
 
+    def frees_batched(self) -> contextlib.AbstractContextManager[None]:
+        """See the module docstring; a tier that records nothing of its frees has no batch."""
+        return contextlib.nullcontext()
+
 
 class MappedRegion(Protocol):
     """The shared memory an arena tier's slots live in, as its clients find and map it."""
@@ -248,6 +256,8 @@ class InPlaceTier(Protocol):
     def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot: ...
 
     def reserve_many(self, items: Sequence[tuple[TierKey, int]], fingerprint: bytes) -> list[Slot | None]: ...
+
+    def room_for(self, size_bytes: int, count: int) -> int: ...
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None: ...
 

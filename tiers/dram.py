@@ -343,9 +343,13 @@ class DramTier(SlabTier):
                 for k, e in (*published, *self._entries.items())
             )
 
-    def _freeing(self, slot: Slot) -> None:
+    def _freeing(self, slot: Slot, batched: bool) -> None:
         if self._journal is not None:
-            self._journal.free(slot.offset)
+            self._journal.free(slot.offset, later=batched)
+
+    def _handing_out(self) -> None:
+        if self._journal is not None:
+            self._journal.write_frees()
 
     def _release_region(self) -> None:
         if self._journal is not None:

@@ -58,6 +58,9 @@ def _layout(key_len: int, meta_len: int) -> struct.Struct:
 
 Fields = tuple[int, int, bytes, bytes, bytes]  # a JournalRecord's, in a plain tuple
 
+_FREE_RECORD = _layout(0, 0)  # a free record: no key, fingerprint or meta (a victim's, each)
+_NO_FINGERPRINT = bytes(32)
+
 
 def _encode_records(kind: int, records: Iterable[Fields]) -> bytes:
     """Records of ``kind`` for ``records`` (offset, size, key, fingerprint, meta), one after the
@@ -89,6 +92,7 @@ class Journal:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         self._size = 0
         self._rewritten_size = 0  # the file's size right after the last rewrite
+        self._frees: list[bytes] = []  # free records not written yet (free(later=True))
 
     @property
     def needs_compaction(self) -> bool:
@@ -99,11 +103,24 @@ class Journal:
 
     def commit_many(self, records: Sequence[Fields]) -> None:
         """One commit record per block (a ``JournalRecord`` or a plain tuple of its fields),
-        appended in one write (O_APPEND keeps them together)."""
-        self._append(_encode_records(COMMIT, records))
+        appended in one write (O_APPEND keeps them together), after the frees kept for later."""
+        self._append(b"".join(self._frees) + _encode_records(COMMIT, records))
+        self._frees.clear()
 
-    def free(self, offset: int) -> None:
-        self._append(_encode(FREE, offset, 0, b"", b"", b""))
+    def free(self, offset: int, later: bool = False) -> None:
+        """A free record for the slot at ``offset``; ``later``: kept until ``write_frees`` (or
+        the next commit), which writes the ones kept in one write. The tier writes them before
+        it hands a slot out: until then a free that waits only leaves a salvage the block that
+        was there, whole."""
+        record = _FREE_RECORD.pack(_FREE_RECORD.size, FREE, offset, 0, 0, b"", _NO_FINGERPRINT, 0, b"")
+        self._frees.append(record + _CRC.pack(zlib.crc32(record)))
+        if not later:
+            self.write_frees()
+
+    def write_frees(self) -> None:
+        if self._frees:
+            self._append(b"".join(self._frees))
+            self._frees.clear()
 
     def _append(self, data: bytes) -> None:
         os.write(self._fd, data)  # tmpfs: a memory copy; O_APPEND keeps records whole and ordered
@@ -127,11 +144,14 @@ class Journal:
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
+        self._frees.clear()  # the live set written is after them
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._size = self._rewritten_size = size
 
     def close(self, remove: bool) -> None:
+        if not remove:
+            self.write_frees()
         os.close(self._fd)
         if remove:
             with contextlib.suppress(FileNotFoundError):

@@ -18,6 +18,7 @@ Threads: one lock guards the allocator and the index; byte copies run outside it
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
@@ -57,6 +58,7 @@ class _Extent:
 class _SizeClass:
     slot_bytes: int
     partial: dict[int, _Extent] = field(default_factory=dict)  # first_page -> extent with a free slot
+    free_slots: int = 0  # in its extents, all told
 
 
 class SlabAllocator:
@@ -72,6 +74,7 @@ class SlabAllocator:
         self.capacity_bytes = self.pages * page_bytes
         self._owner: list[_Extent | None] = [None] * self.pages
         self._classes: dict[int, _SizeClass] = {}
+        self._free_pages = self.pages  # owned by no extent
         self.used_slot_bytes = 0
 
     def _pages_for(self, slot_bytes: int) -> int:
@@ -96,6 +99,7 @@ class SlabAllocator:
         extent = next(iter(cls.partial.values()))
         offset = extent.free.pop()
         extent.used += 1
+        cls.free_slots -= 1
         if not extent.free:
             del cls.partial[extent.first_page]
         self.used_slot_bytes += slot_bytes
@@ -119,6 +123,7 @@ class SlabAllocator:
             extent.used += take
             if not free:
                 del cls.partial[extent.first_page]
+        cls.free_slots -= len(offsets)
         self.used_slot_bytes += slot_bytes * len(offsets)
         return [Slot(offset, size_bytes) for offset in offsets]
 
@@ -141,7 +146,31 @@ class SlabAllocator:
         for page in range(first, first + npages):
             self._owner[page] = extent
         cls.partial[first] = extent
+        cls.free_slots += nslots
+        self._free_pages -= npages
         return True
+
+    def free_slots(self, size_bytes: int, limit: int) -> int:
+        """How many slots for ``size_bytes`` ``alloc_many`` would give now, counted up to
+        ``limit`` (exact where one slot fits in a page: a slot of several pages needs a run of
+        free pages, which is looked for only when the free slots of its class fall short)."""
+        slot_bytes = slot_size_for(size_bytes)
+        cls = self._classes.get(slot_bytes)
+        count = 0 if cls is None else cls.free_slots
+        if count >= limit:
+            return limit
+        npages = self._pages_for(slot_bytes)
+        per_extent = npages * self.page_bytes // slot_bytes
+        if npages == 1:
+            return min(limit, count + self._free_pages * per_extent)
+        run = 0
+        for owner in self._owner:
+            run = run + 1 if owner is None else 0
+            if run == npages:
+                count, run = count + per_extent, 0
+                if count >= limit:
+                    return limit
+        return count
 
     def free(self, slot: Slot) -> None:
         extent = self._owner[slot.offset // self.page_bytes]
@@ -150,9 +179,12 @@ class SlabAllocator:
         cls = self._classes[extent.slot_bytes]
         extent.free.append(slot.offset)
         extent.used -= 1
+        cls.free_slots += 1
         self.used_slot_bytes -= extent.slot_bytes
         if extent.used == 0:
             cls.partial.pop(extent.first_page, None)
+            cls.free_slots -= len(extent.free)
+            self._free_pages += extent.pages
             for page in range(extent.first_page, extent.first_page + extent.pages):
                 self._owner[page] = None
         else:
@@ -189,6 +221,7 @@ class SlabTier(Tier):
         self._pending: dict[TierKey, SlabEntry] = {}
         self._used_bytes = 0
         self._closed = False
+        self._batching = 0  # frees_batched() contexts open
 
     # Subclasses: move bytes in and out of the region. Called without the lock held.
     @abstractmethod
@@ -210,12 +243,28 @@ class SlabTier(Tier):
 
     # Subclasses may record what the region holds (the dram arena's journal). Called with the
     # lock held: ``_committed`` (each key with its entry) before the blocks are visible,
-    # ``_freeing`` before a slot can be handed out again.
+    # ``_freeing`` when a slot is freed (``batched``: inside frees_batched(), where the record
+    # may wait), ``_handing_out`` before a slot is handed out (what waits is written then, as at
+    # the end of the batch: a freed slot is never handed out before its free is recorded).
     def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
         return
 
-    def _freeing(self, slot: Slot) -> None:
+    def _freeing(self, slot: Slot, batched: bool) -> None:
         return
+
+    def _handing_out(self) -> None:
+        return
+
+    @contextlib.contextmanager
+    def frees_batched(self) -> Iterator[None]:
+        with self._lock:
+            self._batching += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batching -= 1
+                self._handing_out()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -224,6 +273,12 @@ class SlabTier(Tier):
     def can_store(self, size_bytes: int) -> bool:
         with self._lock:
             return self._alloc.can_alloc(size_bytes)
+
+    def room_for(self, size_bytes: int, count: int) -> int:
+        """How many blocks of ``size_bytes`` ``reserve_many`` would find a slot for now, counted
+        up to ``count``."""
+        with self._lock:
+            return self._alloc.free_slots(size_bytes, count)
 
     def reserve(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes = b"") -> Slot:
         """Take a slot for a new block under ``key``; invisible to readers until commit()."""
@@ -277,6 +332,7 @@ class SlabTier(Tier):
                     end = wanted[run + len(taken)]
                     break
                 run = run_end
+            self._handing_out()
         return slots[:end]
 
     def _reserve_locked(self, key: TierKey, size_bytes: int, fingerprint: bytes, meta: bytes) -> Slot:
@@ -290,6 +346,7 @@ class SlabTier(Tier):
                 )
             raise TierFull(f"{self.name} tier has no free {size_bytes} B slot")
         self._pending[key] = SlabEntry(slot, fingerprint, meta, committed=False)
+        self._handing_out()
         return slot
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None:
@@ -395,7 +452,7 @@ class SlabTier(Tier):
 
     def _forget(self, entry: SlabEntry) -> None:
         self._used_bytes -= entry.slot.size_bytes
-        self._freeing(entry.slot)
+        self._freeing(entry.slot, self._batching > 0)
         self._alloc.free(entry.slot)
 
     def scan(self) -> Iterator[StoredBlock]:

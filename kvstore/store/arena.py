@@ -254,9 +254,16 @@ class ArenaCalls:
         (room) costs one call into the tier."""
         slots = arena.reserve_many(items, fingerprint)
         while len(slots) < len(items):  # the arena is full at items[len(slots)]
+            first = len(slots)
+            size = items[first][1]
+            run = first + 1  # the blocks of this size from here: room for all of them at once
+            while run < len(items) and items[run][1] == size:
+                run += 1
             more = []
-            if self._p.placement.make_room(a, items[len(slots)][1]):
-                more = arena.reserve_many(items[len(slots) :], fingerprint)
+            if self._p.placement.make_room(a, size, _room_for(arena, size, run - first)) or (
+                self._p.placement.make_room(a, size)  # not for all: for the next one at least
+            ):
+                more = arena.reserve_many(items[first:], fingerprint)
             slots += more or [None]
         return slots
 
@@ -317,6 +324,11 @@ class ArenaCalls:
         self._p.governance.unreserve(
             pending.scope.namespace, sum(slot.size_bytes for slot in pending.slots if slot is not None)
         )
+
+
+def _room_for(arena: InPlaceTier, size_bytes: int, count: int) -> Callable[[], bool]:
+    """Whether the arena has a slot for each of ``count`` blocks of ``size_bytes``."""
+    return lambda: arena.room_for(size_bytes, count) >= count
 
 
 def slot_bytes(arena: InPlaceTier, block: Block) -> memoryview:

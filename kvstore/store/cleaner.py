@@ -32,8 +32,8 @@ Rules:
       copies one block at a time;
     - it sleeps while the arena has room; a write that leaves the arena short wakes it (``poke``,
       a flag set), and a round that found nothing to clean waits for the next poke;
-    - it cleans between bursts, not during them: a round, and each copy in it, first waits
-      until the store has had no write for QUIET_S. Cleaning during a burst takes the CPU and
+    - it cleans between bursts, not during them: a round (its look under the lock) and each
+      copy in it first wait until the store has had no write for QUIET_S. Cleaning during a burst takes the CPU and
       memory bandwidth the burst copies with (a 2-core machine's full-arena writes ran at
       half their empty-arena speed that way). Writes that never pause for MAX_DEFER_S get
       their cleaning alongside them, as before, until a pause comes;
@@ -126,6 +126,7 @@ class Cleaner:
     def _round(self) -> bool:
         """Clean what is next in line; whether it cleaned anything (then it looks again)."""
         p, a, t = self._p, self._a, self._t
+        self._wait_for_quiet()  # the look below holds the store lock for a millisecond or two
         target = self._shortfall_target()
         if target is None:
             return False  # room enough: nothing will be evicted soon

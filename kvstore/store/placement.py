@@ -66,21 +66,26 @@ class Placement:
         self._counters = counters
         self._before_evicting = before_evicting  # expired leases and reservations go first
 
-    def make_room(self, t: int, size_bytes: int) -> bool:
+    def make_room(self, t: int, size_bytes: int, room: Callable[[], bool] | None = None) -> bool:
+        """Evict from tier ``t`` until it can take a block of ``size_bytes``, or until ``room()``
+        when given (room for a whole chunk of a write: one pass of eviction, not one a block);
+        whether it got there."""
         tier = self.tiers[t]
-        if tier.can_store(size_bytes):  # the usual case: nothing to collect or evict
+        enough = room or (lambda: tier.can_store(size_bytes))
+        if enough():  # the usual case: nothing to collect or evict
             return True
         if size_bytes > tier.usage().capacity_bytes:
             return False  # it would not fit an empty tier: evicting everything would not help
         self._before_evicting()
         stuck: list[Block] = []  # could neither move down nor go: back in the heap afterwards
         try:
-            while not tier.can_store(size_bytes):
-                victim = self._eviction.pop_victim(t)
-                if victim is None:
-                    return False
-                if not self._evict(victim, t):
-                    stuck.append(victim)
+            with tier.frees_batched():  # the victims' frees recorded in one write at the end
+                while not enough():
+                    victim = self._eviction.pop_victim(t)
+                    if victim is None:
+                        return False
+                    if not self._evict(victim, t):
+                        stuck.append(victim)
             return True
         finally:
             for block in stuck:
