@@ -163,13 +163,10 @@ class SlabAllocator:
         per_extent = npages * self.page_bytes // slot_bytes
         if npages == 1:
             return min(limit, count + self._free_pages * per_extent)
-        run = 0
-        for owner in self._owner:
-            run = run + 1 if owner is None else 0
-            if run == npages:
-                count, run = count + per_extent, 0
-                if count >= limit:
-                    return limit
+        for _ in self._free_runs(npages):
+            count += per_extent
+            if count >= limit:
+                return limit
         return count
 
     def free(self, slot: Slot) -> None:
@@ -191,12 +188,17 @@ class SlabAllocator:
             cls.partial[extent.first_page] = extent
 
     def _find_free_run(self, npages: int) -> int | None:
+        return next(self._free_runs(npages), None)
+
+    def _free_runs(self, npages: int) -> Iterator[int]:
+        """The first page of each run of ``npages`` free pages, taken from the start as
+        ``_find_free_run`` would claim them one after another."""
         run = 0
         for page, owner in enumerate(self._owner):
             run = run + 1 if owner is None else 0
             if run == npages:
-                return page - npages + 1
-        return None
+                yield page - npages + 1
+                run = 0
 
 
 @dataclass(slots=True)

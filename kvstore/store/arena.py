@@ -259,12 +259,9 @@ class ArenaCalls:
             run = first + 1  # the blocks of this size from here: room for all of them at once
             while run < len(items) and items[run][1] == size:
                 run += 1
-            more = []
-            if self._p.placement.make_room(a, size, _room_for(arena, size, run - first)) or (
-                self._p.placement.make_room(a, size)  # not for all: for the next one at least
-            ):
-                more = arena.reserve_many(items[first:], fingerprint)
-            slots += more or [None]
+            # As far as eviction gets (pinned blocks may stop it short): what fits is reserved.
+            self._p.placement.make_room(a, size, _room_for(arena, size, run - first))
+            slots += arena.reserve_many(items[first:], fingerprint) or [None]
         return slots
 
     def commit(self, reservation_id: int, owner: str = "") -> int:

@@ -54,22 +54,12 @@ class Eviction:
         self.touch_many((block,))
 
     def touch_many(self, blocks: Sequence[Block]) -> None:
-        """``touch`` of each (the fresh blocks of one commit): ``push`` of each, the heaps
-        checked for compaction once at the end."""
-        heaps = self._heaps
-        seq = self._seq
-        touched: set[int] = set()
+        """``touch`` of each (the fresh blocks of one commit)."""
         for block in blocks:
             block.hits += 1
-            block.priority = priority = self._priority(block)
+            block.priority = self._priority(block)
             block.version += 1
-            for t in block.tiers:
-                seq += 1
-                heapq.heappush(heaps[t], (priority, seq, block.version, block.ident))
-                touched.add(t)
-        self._seq = seq
-        for t in touched:
-            self._compact_if_stale(t)
+            self.push(block)
 
     def _priority(self, block: Block) -> float:
         """GDSF: the highest aging among the block's tiers (0.0 without one; agings never go
@@ -98,11 +88,9 @@ class Eviction:
     def push_in(self, block: Block, t: int) -> None:
         """An entry of the block's current version in tier ``t``'s heap."""
         self._seq += 1
-        heapq.heappush(self._heaps[t], (block.priority, self._seq, block.version, block.ident))
-        self._compact_if_stale(t)
-
-    def _compact_if_stale(self, t: int) -> None:
-        if len(self._heaps[t]) > 4 * len(self._index.blocks) + 1024:
+        heap = self._heaps[t]
+        heapq.heappush(heap, (block.priority, self._seq, block.version, block.ident))
+        if len(heap) > 4 * len(self._index.blocks) + 1024:
             self._compact(t)
 
     def push_parent(self, block: Block) -> None:

@@ -211,9 +211,9 @@ def new_block(
     ``tier_key(scope, key)`` where the caller has it already. ``stored_at_s``: its birth time,
     set before its bytes reach a tier, whose metadata keeps it (0.0: set on admission)."""
     cost = 1.0 + config.attention_cost_per_block * depth
-    block = Block(scope, key, tkey or tier_key(scope, key), size_bytes, parent, depth, cost)
-    block.stored_at_s = stored_at_s
-    return block
+    return Block(
+        scope, key, tkey or tier_key(scope, key), size_bytes, parent, depth, cost, stored_at_s=stored_at_s
+    )
 
 
 _META = struct.Struct("<Id")  # depth, stored_at_s; then the parent key if any
