@@ -358,7 +358,6 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int, small: bool 
     count = count * (BLOCK // size)
     fp = model.fingerprint()
     keys, blocks = _blocks(count, 11, model, size)
-    spare_keys, _ = _blocks(count, 12, model, size)
     engine = np.zeros(count * size, dtype=np.uint8)  # the engine's KV buffer, warm
     outs = [memoryview(engine[i * size : (i + 1) * size].data) for i in range(count)]
     source = np.frombuffer(b"".join(blocks), dtype=np.uint8)
@@ -371,16 +370,12 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int, small: bool 
         kv.register(model)
         if kv.write(fp, keys, blocks) != count:
             raise RuntimeError("same-host write stored fewer blocks than sent")
-        # The references' slots: the stored blocks under a resolve held through the reads (it
-        # ends before the writes, which invalidate them), and a reservation of other keys that
-        # is never committed.
+        # The references' slots: the stored blocks, under a resolve held while a reference
+        # copies (see _same_host_rounds).
         held = kv.resolve(fp, keys, ttl_s=600)
-        spare = kv.reserve(fp, spare_keys, [size] * count, ttl_s=600)
-        stack.callback(kv.abort, spare.reservation_id)
-        arena_in = [v for v in spare.views if v is not None]
-        if len(held.views) != count or len(arena_in) != count:
+        if len(held.views) != count:
             raise RuntimeError("the arena gave the references fewer slots than blocks")
-        results = _same_host_rounds(kv, fp, keys, blocks, engine, outs, shm.array, held, arena_in, rounds)
+        results = _same_host_rounds(kv, fp, keys, blocks, engine, outs, shm.array, held, rounds)
         kv.invalidate(fp)  # room for the next rows
         return results
 
@@ -398,7 +393,6 @@ def _same_host_rounds(
     outs: list[memoryview],
     private: np.ndarray,
     held: ResolvedBlocks,
-    arena_in: list[memoryview],
     rounds: int,
 ) -> list[Result]:
     count = len(keys)
@@ -417,7 +411,13 @@ def _same_host_rounds(
     region = kv.attach().view
     base = _address(region)
     slots_out = [(_address(v) - base, len(v)) for v in arena_out]
-    slots_in = [(_address(v) - base, len(v)) for v in arena_in]
+    # A store's reference copies the same bytes into the very slots that store used: a copy's
+    # speed here depends on where in the arena it lands (up to 1.18x between 128 MiB ranges of
+    # one arena, BENCHMARKS.md "Service"), so slots elsewhere would show the machine, not the
+    # service. Each store round pins what it stored (a resolve, outside its timing), and the
+    # reference after it writes those blocks' own bytes over them under that pin.
+    slots_in = list(slots_out)
+    pinned = [held.lease_id]
     private_slots = [(i * size, size) for i in range(count)]
     private_view = memoryview(private.data)
 
@@ -439,8 +439,17 @@ def _same_host_rounds(
     # out of the arena's slots into the engine's buffer: the data movement of a restore
     copy_out = copying(gather_from_slots, region, slots_out, outs)
     copy_out_private = copying(gather_from_slots, private_view, private_slots, outs)
-    own = [memoryview(bytearray(size)) for _ in range(count)]  # buffers like the receive pool's
-    copy_out_own = copying(gather_from_slots, region, slots_out, own)
+    # The plain get's reference copies into the very buffers that get returned (its receive
+    # pool's), kept until then and dropped after, so that the next get reuses them: buffers
+    # elsewhere in memory would copy at another speed (as the store rows' slots, below).
+    got: list[memoryview] = []
+
+    def copy_out_got() -> float:
+        start = time.perf_counter()
+        gather_from_slots(region, slots_out, got)
+        elapsed = time.perf_counter() - start
+        got.clear()
+        return elapsed
 
     def copy_out_whole() -> float:
         start = time.perf_counter()
@@ -449,44 +458,54 @@ def _same_host_rounds(
 
     def storing(store: Callable[[bytes, list[BlockKey], list[bytes]], int]) -> Callable[[], float]:
         """A round of ``store`` (``kv.write``, or ``kv.put``: in place too on the same host)
-        into an arena emptied first."""
+        into an arena emptied first; the slots it used become the reference's."""
 
         def run() -> float:
+            kv.release(pinned.pop())
             kv.invalidate(fp)
             start = time.perf_counter()
             stored = store(fp, keys, blocks)
             elapsed = time.perf_counter() - start
             if stored != count:
                 raise RuntimeError(f"same-host store stored {stored} of {count} blocks")
+            now = kv.resolve(fp, keys, ttl_s=600)
+            pinned.append(now.lease_id)
+            slots_in[:] = [(_address(v) - base, len(v)) for v in now.views]
             return elapsed
 
         return run
 
     write_round, put_round = storing(kv.write), storing(kv.put)
 
-    copy_in = copying(scatter_into_slots, region, slots_in, blocks)  # into the arena: a store's data movement
+    copy_in = copying(scatter_into_slots, region, slots_in, blocks)  # a store's data movement
     copy_in_private = copying(scatter_into_slots, private_view, private_slots, blocks)
 
     def plain_get() -> float:
-        """What a script writes: ``kv.get``, views of the thread's receive pool, dropped."""
+        """What a script writes: ``kv.get``, views of the thread's receive pool, dropped (after
+        the reference's copy into them)."""
         start = time.perf_counter()
-        if len(kv.get(fp, keys)) != count:
+        views = kv.get(fp, keys)
+        elapsed = time.perf_counter() - start
+        if len(views) != count:
             raise RuntimeError("same-host get found fewer blocks than stored")
-        return time.perf_counter() - start
+        got[:] = views
+        return elapsed
 
     restore()
     restore_s, ref_s = interleaved(restore, copy_out, rounds)
     plain_get()
-    copy_out_own()
-    get_s, ref_get = interleaved(plain_get, copy_out_own, rounds)
+    copy_out_got()
+    plain_get()
+    get_s, ref_get = interleaved(plain_get, copy_out_got, rounds)
+    got.clear()
     _, ref_private = interleaved(restore, copy_out_private, rounds)
     _, ref_whole = interleaved(restore, copy_out_whole, rounds)
     if bytes(outs[-1]) != blocks[-1]:
         raise RuntimeError("same-host restore returned wrong bytes")
-    kv.release(held.lease_id)
     write_s, ref_w = interleaved(write_round, copy_in, rounds)
     _, ref_w_private = interleaved(write_round, copy_in_private, rounds)
     put_s, ref_put = interleaved(put_round, copy_in, rounds)
+    kv.release(pinned.pop())
     gbps = count * size / 1e9
     return [
         Result(
@@ -502,7 +521,7 @@ def _same_host_rounds(
             f"same-host get {label} (plain client.get)",
             gbps / get_s,
             "GB/s",
-            "memcpy out of the arena's slots into a buffer a block, block by block",
+            "memcpy out of the arena's slots into the buffers the get returned",
             gbps / ref_get,
             ">= 0.9",
             "lookup naming the arena slots (pins) + copy into the thread's receive pool + release",
@@ -528,7 +547,7 @@ def _same_host_rounds(
             f"same-host store {label}",
             gbps / write_s,
             "GB/s",
-            "memcpy into the arena's slots",
+            "memcpy into the slots the store used",
             gbps / ref_w,
             ">= 0.9",
             "Reserve + copy into the mapped arena + Commit over the Unix data socket, pipelined in chunks",
@@ -537,7 +556,7 @@ def _same_host_rounds(
             f"same-host put {label} (plain client.put)",
             gbps / put_s,
             "GB/s",
-            "memcpy into the arena's slots",
+            "memcpy into the slots the store used",
             gbps / ref_put,
             ">= 0.9",
             "the same in-place write as the row above, reached through put",

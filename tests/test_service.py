@@ -116,15 +116,21 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
     from kvstore.client import inplace
 
     copies = []
-    real_copy = inplace.scatter_into_slots
+    real_copy = inplace._copy_spans
 
-    def failing_copy(region: memoryview, slots: inplace.Slots, blocks: Sequence[inplace.Data]) -> None:
+    def failing_copy(
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        blocks: Sequence[inplace.Data],
+        into_region: bool,
+    ) -> None:
         if len(copies) == 2:  # the third chunk
             raise ValueError("the caller's buffer went away")
         copies.append(1)
-        real_copy(region, slots, blocks)
+        real_copy(region, offsets, sizes, blocks, into_region)
 
-    monkeypatch.setattr(inplace, "scatter_into_slots", failing_copy)
+    monkeypatch.setattr(inplace, "_copy_spans", failing_copy)
     arena = served.server.store.arena
     assert arena is not None
     with connect(served.unix) as kv:
@@ -136,7 +142,7 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
         assert usage.stored_bytes == usage.used_bytes  # no slot left reserved
         present = kv.lookup(fp, keys)
         assert present == 4  # the two chunks committed before the failing one
-        monkeypatch.setattr(inplace, "scatter_into_slots", real_copy)
+        monkeypatch.setattr(inplace, "_copy_spans", real_copy)
         blocks = blocks_for(keys)
         assert kv.write(fp, keys, blocks) == 8 - present  # the connection after the failure works
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
@@ -165,13 +171,17 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
     from kvstore.client import client as client_module
     from kvstore.client import inplace
 
-    real_copy = inplace._copy_slots
+    real_copy = inplace._copy_spans
 
     def slow_copy(
-        region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        outs: Sequence[memoryview],
+        into_region: bool,
     ) -> None:
         time.sleep(0.6)  # past READ_TTL_S - READ_MARGIN_S
-        real_copy(region, slots, outs, into_region)
+        real_copy(region, offsets, sizes, outs, into_region)
 
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -179,7 +189,7 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         kv.write(fp, keys, blocks_for(keys))
         monkeypatch.setattr(client_module, "READ_TTL_S", 1.0)
         monkeypatch.setattr(client_module, "READ_MARGIN_S", 0.5)
-        monkeypatch.setattr(inplace, "_copy_slots", slow_copy)
+        monkeypatch.setattr(inplace, "_copy_spans", slow_copy)
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(LeaseExpired, match="outlasted"):
             kv.read_into(fp, keys, outs)
@@ -238,19 +248,25 @@ def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
     copies: list[int] = []
     asked_before_copy: list[int] = []
     asked: list[int] = []
-    real_copy, real_request = inplace._copy_slots, inplace.lookup_slots_request
+    real_copy, real_request = inplace._copy_spans, inplace.lookup_slots_request
 
-    def copy(region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool) -> None:
+    def copy(
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        outs: Sequence[memoryview],
+        into_region: bool,
+    ) -> None:
         if not into_region:
-            copies.append(len(slots))
+            copies.append(len(offsets))
             asked_before_copy.append(len(asked))
-        real_copy(region, slots, outs, into_region)
+        real_copy(region, offsets, sizes, outs, into_region)
 
     def request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
         asked.append(len(keys))
         return real_request(fingerprint, keys, pin_ttl_s)
 
-    monkeypatch.setattr(inplace, "_copy_slots", copy)
+    monkeypatch.setattr(inplace, "_copy_spans", copy)
     monkeypatch.setattr(inplace, "lookup_slots_request", request)
     with connect(served.unix) as kv:
         fp, keys, blocks = stored_chain(kv, 11, "pipelined read")
@@ -326,26 +342,30 @@ def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
 ) -> None:
     from kvstore.client import inplace
 
-    real_copy = inplace._copy_slots
+    real_copy = inplace._copy_spans
     copies: list[int] = []
 
     def failing_copy(
-        region: memoryview, slots: inplace.Slots, outs: Sequence[memoryview], into_region: bool
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        outs: Sequence[memoryview],
+        into_region: bool,
     ) -> None:
         if not into_region and len(copies) == 1:  # the second chunk, the third's lookup out already
             raise ValueError("the caller's buffer went away")
         copies.append(1)
-        real_copy(region, slots, outs, into_region)
+        real_copy(region, offsets, sizes, outs, into_region)
 
     store = served.server.store
     with connect(served.unix) as kv:
         fp, keys, blocks = stored_chain(kv, 8, "read fails")
-        monkeypatch.setattr(inplace, "_copy_slots", failing_copy)
+        monkeypatch.setattr(inplace, "_copy_spans", failing_copy)
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(ValueError, match="went away"):
             kv.read_into(fp, keys, outs)
         assert _leases_drop_to_zero(store, within_s=2.0)  # not left to run out their 30 s
-        monkeypatch.setattr(inplace, "_copy_slots", real_copy)
+        monkeypatch.setattr(inplace, "_copy_spans", real_copy)
         assert kv.read_into(fp, keys, outs) == 8  # the next read works
         assert [bytes(o) for o in outs] == blocks
 

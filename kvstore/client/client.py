@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -335,15 +335,17 @@ class Client:
         each a writable ``memoryview`` of its own memory, valid for as long as the caller holds
         it (see the module docstring: the memory is reused once nothing refers to it)."""
         pool = self._receive_pool()
+        data = self._data_port()
+        if data is not None and self._arena_mapped():  # same host: out of the arena, not the socket
+            views: list[memoryview] = []
+            # the pool's look at which buffers are free runs while the first lookup is answered
+            got = self._from_arena(
+                fingerprint, keys, scope, lambda _, sizes: _taken(pool, sizes, views), pool.begin
+            )
+            if got is not None:
+                return views
         pool.begin()
-        if (data := self._data_port()) is not None:
-            if self._arena_mapped():  # same host: copied out of the arena, not sent through the socket
-                views: list[memoryview] = []
-                got = self._from_arena(
-                    fingerprint, keys, scope, lambda _, places: _taken(pool, places, views)
-                )
-                if got is not None:
-                    return views
+        if data is not None:
             blocks = data.call(scope, lambda c: c.get(fingerprint, keys, pool.take))
             return blocks
         views = []
@@ -450,7 +452,7 @@ class Client:
         self.attach()
         if self._data_port() is not None:
             hit = self._from_arena(
-                fingerprint, keys, scope, lambda first, places: outs[first : first + len(places)]
+                fingerprint, keys, scope, lambda first, sizes: outs[first : first + len(sizes)]
             )
             if hit is not None:
                 return hit
@@ -469,10 +471,12 @@ class Client:
         keys: Sequence[bytes],
         scope: str,
         buffers: Buffers,
+        meanwhile: Callable[[], object] | None = None,
     ) -> int | None:
         """The present prefix copied straight out of the arena (attached, data port up) into
-        ``buffers(first, slots)`` (one per (offset, size) slot of the blocks from ``first`` on,
-        or fewer: the first ones); how many blocks are present. Pinning lookups name the slots,
+        ``buffers(first, sizes)`` (one per block from ``first`` on, of these sizes, or fewer: the
+        first ones); how many blocks are present; ``meanwhile`` runs while the first lookups are
+        on their way. Pinning lookups name the slots,
         in chunks pipelined with the copies (``kvstore.client.inplace.read_pipelined``); each
         release goes out without waiting for its answer. None when a block of the prefix is in
         a tier below the arena: the caller reads the way that brings it up."""
@@ -481,7 +485,7 @@ class Client:
         return data.call(
             scope,
             lambda c: read_pipelined(
-                c, self._region_named, fingerprint, keys, READ_TTL_S, READ_MARGIN_S, buffers
+                c, self._region_named, fingerprint, keys, READ_TTL_S, READ_MARGIN_S, buffers, meanwhile
             ),
         )
 
@@ -662,9 +666,9 @@ def _method_path(name: str) -> str:
     return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
 
 
-def _taken(pool: ReceivePool, places: list[tuple[int, int]], views: list[memoryview]) -> list[memoryview]:
-    """A view of ``pool`` for each slot's block, appended to ``views`` too."""
-    taken = pool.take_many([size for _, size in places])
+def _taken(pool: ReceivePool, sizes: list[int], views: list[memoryview]) -> list[memoryview]:
+    """A view of ``pool`` for each block of ``sizes``, appended to ``views`` too."""
+    taken = pool.take_many(sizes)
     views.extend(taken)
     return taken
 

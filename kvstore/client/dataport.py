@@ -11,6 +11,8 @@ import ssl
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
+from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.status import Status
@@ -165,14 +167,22 @@ class DataPortClient:
 
     def read_reserve(self, n_keys: int) -> tuple[str, int, list[tuple[int, int] | None]]:
         """The answer of a ``send_reserve`` of ``n_keys`` keys."""
+        arena_name, reservation_id, spans = self.read_reserve_spans(n_keys)
+        slots: list[tuple[int, int] | None] = [None] * n_keys
+        given = iter(zip(spans.offsets, spans.sizes, strict=True))
+        for i in spans.given():
+            slots[i] = next(given)
+        return arena_name, reservation_id, slots
+
+    def read_reserve_spans(self, n_keys: int) -> tuple[str, int, Spans]:
+        """``read_reserve`` for a hot loop: the slots as ``Spans`` (no tuple per block)."""
         self._check()
         read = self._stream.read
         (name_len,) = struct.unpack("<H", read(2))
         arena_name = read(name_len).decode()
         (reservation_id,) = struct.unpack("<Q", read(8))
-        raw = read(_SLOT.size * n_keys)
-        slots = [(offset, size) if present else None for present, offset, size in _SLOT.iter_unpack(raw)]
-        return arena_name, int(reservation_id), slots
+        fields = _records("BQQ", read(_SLOT.size * n_keys), n_keys)
+        return arena_name, int(reservation_id), Spans.of(fields[0::3], fields[1::3], fields[2::3])
 
     def commit(self, reservation_id: int) -> int:
         self.send_commit(reservation_id)
@@ -210,16 +220,25 @@ class DataPortClient:
 
     def read_lookup_slots(self) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
         """The answer of a ``lookup_slots_request`` sent with ``send``."""
+        hit, tiers, lease_id, name, spans = self.read_lookup_spans()
+        places: list[tuple[int, int] | None] = [None] * hit
+        in_arena = iter(zip(spans.offsets, spans.sizes, strict=True))
+        for i in spans.given():
+            places[i] = next(in_arena)
+        return hit, tiers, lease_id, name, tuple(places)
+
+    def read_lookup_spans(self) -> tuple[int, bytes, int, str, Spans]:
+        """``read_lookup_slots`` for a hot loop: the hits' places as ``Spans`` (``missing``:
+        the hits with no arena slot, in a tier below it)."""
         self._check()
         read = self._stream.read
         (hit,) = struct.unpack("<I", read(4))
         tiers = read(hit)
         lease_id, name_len = struct.unpack("<QH", read(10))
         name = read(name_len).decode()
-        places = tuple(
-            (offset, size) if size else None for offset, size in struct.iter_unpack("<QQ", read(16 * hit))
-        )
-        return hit, tiers, lease_id, name, places
+        fields = _records("QQ", read(16 * hit), hit)
+        sizes = fields[1::2]
+        return hit, tiers, lease_id, name, Spans.of(sizes, fields[0::2], sizes)
 
     def lease_held(self, lease_id: int) -> bool:
         self._stream.send(struct.pack("<BQ", OP_LEASE_HELD, lease_id))
@@ -296,6 +315,52 @@ _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
 _OP_ID = struct.Struct("<BQ")  # op, reservation or lease id
+
+
+class Spans(NamedTuple):
+    """Slots of the blocks of a request, as the copies take them: the offsets and sizes of those
+    given one, in order, and the indices (in the request) of those that were not."""
+
+    offsets: list[int]
+    sizes: list[int]
+    missing: list[int]
+
+    @staticmethod
+    def of(given: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Spans:
+        """From the answer's fields: block i has a slot when ``given[i]`` is not 0."""
+        if all(given):  # the usual case: two list copies, nothing per block in Python
+            return Spans(list(offsets), list(sizes), [])
+        kept = [i for i, g in enumerate(given) if g]
+        return Spans(
+            [offsets[i] for i in kept], [sizes[i] for i in kept], [i for i, g in enumerate(given) if not g]
+        )
+
+    def given(self) -> Iterator[int]:
+        """The indices of the blocks given a slot (every one but ``missing``), in order."""
+        missing = set(self.missing)
+        return (i for i in range(len(self.offsets) + len(missing)) if i not in missing)
+
+
+RECORDS_PER_STRUCT = 1024  # an answer's records are unpacked by cached structs of up to this many
+
+
+def _records(fields: str, raw: bytes, count: int) -> Sequence[int]:
+    """The fields of ``count`` little-endian records of ``fields`` in ``raw``, in order: one
+    unpack per RECORDS_PER_STRUCT records (~1 us for 32 where ``iter_unpack`` and a tuple a
+    record took ~3)."""
+    if count <= RECORDS_PER_STRUCT:
+        return _repeated(fields, count).unpack(raw)
+    out: list[int] = []
+    record = struct.calcsize("<" + fields)
+    for first in range(0, count, RECORDS_PER_STRUCT):
+        n = min(RECORDS_PER_STRUCT, count - first)
+        out.extend(_repeated(fields, n).unpack_from(raw, first * record))
+    return out
+
+
+@lru_cache(maxsize=32)  # each at most ~100 KiB
+def _repeated(fields: str, count: int) -> struct.Struct:
+    return struct.Struct("<" + fields * count)
 
 
 def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:

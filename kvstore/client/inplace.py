@@ -7,14 +7,16 @@ chunk's commit goes out in the same send as the reserve of the chunk AHEAD past 
 the server works on them, on another core, while this process copies, and each step costs one
 send (one wakeup of the server) rather than two. What stays on the critical path is the first
 chunk's reserve and the last one's commit, so those chunks are the small ones (``chunks``).
-With AHEAD = 2:
+With AHEAD = 3:
 
-    sends, in order:    R0 R1 | C0 R2 | C1 R3 | ... | C(m-2) | C(m-1)
-    step k:             copy chunk k; send C(k) with R(k+2); read the answers up to R(k+1)'s
+    sends, in order:    R0 R1 R2 | C0 R3 | C1 R4 | ... | C(m-2) | C(m-1)
+    step k:             copy chunk k; send C(k) with R(k+3); read the answers up to R(k+1)'s
 
 The server answers one request at a time, in order, so the answers are read in the order the
-requests went out. Two chunks of copying (about 2 ms at 8 MiB) stand between a reserve going
+requests went out. Two chunks of copying (about 1.5 ms at 8 MiB) stand between a reserve going
 out and its answer being needed: a server thread descheduled for less than that costs nothing.
+With one chunk between (AHEAD = 2) a 512 x 256 KiB write ran 2% slower here, in each of three
+runs measured against a copy into the very slots it used (BENCHMARKS.md "Service").
 
 A reserve reaches the server before the chunks before it are committed, so it cannot hold its
 parent (not stored yet); the server takes the depth of a chain's blocks from the parent at
@@ -50,6 +52,7 @@ import numpy as np
 
 from kvstore.client.dataport import (
     DataPortClient,
+    Spans,
     commit_request,
     lookup_slots_request,
     release_request,
@@ -71,7 +74,7 @@ except ImportError:  # built without a C compiler: the copies run in Python, blo
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20
 LAST_CHUNK_BYTES = 1 << 20
-AHEAD = 2  # chunks reserved ahead of the one being copied
+AHEAD = 3  # chunks reserved ahead of the one being copied
 READ_AHEAD = 2  # lookups out before the first copy: the one copied and the next
 
 Regions = Callable[[str], memoryview]  # the mapping of the arena of that name
@@ -115,7 +118,7 @@ def write_pipelined(
     stored = 0
     skipped: list[int] = []
     coming: deque[int] = deque()  # the answers not read yet, in order: chunk k's reserve, or -1
-    answers: dict[int, tuple[str, int, list[tuple[int, int] | None]]] = {}
+    answers: dict[int, tuple[str, int, Spans]] = {}
 
     def reserve(k: int) -> bytes:
         first, end = parts[k]
@@ -135,21 +138,21 @@ def write_pipelined(
             stored += conn.read_commit()
             unconfirmed.pop(0)
         else:
-            answers[k] = conn.read_reserve(parts[k][1] - parts[k][0])
+            answers[k] = conn.read_reserve_spans(parts[k][1] - parts[k][0])
             unconfirmed.append(answers[k][1])
 
     conn.send([reserve(k) for k in range(min(AHEAD, len(parts)))])
-    for k, (first, _) in enumerate(parts):
+    for k, (first, end) in enumerate(parts):
         while k not in answers:
             read_next()
-        name, reservation_id, slots = answers.pop(k)
+        name, reservation_id, spans = answers.pop(k)
         try:
-            skipped.extend(first + i for i, slot in enumerate(slots) if slot is None)
-            scatter_into_slots(
-                region_of(name),
-                [slot for slot in slots if slot is not None],
-                [blocks[first + i] for i, slot in enumerate(slots) if slot is not None],
-            )
+            if spans.missing:
+                skipped.extend(first + i for i in spans.missing)
+                given = [blocks[first + i] for i in spans.given()]
+            else:
+                given = list(blocks[first:end])
+            _copy_spans(region_of(name), spans.offsets, spans.sizes, given, into_region=True)
         except BaseException:
             # A failure here, not on the stream: read what is still coming, so that the
             # reservations sent ahead are known and can be given back. (A stream that fails
@@ -178,7 +181,7 @@ def read_chunks(n_keys: int) -> list[tuple[int, int]]:
     return out
 
 
-Buffers = Callable[[int, list[tuple[int, int]]], Sequence[memoryview]]
+Buffers = Callable[[int, list[int]], Sequence[memoryview]]
 
 
 def read_pipelined(
@@ -189,10 +192,13 @@ def read_pipelined(
     pin_s: float,
     margin_s: float,
     buffers: Buffers,
+    meanwhile: Callable[[], object] | None = None,
 ) -> int | None:
     """Copy the present prefix of ``keys`` out of the arena, in chunks of ``read_chunks``, into
-    ``buffers(first, slots)`` (a buffer for each slot of the chunk starting at block ``first``,
-    or fewer: the first ones); how many blocks are present. Each chunk is pinned for ``pin_s``
+    ``buffers(first, sizes)`` (a buffer for each block of the chunk starting at block ``first``,
+    of these sizes, or fewer: the first ones); how many blocks are present. ``meanwhile``: work
+    of the caller's run while the first lookups are on their way (the server's answer to the
+    first takes 0.1-0.25 ms here, most of it waking its thread). Each chunk is pinned for ``pin_s``
     and its copy must end ``margin_s`` before that (LeaseExpired otherwise: a slot reused since
     would have given another block's bytes). None when a block of the prefix is in a tier below
     the arena: the caller reads the way that brings it up."""
@@ -211,7 +217,7 @@ def read_pipelined(
         """Read the answers still coming, releasing their pins with ``releases``."""
         while coming:
             coming.popleft()
-            lease_id = conn.read_lookup_slots()[2]
+            lease_id = conn.read_lookup_spans()[2]
             if lease_id:
                 releases.append(release_request(lease_id))
         if releases:
@@ -219,19 +225,21 @@ def read_pipelined(
 
     conn.send([lookup(k) for k in range(min(READ_AHEAD, len(parts)))])
     sent = len(coming)
+    if meanwhile is not None:
+        meanwhile()
     while coming:
         k, asked = coming.popleft()
         first, end = parts[k]
-        n, _, lease_id, name, places = conn.read_lookup_slots()
+        n, _, lease_id, name, spans = conn.read_lookup_spans()
         out = [release_request(lease_id)] if lease_id else []  # what goes out after this chunk
-        in_arena = [place for place in places if place is not None]
-        if not ended and len(in_arena) != n:
+        if not ended and spans.missing:
             below = ended = True
         if not ended:
             if n:
                 try:
-                    bufs = buffers(first, in_arena)
-                    _copy_slots(region_of(name), in_arena[: len(bufs)], bufs, into_region=False)
+                    bufs = buffers(first, spans.sizes)
+                    m = len(bufs)
+                    _copy_spans(region_of(name), spans.offsets[:m], spans.sizes[:m], bufs, into_region=False)
                     if time.monotonic() - asked > pin_s - margin_s:
                         raise LeaseExpired(f"the copy outlasted its {pin_s:g} s pin; read again")
                 except BaseException:
@@ -259,11 +267,19 @@ def gather_from_slots(region: memoryview, slots: Slots, outs: Sequence[memoryvie
 
 
 def _copy_slots(region: memoryview, slots: Slots, bufs: Sequence[Data], into_region: bool) -> None:
-    """One native call without the GIL when ``tiers._gather`` is built (~2 us a block less than
-    numpy's views); otherwise block by block, everything checked before a byte moves as there."""
-    offsets, sizes = [offset for offset, _ in slots], [size for _, size in slots]
+    _copy_spans(region, [offset for offset, _ in slots], [size for _, size in slots], bufs, into_region)
+
+
+def _copy_spans(
+    region: memoryview, offsets: list[int], sizes: list[int], bufs: Sequence[Data], into_region: bool
+) -> None:
+    """Each buffer into (or out of) the slot at its offset and size. One native call without
+    the GIL when ``tiers._gather`` is built (~2 us a block less than numpy's views); otherwise
+    block by block, everything checked before a byte moves as there."""
     if _gather is not None:
-        (_gather.scatter if into_region else _gather.gather)(region, offsets, sizes, list(bufs))
+        (_gather.scatter if into_region else _gather.gather)(
+            region, offsets, sizes, bufs if isinstance(bufs, list) else list(bufs)
+        )
         return
     for offset, size, buf in zip(offsets, sizes, bufs, strict=True):
         if offset + size > len(region) or (len(buf) > size if into_region else len(buf) < size):
