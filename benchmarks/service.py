@@ -367,6 +367,7 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int, small: bool 
         stack.callback(shm.close)
         shm.array[:] = source
         kv = stack.enter_context(connect(server.unix))
+        settle_mapping(kv)
         kv.register(model)
         if kv.write(fp, keys, blocks) != count:
             raise RuntimeError("same-host write stored fewer blocks than sent")
@@ -378,6 +379,15 @@ def bench_same_host(server: ServerProcess, count: int, rounds: int, small: bool 
         results = _same_host_rounds(kv, fp, keys, blocks, engine, outs, shm.array, held, rounds)
         kv.invalidate(fp)  # room for the next rows
         return results
+
+
+def settle_mapping(kv: Client) -> None:
+    """Map the arena and wait until this process's page tables for it are filled: that runs on
+    a thread for ~0.2 s a GiB after the first attach (``Arena.populate_in_background``), and
+    copies timed meanwhile share their CPUs with it (the first writes of a 512 MiB arena ran at
+    half speed here), a one-time cost of attaching, not what a row measures."""
+    if not kv.attach().wait_populated(timeout_s=120):
+        raise RuntimeError("the arena's mapping was still being populated after 120 s")
 
 
 def _address(view: memoryview) -> int:
@@ -796,6 +806,7 @@ def _full_arena_writes(
         _, payloads = _blocks(count, 100, MODEL, BLOCK)
         chains = [_keys(count, 300 + i) for i in range(3 + writes)]
         with connect(server.unix) as kv:
+            settle_mapping(kv)
             kv.register(MODEL)
 
             def write(keys: list[BlockKey]) -> float:

@@ -312,6 +312,7 @@ def test_an_attached_arena_fills_its_page_tables_in_the_background_and_closes_cl
 
     owner = Arena.create_unnamed(64 * MIB)
     try:
+        assert owner.wait_populated(0)  # its creator touched its pages: nothing to wait for
         owner.array[:4096] = 7
         attached = Arena.attach(owner.name)
         address = attached.array.ctypes.data
@@ -319,7 +320,8 @@ def test_an_attached_arena_fills_its_page_tables_in_the_background_and_closes_cl
             attached.close()
             pytest.skip("no libc madvise or no /proc/self/smaps on this platform")
         assert attached._populating is not None
-        attached._populating.join(30)
+        assert attached.wait_populated(30)
+        assert not attached._populating.is_alive()
         rss = _rss_bytes_of_mapping(address)
         if rss == 0:  # a kernel before 5.14 refuses MADV_POPULATE_WRITE: left to page faults
             attached.close()
