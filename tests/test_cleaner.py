@@ -151,9 +151,15 @@ def test_clean_ahead_zero_copies_nothing_ahead(tmp_path: Path, singles: list[Blo
         s.close()
 
 
-def test_a_clean_ahead_past_one_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fraction", [1.5, -0.1])
+def test_a_clean_ahead_outside_zero_to_one_is_refused_before_a_store_is_built(fraction: float) -> None:
+    from kvstore.errors import InvalidArgument
+    from kvstore.server.config import load_settings
+
     with pytest.raises(ValueError, match="clean_ahead"):
-        _store(tmp_path, clean_ahead=1.5)
+        StoreConfig(clean_ahead=fraction)  # no tier made yet: nothing left behind in /dev/shm
+    with pytest.raises(InvalidArgument, match="clean_ahead"):
+        load_settings(env={}, overrides={"store.clean_ahead": str(fraction)})
 
 
 def test_a_cleaner_closes_promptly_while_the_disk_is_behind(

@@ -101,7 +101,13 @@ class Harness:
             "unix:///fake.sock", lambda: self.client, [MODEL], self.stats.add_unreachable, CircuitBreaker()
         )
         calibration = Calibration(tiers, PREFILL)
-        self.side = SchedulerSide(link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy, audit_fraction)
+        try:
+            self.side = SchedulerSide(
+                link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy, audit_fraction
+            )
+        except BaseException:
+            self.store.close()  # its arena is not left in /dev/shm by a test of a refusal
+            raise
 
     def put(self, blocks: int, tier: str = "hbm", fast_head: int = 0) -> list[BlockKey]:
         """Store the prompt's first ``blocks`` blocks in ``tier``, but the first ``fast_head``

@@ -113,6 +113,11 @@ class StoreConfig:
     # persistent tier first, on a thread (kvstore.store.cleaner); 0 turns it off
     clean_ahead: float = 0.5
 
+    def __post_init__(self) -> None:
+        # Refused here, before a store builds anything (tiers, threads) it would have to undo.
+        if not 0.0 <= self.clean_ahead <= 1.0:
+            raise ValueError(f"clean_ahead must be in [0, 1] (0 = off), got {self.clean_ahead}")
+
 
 @dataclass(frozen=True)
 class LookupResult:
