@@ -415,6 +415,27 @@ def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
         s.close()
 
 
+def test_a_write_of_blocks_already_stored_never_waits_for_a_disk_that_is_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, gate = _gated_store(tmp_path, monkeypatch)
+    try:
+        first, second = chain(4, salt="1"), chain(2, salt="2")
+        s.put(A, first, [data(k) for k in first])  # the arena is full
+        s.put(A, second, [data(k) for k in second])  # two victims fill the disk's queue
+        assert [s.tier_of(A, k) for k in second] == ["dram"] * 2
+        started = time.monotonic()
+        reserved = s.reserve(A, second, [BLOCK] * 2)  # a second store of them
+        assert reserved.slots == (None, None)  # nothing to write: nothing to make room for
+        s.commit(reserved.reservation_id)
+        assert s.put(A, second, [data(k) for k in second]) == 0
+        assert time.monotonic() - started < 1.0  # not paced (PACE_S is 2 s) for room it never needs
+        assert s.stats().counters.get("pace_timeouts", 0) == 0
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_a_write_whose_room_a_memory_tier_below_takes_never_waits_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

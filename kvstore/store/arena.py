@@ -203,7 +203,9 @@ class ArenaCalls:
         check_sizes(sizes, p.config.max_block_bytes)
         ttl_s = p.pins.ttl(ttl_s)
         a, arena = p.arena()
-        p.placement.pace(a, sum(sizes), PACE_S)  # a disk that is behind slows this writer only
+        with p.locked():
+            needed = p.new_bytes(p.index.intern(scope), keys, sizes)
+        p.placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
         with p.locked():
             scope = p.index.intern(scope)
             p.expire()

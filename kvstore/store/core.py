@@ -307,9 +307,12 @@ class TieredStore:
             scope = p.index.intern(scope)
             first_depth = first_depth if first_depth is not None else p.index.depth_after(scope, parent)
         # In slices, each paced before it takes the lock: a disk that is behind slows this
-        # writer, slice by slice, and every other caller goes on between them.
+        # writer, slice by slice, and every other caller goes on between them (for the room of
+        # its new blocks only: a block stored already needs none).
         for first, end in slices(sizes, PACE_SLICE_BYTES):
-            p.placement.pace(0, sum(sizes[first:end]), PACE_S)
+            with p.locked():
+                needed = p.new_bytes(scope, keys[first:end], sizes[first:end])
+            p.placement.pace(0, needed, PACE_S)
             with p.locked():
                 p.expire()
                 now = p.wall()  # each block's birth, in the metadata its tiers keep
