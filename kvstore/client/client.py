@@ -60,7 +60,7 @@ import grpc
 
 from kvstore.client.connections import DataConnections
 from kvstore.client.dataport import block_misfit
-from kvstore.client.inplace import Buffers, chunks, copy_into, read_pipelined, write_pipelined
+from kvstore.client.inplace import Buffers, copy_into, read_pipelined, write_pipelined
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import TIER_NAME, Lookup, PendingWrite, ResolvedBlocks, stats_dict
 from kvstore.client.translate import translated
@@ -564,8 +564,6 @@ class Client:
         Over the data port the chain goes in chunks (``kvstore.client.inplace``), pipelined: the
         server reserves and commits chunks while this thread copies others."""
         self.attach()
-        sizes = [len(b) for b in blocks]
-        parts = chunks(sizes)
         data = self._data_port()
         if data is not None:
             unconfirmed: list[int] = []
@@ -578,8 +576,6 @@ class Client:
                         fingerprint,
                         keys,
                         blocks,
-                        sizes,
-                        parts,
                         parent,
                         WRITE_TTL_S,
                         unconfirmed,
@@ -590,6 +586,7 @@ class Client:
                 raise
             skipped = [keys[i] for i in gaps]
         else:
+            sizes = [len(b) for b in blocks]
             pending = self.reserve(fingerprint, keys, sizes, parent=parent, scope=scope)
             try:
                 for view, block in zip(pending.views, blocks, strict=True):

@@ -44,7 +44,7 @@ import contextlib
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from typing import cast
 
@@ -82,13 +82,28 @@ Data = bytes | bytearray | memoryview
 Slots = Sequence[tuple[int, int]]  # (offset, size) in the arena
 
 
+def first_chunk_end(sizes: Iterable[int]) -> int:
+    """The end of a write's first chunk: its first blocks up to FIRST_CHUNK_BYTES, at least one
+    (from the first blocks alone, so that its reserve goes out before the rest is looked at)."""
+    done = count = 0
+    for size in sizes:
+        done += size
+        count += 1
+        if done >= FIRST_CHUNK_BYTES:
+            break
+    return count
+
+
 def chunks(sizes: Sequence[int]) -> list[tuple[int, int]]:
     """(first, end) of each chunk of a write of blocks of ``sizes``."""
+    if not sizes:
+        return []
     ends = list(accumulate(sizes))  # bytes up to the end of each block
-    total = ends[-1] if ends else 0
-    out: list[tuple[int, int]] = []
-    first = done = 0
-    want = FIRST_CHUNK_BYTES
+    total = ends[-1]
+    first = first_chunk_end(sizes)
+    out: list[tuple[int, int]] = [(0, first)]
+    done = ends[first - 1]
+    want = min(CHUNK_BYTES, 2 * FIRST_CHUNK_BYTES)
     while first < len(sizes):
         left = total - done
         if left < 2 * CHUNK_BYTES:  # near the end: at most half of what is left
@@ -106,30 +121,33 @@ def write_pipelined(
     fingerprint: bytes,
     keys: Sequence[bytes],
     blocks: Sequence[Data],
-    sizes: Sequence[int],
-    parts: Sequence[tuple[int, int]],
     parent: bytes | None,
     ttl_s: float,
     unconfirmed: list[int],
 ) -> tuple[int, list[int]]:
-    """Write a chain in place in the chunks ``parts`` (of ``chunks(sizes)``); (blocks stored,
-    indices of the blocks given no slot). ``unconfirmed``: the reservations read whose commit
-    answer is not, kept up to date for the caller to abort after a failure."""
+    """Write a chain in place in the chunks of ``chunks``; (blocks stored, indices of the blocks
+    given no slot). ``unconfirmed``: the reservations read whose commit answer is not, kept up
+    to date for the caller to abort after a failure. The first chunk's reserve goes out before
+    anything else is done: the server wakes meanwhile."""
+    if not blocks:
+        return 0, []
+    first_end = first_chunk_end(map(len, blocks))
+    conn.send(
+        [reserve_request(fingerprint, keys[:first_end], [len(b) for b in blocks[:first_end]], parent, ttl_s)]
+    )
+    sizes = [len(b) for b in blocks]
+    parts = chunks(sizes)
     stored = 0
     skipped: list[int] = []
     coming: deque[int] = deque()  # the answers not read yet, in order: chunk k's reserve, or -1
     answers: dict[int, tuple[str, int, Spans]] = {}
+    regions: dict[str, memoryview] = {}
 
-    def reserve(k: int) -> bytes:
+    def reserve_bytes(k: int) -> bytes:
         first, end = parts[k]
-        coming.append(k)
         return reserve_request(
             fingerprint, keys[first:end], sizes[first:end], parent if first == 0 else keys[first - 1], ttl_s
         )
-
-    def commit(reservation_id: int) -> bytes:
-        coming.append(-1)
-        return commit_request(reservation_id)
 
     def read_next() -> None:
         nonlocal stored
@@ -141,8 +159,15 @@ def write_pipelined(
             answers[k] = conn.read_reserve_spans(parts[k][1] - parts[k][0])
             unconfirmed.append(answers[k][1])
 
-    conn.send([reserve(k) for k in range(min(AHEAD, len(parts)))])
-    for k, (first, end) in enumerate(parts):
+    first_sends = min(AHEAD, len(parts))
+    coming.append(0)
+    if first_sends > 1:
+        conn.send([reserve_bytes(k) for k in range(1, first_sends)])
+        coming.extend(range(1, first_sends))
+    # While the server wakes for the first answer: every later request, and the chunks' blocks.
+    later = [reserve_bytes(k) for k in range(first_sends, len(parts))]
+    chunk_blocks = [list(blocks[first:end]) for first, end in parts]
+    for k, (first, _) in enumerate(parts):
         while k not in answers:
             read_next()
         name, reservation_id, spans = answers.pop(k)
@@ -151,8 +176,11 @@ def write_pipelined(
                 skipped.extend(first + i for i in spans.missing)
                 given = [blocks[first + i] for i in spans.given()]
             else:
-                given = list(blocks[first:end])
-            _copy_spans(region_of(name), spans.offsets, spans.sizes, given, into_region=True)
+                given = chunk_blocks[k]
+            region = regions.get(name)
+            if region is None:
+                region = regions[name] = region_of(name)
+            _copy_spans(region, spans.offsets, spans.sizes, given, into_region=True)
         except BaseException:
             # A failure here, not on the stream: read what is still coming, so that the
             # reservations sent ahead are known and can be given back. (A stream that fails
@@ -161,7 +189,12 @@ def write_pipelined(
                 while coming:
                     read_next()
             raise
-        conn.send([commit(reservation_id), *([reserve(k + AHEAD)] if k + AHEAD < len(parts) else [])])
+        coming.append(-1)
+        if k + AHEAD < len(parts):
+            conn.send([commit_request(reservation_id), later[k + AHEAD - first_sends]])
+            coming.append(k + AHEAD)
+        else:
+            conn.send([commit_request(reservation_id)])
     while coming:
         read_next()
     return stored, skipped
