@@ -7,9 +7,12 @@ chunk's commit goes out in the same send as the reserve of the chunk AHEAD past 
 the server works on them, on another core, while this process copies, and each step costs one
 send (one wakeup of the server) rather than two. What stays on the critical path is the first
 chunk's reserve and the last one's commit, so those chunks are the small ones (``chunks``).
+The first reserve goes out before anything else is done (its chunk found from the first
+blocks alone, ``first_chunk_end``), and every later request is built while its answer comes:
+the server's wake from idle (~0.1-0.2 ms here) is the one wait nothing else can fill.
 With AHEAD = 3:
 
-    sends, in order:    R0 R1 R2 | C0 R3 | C1 R4 | ... | C(m-2) | C(m-1)
+    sends, in order:    R0 | R1 R2 | C0 R3 | C1 R4 | ... | C(m-2) | C(m-1)
     step k:             copy chunk k; send C(k) with R(k+3); read the answers up to R(k+1)'s
 
 The server answers one request at a time, in order, so the answers are read in the order the
