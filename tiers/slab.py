@@ -430,7 +430,9 @@ class SlabTier(Tier):
         with self._lock:
             entries = self._entries
             found = [None if (entry := entries.get(key)) is None else entry.slot for key in keys]
-        if None in found:  # a miss among them: the hits still copy, in one batch
+        # A miss among them: the hits still copy, in one batch. (``all``, not ``None in``: that
+        # calls each Slot's dataclass __eq__, ~0.15 us a block of a restore.)
+        if not all(found):
             at = [i for i, slot in enumerate(found) if slot is not None]
             if at:  # none: a closed tier's region must not be touched (it misses every key)
                 self._read_many([found[i] for i in at], [outs[i] for i in at])  # type: ignore[misc]
