@@ -7,6 +7,7 @@ import itertools
 import os
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -84,15 +85,27 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(inplace, name, 2 * BLOCK)
 
 
-@pytest.mark.parametrize("copies", ["native", "python"])
+@pytest.mark.parametrize("copies", ["native loop", "native copies", "python"])
 def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
     served: Served, small_chunks: None, copies: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the native copy loop, and the Python one a build without a C compiler runs."""
+    """Through the native write loop (``kvstore.client._writeloop``, from the second chunk on),
+    the Python loop with native copies, and the Python one a build without a C compiler runs."""
     from kvstore.client import inplace
 
+    if copies != "native loop":
+        monkeypatch.setattr(inplace, "_writeloop", None)
     if copies == "python":
         monkeypatch.setattr(inplace, "_gather", None)
+    reached: list[int] = []
+    real_steps = inplace._native_steps
+
+    def steps(*args: Any) -> tuple[int, int]:
+        k, stored = real_steps(*args)
+        reached.append(k)
+        return k, stored
+
+    monkeypatch.setattr(inplace, "_native_steps", steps)
     store = served.server.store
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -100,6 +113,9 @@ def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
         blocks = blocks_for(keys)
         assert kv.write(fp, [*keys[:1]], blocks[:1]) == 1  # the chain's root stored before
         assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 8
+        if copies == "native loop":
+            assert inplace._writeloop is not None, "kvstore.client._writeloop is not built: no C compiler?"
+            assert reached == [4]  # every chunk after the first, and every answer read, in C
         assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 0  # all there
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         assert kv.read_into(fp, keys, outs) == 9
@@ -115,6 +131,7 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
 ) -> None:
     from kvstore.client import inplace
 
+    monkeypatch.setattr(inplace, "_writeloop", None)  # the Python loop's copies fail here
     copies = []
     real_copy = inplace._copy_spans
 
@@ -148,6 +165,34 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         assert kv.read_into(fp, keys, outs) == 8
         assert [bytes(o) for o in outs][present:] == blocks[present:]
+
+
+def test_a_native_write_loop_hands_a_chunk_it_cannot_copy_to_the_python_loop(
+    served: Served, small_chunks: None
+) -> None:
+    """A block the C loop cannot take as it is (here not contiguous): it stops before that
+    chunk, unconsumed, and the Python loop fails the write as it always has: the chunks before
+    stay committed, the reservations sent ahead are given back, the connection is usable."""
+    from kvstore.client import inplace
+
+    assert inplace._writeloop is not None, "kvstore.client._writeloop is not built: no C compiler?"
+    arena = served.server.store.arena
+    assert arena is not None
+    with connect(served.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = chain(8, salt="strided")  # chunks 2 2 2 2
+        blocks: list[Any] = list(blocks_for(keys))
+        blocks[4] = np.frombuffer(blocks[4] * 2, dtype=np.uint8)[::2]  # the third chunk: strided
+        with pytest.raises(Exception, match="contiguous"):
+            kv.write(fp, keys, blocks)
+        usage = arena.usage()
+        assert usage.stored_bytes == usage.used_bytes  # no slot left reserved
+        assert kv.lookup(fp, keys) == 4  # the two chunks committed before the third
+        plain = blocks_for(keys)
+        assert kv.write(fp, keys, plain) == 4  # the connection after the failure works
+        outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert kv.read_into(fp, keys, outs) == 8
+        assert [bytes(o) for o in outs] == [*blocks[:4], *plain[4:]]  # (each call's bytes are fresh)
 
 
 def test_read_into_reads_blocks_outside_the_arena_through_resolve(served: Served) -> None:
