@@ -5,6 +5,11 @@ otherwise; both checked the same way before a byte moves."""
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -62,3 +67,102 @@ def test_native_scatter_refuses_a_read_only_region_and_a_wrong_argument() -> Non
         _gather.scatter(bytearray(8), [0, 4], [4], [b"abcd"])
     with pytest.raises(TypeError):
         _gather.scatter(bytearray(8), (0,), [4], [b"abcd"])
+
+
+# ----------------------------------------------------------------- the native write loop
+
+_OK = bytes(5)  # a status frame: OK, no message
+
+
+def _reserve_answer(name: bytes, reservation_id: int, slots: list[tuple[int, int] | None]) -> bytes:
+    records = b"".join(
+        struct.pack("<BQQ", 0, 0, 0) if s is None else struct.pack("<BQQ", 1, *s) for s in slots
+    )
+    return _OK + struct.pack("<H", len(name)) + name + struct.pack("<Q", reservation_id) + records
+
+
+@pytest.fixture
+def loop_ends() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """The client's end of a data connection and the server's, for ``_writeloop.steps``."""
+    assert inplace._writeloop is not None, "kvstore.client._writeloop is not built: no C compiler?"
+    client, server = socket.socketpair()
+    yield client, server
+    client.close()
+    server.close()
+
+
+def _steps(
+    client: socket.socket, region: bytearray, coming: list[int], unconfirmed: list[int], **kw: Any
+) -> Any:
+    """Chunk 1 of two (chunk 0 done), two blocks of 8 bytes, no later request to send."""
+    deadline = kw.get("deadline", time.monotonic() + 5)
+    blocks = kw.get("blocks", [b"a" * 8, b"b" * 8])
+    return inplace._writeloop.steps(
+        client.fileno(), region, b"arena", deadline, 30.0, b"", coming, [1, 2], [None, None],
+        [[b"x"], blocks], unconfirmed, 1, 3,
+    )  # fmt: skip
+
+
+def test_the_native_write_loop_copies_a_plain_chunk_commits_it_and_reads_the_commit(
+    loop_ends: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = loop_ends
+    region = bytearray(64)
+    server.sendall(_reserve_answer(b"arena", 7, [(0, 8), (16, 8)]) + _OK + struct.pack("<I", 2) + b"next")
+    coming: list[int] = [1]
+    unconfirmed: list[int] = []
+    assert _steps(client, region, coming, unconfirmed) == (2, 2, b"next")  # done; what came after
+    assert region[0:8] == b"a" * 8 and region[16:24] == b"b" * 8 and region[8:16] == bytes(8)
+    assert server.recv(64) == struct.pack("<BQ", 7, 7)  # OP_COMMIT of reservation 7
+    assert coming == [] and unconfirmed == []  # read, then confirmed
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        _reserve_answer(b"arena", 7, [(0, 8), None]),  # a block without a slot
+        _reserve_answer(b"other", 7, [(0, 8), (16, 8)]),  # another arena
+        _reserve_answer(b"arena", 7, [(0, 8), (60, 8)]),  # a slot past the region
+        struct.pack("<BI", 8, 4) + b"full",  # RESOURCE_EXHAUSTED
+    ],
+    ids=["no slot", "other arena", "outside", "error status"],
+)
+def test_the_native_write_loop_leaves_anything_but_the_plain_case_unread(
+    loop_ends: tuple[socket.socket, socket.socket], answer: bytes
+) -> None:
+    client, server = loop_ends
+    region = bytearray(64)
+    server.sendall(answer)
+    coming, unconfirmed = [1], []
+    assert _steps(client, region, coming, unconfirmed) == (1, 0, answer)  # for the Python loop
+    assert region == bytearray(64) and coming == [1] and unconfirmed == []
+
+
+def test_the_native_write_loop_hands_back_a_block_it_cannot_take_as_it_is(
+    loop_ends: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = loop_ends
+    region = bytearray(64)
+    answer = _reserve_answer(b"arena", 7, [(0, 8), (16, 8)])
+    server.sendall(answer)
+    strided = memoryview(b"s" * 16)[::2]
+    for blocks in ([b"a" * 8, strided], [b"a" * 8, b"b" * 9]):  # not contiguous; larger than its slot
+        coming: list[int] = [1]
+        assert _steps(client, region, coming, [], blocks=blocks) == (1, 0, answer)
+        assert region == bytearray(64)
+        server.sendall(answer)  # (the answer comes back for the next round)
+
+
+def test_the_native_write_loop_ends_at_its_deadline_and_on_a_closed_peer(
+    loop_ends: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = loop_ends
+    region = bytearray(64)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _steps(client, region, [1], [], deadline=start + 0.2)  # an answer that never comes
+    assert 0.2 <= time.monotonic() - start < 2.0
+    server.sendall(_reserve_answer(b"arena", 7, [(0, 8), (16, 8)])[:10])  # then the server dies
+    server.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        _steps(client, region, [1], [])
