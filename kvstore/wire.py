@@ -52,9 +52,10 @@ import struct
 import time
 
 from kvstore.errors import KvStoreError
-from kvstore.status import error_for, status_of
+from kvstore.status import Status, error_for, status_of
 
 MAGIC = b"KVD1"
+OK_FRAME = struct.pack("<BI", Status.OK, 0)  # a status frame: OK, no message
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
 OP_LOOKUP_SLOTS, OP_LEASE_HELD = 10, 11
@@ -252,7 +253,10 @@ class Stream:
 
     def read_status(self) -> tuple[int, str]:
         """The code (a ``Status`` number) and message of a status frame, the detail left in."""
-        code, length = struct.unpack("<BI", self.read(5))
+        frame = self.read(5)
+        if frame == OK_FRAME:  # the usual answer: one compare, nothing unpacked
+            return Status.OK, ""
+        code, length = struct.unpack("<BI", frame)
         return code, self.read(length).decode(errors="replace") if length else ""
 
     def send(self, data: bytes | bytearray | memoryview) -> None:

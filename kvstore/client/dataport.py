@@ -118,11 +118,7 @@ class DataPortClient:
         self._stream.begin(deadline)
 
     def _check(self) -> None:
-        frame = self._stream.read(5)
-        if frame == _OK_FRAME:  # the usual answer: one compare, no unpacking
-            return
-        code, length = struct.unpack("<BI", frame)
-        message = self._stream.read(length).decode(errors="replace") if length else ""
+        code, message = self._stream.read_status()
         if code != Status.OK:
             self.sock.close()
             raise status_error(code, message)
@@ -341,7 +337,6 @@ _OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
 _OP_ID = struct.Struct("<BQ")  # op, reservation or lease id
-_OK_FRAME = struct.pack("<BI", Status.OK, 0)  # a status frame: OK, no message
 
 
 class Spans(NamedTuple):

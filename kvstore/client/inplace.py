@@ -237,8 +237,9 @@ def _native_steps(
     k: int,
 ) -> tuple[int, int]:
     """``write_pipelined``'s loop from chunk ``k`` in ``kvstore.client._writeloop`` (one C call,
-    the same steps): (the chunk it stopped at, blocks its commits stored). It stops at anything but the plain case, which the Python loop then handles as ever;
-    over TLS or with more than one arena mapped it does nothing."""
+    the same steps): (the chunk it stopped at, blocks its commits stored). It stops at anything
+    but the plain case, which the Python loop then handles as ever; over TLS or with more than
+    one arena mapped it does nothing."""
     handed = conn.hand_off() if len(regions) == 1 else None
     if handed is None:
         return k, 0

@@ -34,12 +34,12 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, Re
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
-from kvstore.status import Status
 from kvstore.store import Scope
 from kvstore.wire import (
     END,
     IDLE_S,
     MAGIC,
+    OK_FRAME,
     OP_ABORT,
     OP_COMMIT,
     OP_GET,
@@ -59,7 +59,7 @@ from kvstore.wire import (
 
 log = logging.getLogger(__name__)
 
-_OK = struct.pack("<BI", Status.OK, 0)
+_OK = OK_FRAME
 _KEYS_HEAD = struct.Struct("<32sI")  # fingerprint, key count
 _RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
 _SLOT = struct.Struct("<BQQ")  # present, offset, size
