@@ -34,7 +34,7 @@ from tiers import (
     TierUnavailable,
     nvme_folder,
 )
-from tiers.nvme import VERIFY_CHUNK_BYTES, NvmeConfig, NvmeTier, verified_copy
+from tiers.nvme import VERIFY_CHUNK_BYTES, NvmeConfig, NvmeTier, verified_copy_py
 
 FP = b"\x01" * 32
 FP2 = b"\x02" * 32
@@ -313,7 +313,19 @@ def test_corrupt_payload_is_a_counted_miss_and_is_deleted(config: NvmeConfig, si
     tier.close()
 
 
-def test_verified_copy_checks_every_chunk_and_copies_only_a_good_single_chunk() -> None:
+def native_verify() -> Callable[[memoryview, memoryview, int], bool]:
+    import tiers.nvme
+
+    assert tiers.nvme.verified_copy is not verified_copy_py, "tiers._verify is not built: no C compiler?"
+    return tiers.nvme.verified_copy
+
+
+VERIFIERS = {"native": native_verify, "python": lambda: verified_copy_py}
+
+
+@pytest.mark.parametrize("impl", VERIFIERS)
+def test_verified_copy_checks_every_chunk_and_copies_only_a_good_single_chunk(impl: str) -> None:
+    verified_copy = VERIFIERS[impl]()
     data = payload(3, 2 * VERIFY_CHUNK_BYTES + 1)
     good = xxhash.xxh3_64_intdigest(data)
     out = bytearray(len(data))
@@ -326,6 +338,42 @@ def test_verified_copy_checks_every_chunk_and_copies_only_a_good_single_chunk() 
     untouched = bytearray(1000)
     assert not verified_copy(memoryview(small), memoryview(untouched), good)
     assert untouched == bytearray(1000)  # a failed single chunk is never copied
+
+
+# Every length class XXH3-64 treats apart (0, 1-3, 4-8, 9-16, 17-128, 129-240, then stripes,
+# 1 KiB blocks and a last partial stripe), the native pieces (4 KiB, whole up to 512 KiB) and
+# the streamed copy (16 MiB on), into a destination that starts on an odd address.
+DIGEST_SIZES = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4095, 4096, 4097, 65_600]
+DIGEST_SIZES += [512 * 1024, 512 * 1024 + 1, 3 * 1024 * 1024 + 63, 16 * 1024 * 1024 + 4097]
+
+
+def test_the_native_verified_copy_agrees_with_xxhash_and_copies_every_byte() -> None:
+    verified_copy = native_verify()
+    rng = np.random.default_rng(5)
+    for size in DIGEST_SIZES:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        digest = xxhash.xxh3_64_intdigest(data)
+        out = bytearray(size + 1)
+        assert verified_copy(memoryview(data), memoryview(out)[1:], digest), size
+        assert out[1:] == data, size
+        assert not verified_copy(memoryview(data), memoryview(out)[1:], digest ^ 1), size
+        if size > 4096:  # a flip in the first piece, across a piece boundary, in the last byte
+            for flip in (0, 4096, size - 1):
+                bad = bytearray(data)
+                bad[flip] ^= 0x80
+                assert not verified_copy(memoryview(bytes(bad)), memoryview(out), digest), (size, flip)
+
+
+def test_the_native_verified_copy_refuses_bad_arguments_before_copying() -> None:
+    verified_copy = native_verify()
+    data = b"x" * 100
+    digest = xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(ValueError, match="destination"):
+        verified_copy(memoryview(data), memoryview(bytearray(99)), digest)
+    with pytest.raises(TypeError):
+        verified_copy(memoryview(data), memoryview(bytes(100)), digest)  # read-only
+    with pytest.raises(OverflowError):
+        verified_copy(memoryview(data), memoryview(bytearray(100)), -1)
 
 
 def test_unreadable_header_drops_the_block_at_open(config: NvmeConfig) -> None:

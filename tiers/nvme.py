@@ -20,8 +20,9 @@ close() drains the queue, syncs and closes.
 
 Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case;
 figures in BENCHMARKS.md): writes include the final sync; a warm read pays for the xxh3 check
-on every read, which ``verified_copy`` mostly hides by hashing each chunk of the map just
-before copying it out of the cache the hash filled.
+on every read, which ``verified_copy`` mostly hides by reading the map once: each piece is
+hashed and then copied out of the cache the hash filled (``tiers._verify``, in C with xxHash's
+own code; in Python, chunk by chunk, where no C compiler built it).
 
 Durability: in "cache" mode (the default) the writer syncs every ``sync_interval_s`` while
 commits are unsynced; in "durable" mode every commit is on disk when it returns. The LMDB flags
@@ -494,8 +495,10 @@ class NvmeTier(Tier):
 VERIFY_CHUNK_BYTES = 1 << 20  # hashed, then copied while the hash left it in cache (L2 2 MiB here)
 
 
-def verified_copy(stored: memoryview, dst: memoryview, checksum: int) -> bool:
-    """Copy ``stored`` into ``dst``; whether its xxh3-64 is ``checksum``.
+def verified_copy_py(stored: memoryview, dst: memoryview, checksum: int) -> bool:
+    """Copy ``stored`` into ``dst``; whether its xxh3-64 is ``checksum``. The fallback of
+    ``tiers._verify.verified_copy`` (tiers/native/verify.c), which reads the map once in
+    pieces that stay in L1 and runs without the GIL; this one is 5-30% slower (BENCHMARKS.md).
 
     Each chunk is hashed first and copied right after, from the cache the hash just filled:
     measured here 0.9-1.0x a bare copy, where copying first and hashing the copy ran at
@@ -517,3 +520,9 @@ def verified_copy(stored: memoryview, dst: memoryview, checksum: int) -> bool:
         hasher.update(chunk)
         dst[start : start + len(chunk)] = chunk
     return hasher.intdigest() == checksum
+
+
+try:
+    from tiers._verify import verified_copy  # type: ignore[import-not-found]
+except ImportError:  # built without a C compiler
+    verified_copy = verified_copy_py
