@@ -20,9 +20,9 @@ close() drains the queue, syncs and closes.
 
 Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case;
 figures in BENCHMARKS.md): writes include the final sync; a warm read pays for the xxh3 check
-on every read, which ``verified_copy`` mostly hides by reading the map once: each piece is
-hashed and then copied out of the cache the hash filled (``tiers._verify``, in C with xxHash's
-own code; in Python, chunk by chunk, where no C compiler built it).
+on every read, which ``verified_copy`` hides by reading the map once: each stripe is hashed and
+stored in one pass (``tiers._verify``, in C with xxHash's own kernels; in Python, hashing a
+chunk and then copying it, where no C compiler built it).
 
 Durability: in "cache" mode (the default) the writer syncs every ``sync_interval_s`` while
 commits are unsynced; in "durable" mode every commit is on disk when it returns. The LMDB flags
@@ -50,6 +50,8 @@ own read transactions and never hold the lock while copying.
 Buffers: put() keeps ``payload`` when it is ``bytes`` and copies anything else before it
 returns. get_into() copies from the LMDB map (a view that is valid only inside its read
 transaction) into ``out`` and keeps nothing; after a miss ``out`` may hold partial data.
+get_into_many() reads a batch the same way in one read transaction, with one lock hold for its
+lookups (the store reads a request's blocks of one tier through it).
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import lmdb
 import numpy as np
 import xxhash
 
@@ -83,7 +86,7 @@ from tiers.cipher import OVERHEAD_BYTES, BlockCipher
 from tiers.codec import DEFAULT_ZSTD_LEVEL, CodecError, byte_view, decode_into, encode
 from tiers.errors import BlockTooLarge, TierBusy, TierClosed, TierCorrupt, TierFull
 from tiers.nvme_env import open_env
-from tiers.nvme_writer import BufferPool, NvmeWriter
+from tiers.nvme_writer import BufferPool, NvmeWriter, PutOp
 
 log = logging.getLogger(__name__)
 
@@ -316,11 +319,8 @@ class NvmeTier(Tier):
             if op is None:
                 self._readers += 1
         if op is not None:
-            # Queued bytes are private to this tier and were made by put(): nothing to verify.
             try:
-                if self._config.cipher is not None:
-                    return self._open(key, memoryview(op.stored), dst, op.header.codec, op.header.payload_len)
-                return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
+                return self._read_pending(key, op, dst)
             finally:
                 with self._lock:
                     self._writer.release_locked(op)
@@ -335,6 +335,57 @@ class NvmeTier(Tier):
             self._drop_corrupt(key, entry)
             return None
         return result
+
+    def get_into_many(
+        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
+    ) -> None:
+        """``get_into`` of each key into its buffer, appending each length (None for a miss) to
+        ``sizes``: one hold of the lock for the whole batch's index lookups and one for its end,
+        and one read transaction for all its committed blocks (the store reads a request's
+        blocks of one tier this way). A buffer too small for its block raises ValueError after
+        the blocks before it were read, nothing copied into it."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys and {len(outs)} buffers")
+        dsts = [byte_view(out) for out in outs]
+        with self._lock:
+            self._check_open_locked()
+            entries = [self._index.get(key) for key in keys]
+            limit, need = len(keys), 0  # the blocks before the first whose buffer is too small
+            for i, e in enumerate(entries):
+                if e is not None and len(dsts[i]) < e.payload_len:
+                    limit, need = i, e.payload_len
+                    break
+            ops = [
+                None if e is None else self._writer.pin_pending_locked(k)
+                for k, e in zip(keys[:limit], entries[:limit], strict=True)
+            ]
+            self._readers += 1
+        corrupt: list[tuple[TierKey, _Entry]] = []
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for key, entry, op, dst in zip(keys[:limit], entries[:limit], ops, dsts[:limit], strict=True):
+                    if entry is None:
+                        sizes.append(None)
+                    elif op is not None:
+                        sizes.append(self._read_pending(key, op, dst))
+                    else:
+                        result = self._copy_committed(txn, key, dst, entry)
+                        if isinstance(result, _Corrupt):
+                            corrupt.append((key, entry))
+                            result = None
+                        sizes.append(result)
+        finally:
+            with self._lock:
+                for op in ops:
+                    if op is not None:
+                        self._writer.release_locked(op)
+                self._readers -= 1
+                if not self._readers and self._closed:
+                    self._readers_gone.notify_all()
+            for key, entry in corrupt:
+                self._drop_corrupt(key, entry)
+        if limit < len(keys):
+            raise ValueError(f"output buffer holds {len(dsts[limit])} bytes, block needs {need}")
 
     def size_of(self, key: TierKey) -> int | None:
         with self._cond:
@@ -405,26 +456,37 @@ class NvmeTier(Tier):
         """Copy one committed block into ``dst`` and verify it against the header ``entry``
         the index holds (read at open or written by put), so a read fetches only the payload.
         Views of the map die with the transaction."""
-        n = entry.payload_len
         with self._env.begin(buffers=True) as txn:
-            stored = txn.get(key, db=self._payloads)
-            if stored is None:
-                return None  # deleted since the index lookup
-            if len(stored) != entry.stored_len:
-                return _Corrupt()
-            if self._config.cipher is not None:
-                if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
-                    return _Corrupt()
-                opened = self._open(key, stored, dst, entry.codec, n)
-                return _Corrupt() if opened is None else opened
-            if entry.codec is Codec.NONE:
-                return n if verified_copy(stored, dst, entry.checksum) else _Corrupt()
+            return self._copy_committed(txn, key, dst, entry)
+
+    def _copy_committed(
+        self, txn: lmdb.Transaction[memoryview], key: TierKey, dst: memoryview, entry: _Entry
+    ) -> int | _Corrupt | None:
+        n = entry.payload_len
+        stored = txn.get(key, db=self._payloads)
+        if stored is None:
+            return None  # deleted since the index lookup
+        if len(stored) != entry.stored_len:
+            return _Corrupt()
+        if self._config.cipher is not None:
             if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
                 return _Corrupt()
-            try:
-                return decode_into(entry.codec, stored, dst, n)
-            except CodecError:
-                return _Corrupt()
+            opened = self._open(key, stored, dst, entry.codec, n)
+            return _Corrupt() if opened is None else opened
+        if entry.codec is Codec.NONE:
+            return n if verified_copy(stored, dst, entry.checksum) else _Corrupt()
+        if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
+            return _Corrupt()
+        try:
+            return decode_into(entry.codec, stored, dst, n)
+        except CodecError:
+            return _Corrupt()
+
+    def _read_pending(self, key: TierKey, op: PutOp, dst: memoryview) -> int | None:
+        # Queued bytes are private to this tier and were made by put(): nothing to verify.
+        if self._config.cipher is not None:
+            return self._open(key, memoryview(op.stored), dst, op.header.codec, op.header.payload_len)
+        return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
 
     def _open(self, key: TierKey, sealed: memoryview, dst: memoryview, codec: Codec, n: int) -> int | None:
         """Decrypt (straight into ``dst`` without a codec) and decode; None when it does not
@@ -497,12 +559,13 @@ VERIFY_CHUNK_BYTES = 1 << 20  # hashed, then copied while the hash left it in ca
 
 def verified_copy_py(stored: memoryview, dst: memoryview, checksum: int) -> bool:
     """Copy ``stored`` into ``dst``; whether its xxh3-64 is ``checksum``. The fallback of
-    ``tiers._verify.verified_copy`` (tiers/native/verify.c), which reads the map once in
-    pieces that stay in L1 and runs without the GIL; this one is 5-30% slower (BENCHMARKS.md).
+    ``tiers._verify.verified_copy`` (tiers/native/verify.c), which hashes and stores each
+    stripe in one pass without the GIL; this one reads at 0.65-0.78x of raw LMDB's bare copy
+    where that one reads at 0.8-1.3x (BENCHMARKS.md, "Tiers").
 
-    Each chunk is hashed first and copied right after, from the cache the hash just filled:
-    measured here 0.9-1.0x a bare copy, where copying first and hashing the copy ran at
-    0.7-0.8x. A block of one chunk that fails is not copied at all. It verifies what reaches
+    Each chunk is hashed first and copied right after, from the cache the hash just filled
+    (copying first and hashing the copy was slower). A block of one chunk that fails is not
+    copied at all. It verifies what reaches
     ``dst`` because the bytes hashed and the bytes copied are the same pages of one read
     transaction: LMDB never rewrites a page a live reader sees (copy-on-write), and no other
     process writes the folder (its flock). The codec and cipher paths read the map the same

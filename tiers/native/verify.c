@@ -5,22 +5,24 @@
  *   dst       a writable contiguous buffer of at least len(src) bytes
  *   checksum  the xxh3-64 put stored for src, an int in [0, 2**64)
  *
- * Copies all of src into the start of dst and returns whether its xxh3-64 equals checksum. The
- * map's pages are read from memory once: a block of at most WHOLE_MAX is hashed whole and then
- * copied from L2 (and not copied at all when it fails); a longer one goes PIECE bytes at a time,
- * each hashed while the next is prefetched and then copied from L1, and from STREAM_FROM on the
- * copy bypasses the caches (non-temporal stores) as glibc's memcpy does for copies that size, so
- * a destination larger than the cache is not read in before it is overwritten. A long block that
- * fails leaves dst holding what was copied; the caller reports it corrupt and never hands dst's
- * bytes on. Python's version (tiers.nvme.verified_copy without this module) hashes and copies
- * 1 MiB chunks, one call each, and a warm 32 MiB read paid 10-15% for it against raw LMDB's
- * bare copy (BENCHMARKS.md, "Tiers").
+ * Copies all of src into the start of dst and returns whether its xxh3-64 equals checksum; when
+ * it does not, dst holds unspecified bytes (the caller reports the block corrupt and never hands
+ * them on). The map is read from memory once: each 64-byte stripe of XXH3's long-input loop is
+ * accumulated and then stored into dst from the registers and L1 the accumulation just filled,
+ * with the map prefetched PREFETCH_AHEAD bytes ahead (the stripes' own loads wait on memory
+ * otherwise: 0.50-0.56x of a bare copy at 256 KiB without it, 0.84 with it), and from
+ * STREAM_FROM on dst is written with non-temporal stores, as glibc's memcpy does for copies
+ * that size, so a destination larger than the cache is not read in before it is overwritten.
+ * The steps and their order are XXH3_hashLong_64b_internal's, with xxHash's own kernels, so the
+ * digest is XXH3_64bits' (tests/test_nvme_tier.py checks every length class against xxhash).
+ * Python's version (tiers.nvme.verified_copy_py) hashes a chunk and then copies it: two passes
+ * over memory, 0.67-0.77x of raw LMDB's bare copy (BENCHMARKS.md, "Tiers").
  *
  * The GIL is released for the pass: src stays valid because the caller's read transaction is
  * open on its own thread until the call returns, and LMDB never rewrites a page a live reader
- * sees. The hash is xxHash's own (tiers/native/xxhash, vendored unchanged): on x86-64 its
- * dispatcher picks SSE2, AVX2 or AVX-512 at run time as the xxhash Python package does;
- * elsewhere the portable build, and plain copies.
+ * sees. xxHash is vendored unchanged in tiers/native/xxhash; on x86-64 the kernels are chosen
+ * at import as its dispatcher chooses (SSE2, AVX2 or AVX-512); elsewhere, and for blocks of at
+ * most XXH3_MIDSIZE_MAX bytes, the block is hashed whole and then copied.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,71 +32,86 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include "xxhash/xxh_x86dispatch.c"
 #include <emmintrin.h>
-#define HASH_UPDATE XXH3_64bits_update_dispatch
 #define HASH_ONESHOT XXH3_64bits_dispatch
-#define HAVE_STREAM 1
+#define HAVE_FUSED 1
 #else
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
-#define HASH_UPDATE XXH3_64bits_update
 #define HASH_ONESHOT XXH3_64bits
-#define HAVE_STREAM 0
+#define HAVE_FUSED 0
 #endif
 
-/* Chosen on a 2-vCPU AMD EPYC (L2 1 MiB a core, L3 32 MiB), each against the others and a bare
- * copy of the same pages (BENCHMARKS.md, "Tiers", sitting 25): pieces of 2-16 KiB, prefetched
- * 4-16 KiB ahead, the whole block up to 0-512 KiB, streamed stores from 1-16 MiB, and a fused
- * loop (each 1 KiB block of XXH3's long loop copied, then accumulated from L1: 0.47x at 256 KiB,
- * slower than any of these). */
-#define WHOLE_MAX (512 * 1024)
-#define PIECE (4 * 1024)
-#define STREAM_FROM (16 * 1024 * 1024)
+/* Chosen on a 2-vCPU AMD EPYC (L2 1 MiB a core, L3 32 MiB) against a bare copy of the same
+ * pages and against each other (BENCHMARKS.md, "Tiers", sitting 25). */
+#define PREFETCH_AHEAD (8 * 1024)       /* 4, 16 and 32 KiB: 0.77 / 0.80 / 0.78x at 256 KiB */
+#define STREAM_FROM (16 * 1024 * 1024) /* streamed from 2 MiB: 0.51-0.67x, dst stays in L3 */
 
-#if HAVE_STREAM
-static void stream_copy(char *to, const char *from, size_t n) {
-    size_t head = (16 - ((uintptr_t)to & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(to, from, head);
-    to += head, from += head, n -= head;
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(from + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(from + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(from + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(from + i + 48));
-        _mm_stream_si128((__m128i *)(to + i), a);
-        _mm_stream_si128((__m128i *)(to + i + 16), b);
-        _mm_stream_si128((__m128i *)(to + i + 32), c);
-        _mm_stream_si128((__m128i *)(to + i + 48), d);
+#if HAVE_FUSED
+typedef void (*accumulate_512_fn)(void *XXH_RESTRICT, const void *XXH_RESTRICT, const void *XXH_RESTRICT);
+
+XXH_FORCE_INLINE void store_stripe(char *to, const xxh_u8 *from, int stream) {
+    if (!stream) {
+        memcpy(to, from, XXH_STRIPE_LEN);
+        return;
     }
-    memcpy(to + i, from + i, n - i);
+    for (int i = 0; i < XXH_STRIPE_LEN; i += 16)
+        _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)(from + i)));
 }
-#endif
 
-static int copy_in_pieces(char *to, const char *from, size_t n, XXH64_hash_t checksum) {
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
-    int stream = HAVE_STREAM && n >= STREAM_FROM;
-    for (size_t at = 0; at < n; at += PIECE) {
-        size_t piece = n - at < PIECE ? n - at : PIECE;
-        for (size_t ahead = at + PIECE; ahead < at + 2 * PIECE && ahead < n; ahead += 64)
-            __builtin_prefetch(from + ahead, 0, 3);
-        HASH_UPDATE(&state, from + at, piece);
-#if HAVE_STREAM
-        if (stream) {
-            stream_copy(to + at, from + at, piece);
-            continue;
-        }
-#endif
-        memcpy(to + at, from + at, piece);
+/* Stripes [first, first + count) of the block at in, each accumulated, then stored at to. */
+XXH_FORCE_INLINE void stripes(xxh_u64 *acc, char *to, const xxh_u8 *in, size_t count, const xxh_u8 *secret,
+                              const xxh_u8 *prefetch_end, int stream, accumulate_512_fn f_acc512) {
+    for (size_t s = 0; s < count; s++) {
+        const xxh_u8 *p = in + s * XXH_STRIPE_LEN;
+        if (p + PREFETCH_AHEAD < prefetch_end)
+            XXH_PREFETCH(p + PREFETCH_AHEAD);
+        f_acc512(acc, p, secret + s * XXH_SECRET_CONSUME_RATE);
+        store_stripe(to + s * XXH_STRIPE_LEN, p, stream);
     }
-#if HAVE_STREAM
+}
+
+XXH_FORCE_INLINE int fused_long(char *to, const char *from, size_t n, XXH64_hash_t checksum,
+                                accumulate_512_fn f_acc512, XXH3_f_scrambleAcc f_scramble) {
+    const xxh_u8 *secret = XXH3_kSecret;
+    const size_t secret_size = sizeof(XXH3_kSecret);
+    const size_t per_block = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    const size_t block_len = XXH_STRIPE_LEN * per_block;
+    const size_t blocks = (n - 1) / block_len;
+    const xxh_u8 *in = (const xxh_u8 *)from, *end = in + n;
+    int stream = n >= STREAM_FROM && ((uintptr_t)to & 15) == 0;
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    for (size_t ahead = 0; ahead < PREFETCH_AHEAD && ahead < n; ahead += 64)
+        XXH_PREFETCH(in + ahead);
+    for (size_t b = 0; b < blocks; b++) {
+        size_t at = b * block_len;
+        stripes(acc, to + at, in + at, per_block, secret, end, stream, f_acc512);
+        f_scramble(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    size_t at = blocks * block_len;
+    size_t last = ((n - 1) - at) / XXH_STRIPE_LEN; /* the last block's whole stripes, not its end */
+    stripes(acc, to + at, in + at, last, secret, end, stream, f_acc512);
+    at += last * XXH_STRIPE_LEN;
+    memcpy(to + at, in + at, n - at);
+    f_acc512(acc, end - XXH_STRIPE_LEN, secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
     if (stream)
         _mm_sfence(); /* the streamed stores are visible before the caller reads dst */
-#endif
-    return XXH3_64bits_digest(&state) == checksum;
+    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)n) == checksum;
 }
+
+#define FUSED_FOR(name, target)                                                                    \
+    target static int fused_##name(char *to, const char *from, size_t n, XXH64_hash_t checksum) {   \
+        return fused_long(to, from, n, checksum, XXH3_accumulate_512_##name, XXH3_scrambleAcc_##name); \
+    }
+FUSED_FOR(sse2, XXH_TARGET_SSE2)
+#if XXH_DISPATCH_AVX2
+FUSED_FOR(avx2, XXH_TARGET_AVX2)
+#endif
+#if XXH_DISPATCH_AVX512
+FUSED_FOR(avx512, XXH_TARGET_AVX512)
+#endif
+
+static int (*fused)(char *, const char *, size_t, XXH64_hash_t) = fused_sse2;
+#endif
 
 static PyObject *verified_copy(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
@@ -114,12 +131,15 @@ static PyObject *verified_copy(PyObject *self, PyObject *args) {
     size_t n = (size_t)src.len;
     int good;
     Py_BEGIN_ALLOW_THREADS
-    if (n <= WHOLE_MAX) {
+#if HAVE_FUSED
+    if (n > XXH3_MIDSIZE_MAX) {
+        good = fused(to, from, n, (XXH64_hash_t)checksum);
+    } else
+#endif
+    {
         good = HASH_ONESHOT(from, n) == (XXH64_hash_t)checksum;
         if (good)
             memcpy(to, from, n);
-    } else {
-        good = copy_in_pieces(to, from, n, (XXH64_hash_t)checksum);
     }
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(good);
@@ -136,4 +156,18 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_verify", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__verify(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__verify(void) {
+#if HAVE_FUSED
+    int vector = XXH_featureTest();
+#if XXH_DISPATCH_AVX2
+    if (vector >= XXH_AVX2)
+        fused = fused_avx2;
+#endif
+#if XXH_DISPATCH_AVX512
+    if (vector >= XXH_AVX512)
+        fused = fused_avx512;
+#endif
+    (void)vector;
+#endif
+    return PyModule_Create(&module);
+}
