@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import lmdb
 import numpy as np
@@ -369,14 +370,23 @@ def test_a_batched_read_stops_at_a_buffer_too_small_and_gives_its_readers_back(c
     assert not closed.is_alive(), "close() waits for a reader the batch never gave back"
 
 
-def native_verify() -> Callable[[memoryview, memoryview, int], bool]:
+def native_verify(way: str = "verified_copy") -> Callable[[memoryview, memoryview, int], bool]:
+    """``tiers._verify``'s way for this CPU (``verified_copy``), or either of its two."""
     import tiers.nvme
 
     assert tiers.nvme.verified_copy is not verified_copy_py, "tiers._verify is not built: no C compiler?"
-    return tiers.nvme.verified_copy
+    from tiers import _verify  # type: ignore[attr-defined]
+
+    assert tiers.nvme.verified_copy is _verify.verified_copy
+    return cast(Callable[[memoryview, memoryview, int], bool], getattr(_verify, way))
 
 
-VERIFIERS = {"native": native_verify, "python": lambda: verified_copy_py}
+VERIFIERS: dict[str, Callable[[], Callable[[memoryview, memoryview, int], bool]]] = {
+    "native": native_verify,
+    "one_pass": lambda: native_verify("one_pass"),
+    "two_pass": lambda: native_verify("two_pass"),
+    "python": lambda: verified_copy_py,
+}
 
 
 @pytest.mark.parametrize("impl", VERIFIERS)
@@ -393,14 +403,15 @@ def test_verified_copy_checks_every_chunk_and_copies_only_a_good_single_chunk(im
     small = data[:1000]
     untouched = bytearray(1000)
     assert not verified_copy(memoryview(small), memoryview(untouched), good)
-    if impl == "python":
+    if impl in ("python", "two_pass"):
         assert untouched == bytearray(1000)  # a failed single chunk is never copied
 
 
 # Every length class XXH3-64 treats apart (0, 1-3, 4-8, 9-16, 17-128, 129-240, then whole 1 KiB
 # blocks of 16 stripes, a last block of whole stripes and the bytes after them, a last block
-# that ends on a stripe), a block shorter and longer than the prefetch distance (8 KiB), and the
-# streamed stores (16 MiB on, into a 16-byte aligned destination; unaligned ones are not streamed).
+# that ends on a stripe), a block shorter and longer than one_pass's prefetch distance (8 KiB)
+# and two_pass's whole block (512 KiB) and piece (4 KiB), and the streamed stores (16 MiB on,
+# into a 16-byte aligned destination; unaligned ones are not streamed).
 DIGEST_SIZES = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 255, 256, 1023, 1024, 1025, 1088, 1089]
 DIGEST_SIZES += [
     4095,
@@ -415,8 +426,9 @@ DIGEST_SIZES += [
 ]
 
 
-def test_the_native_verified_copy_agrees_with_xxhash_and_copies_every_byte() -> None:
-    verified_copy = native_verify()
+@pytest.mark.parametrize("way", ["one_pass", "two_pass"])
+def test_the_native_verified_copy_agrees_with_xxhash_and_copies_every_byte(way: str) -> None:
+    verified_copy = native_verify(way)
     rng = np.random.default_rng(5)
     for size in DIGEST_SIZES:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()

@@ -1,4 +1,4 @@
-/* tiers._verify: copy a block out of the nvme tier's map and check its xxh3-64 in one pass.
+/* tiers._verify: copy a block out of the nvme tier's map and check its xxh3-64 on the way.
  *
  * verified_copy(src, dst, checksum) -> bool
  *   src       a readable contiguous buffer (a value of an LMDB read transaction)
@@ -7,22 +7,30 @@
  *
  * Copies all of src into the start of dst and returns whether its xxh3-64 equals checksum; when
  * it does not, dst holds unspecified bytes (the caller reports the block corrupt and never hands
- * them on). The map is read from memory once: each 64-byte stripe of XXH3's long-input loop is
- * accumulated and then stored into dst from the registers and L1 the accumulation just filled,
- * with the map prefetched PREFETCH_AHEAD bytes ahead (the stripes' own loads wait on memory
- * otherwise: 0.50-0.56x of a bare copy at 256 KiB without it, 0.84 with it), and from
- * STREAM_FROM on dst is written with non-temporal stores, as glibc's memcpy does for copies
- * that size, so a destination larger than the cache is not read in before it is overwritten.
- * The steps and their order are XXH3_hashLong_64b_internal's, with xxHash's own kernels, so the
- * digest is XXH3_64bits' (tests/test_nvme_tier.py checks every length class against xxhash).
- * Python's version (tiers.nvme.verified_copy_py) hashes a chunk and then copies it: two passes
- * over memory, 0.67-0.77x of raw LMDB's bare copy (BENCHMARKS.md, "Tiers").
+ * them on). ``verified_copy`` is one of the two ways below, chosen at import (``ONE_PASS`` says
+ * which); both are exported for the tests and the benchmarks.
  *
- * The GIL is released for the pass: src stays valid because the caller's read transaction is
+ * one_pass: the map is read from memory once. Each 64-byte stripe of XXH3's long-input loop is
+ * accumulated and then stored into dst from the registers and L1 the accumulation just filled,
+ * the map prefetched PREFETCH_AHEAD bytes ahead (the stripes' loads wait on memory otherwise:
+ * 0.46-0.56x of raw LMDB at 256 KiB without it, 0.78-0.86x with it), and from STREAM_FROM on dst
+ * is written with non-temporal stores, as glibc's memcpy does for copies that size, so a
+ * destination larger than the cache is not read in before it is overwritten. The steps and
+ * their order are XXH3_hashLong_64b_internal's, with xxHash's own kernels, so the digest is
+ * XXH3_64bits' (tests/test_nvme_tier.py checks every length class against xxhash). Chosen where
+ * xxHash's dispatcher picks AVX-512: with AVX2 or SSE2 kernels the same loop ran at 0.57-0.64x
+ * at 256 KiB here, below two_pass.
+ *
+ * two_pass: a block of at most WHOLE_MAX bytes is hashed whole and then copied out of L2 (not
+ * copied when it fails); a longer one in PIECE-byte pieces, each hashed while the next is
+ * prefetched and then copied out of L1, streamed from STREAM_FROM on. What Python's version (tiers.nvme.verified_copy_py) does,
+ * in one call.
+ *
+ * The GIL is released for the copy: src stays valid because the caller's read transaction is
  * open on its own thread until the call returns, and LMDB never rewrites a page a live reader
- * sees. xxHash is vendored unchanged in tiers/native/xxhash; on x86-64 the kernels are chosen
- * at import as its dispatcher chooses (SSE2, AVX2 or AVX-512); elsewhere, and for blocks of at
- * most XXH3_MIDSIZE_MAX bytes, the block is hashed whole and then copied.
+ * sees. xxHash is vendored unchanged in tiers/native/xxhash; on x86-64 its kernels are chosen
+ * as its dispatcher chooses (SSE2, AVX2 or AVX-512); elsewhere the portable build, two_pass
+ * only, and plain stores.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,11 +41,13 @@
 #include "xxhash/xxh_x86dispatch.c"
 #include <emmintrin.h>
 #define HASH_ONESHOT XXH3_64bits_dispatch
+#define HASH_UPDATE XXH3_64bits_update_dispatch
 #define HAVE_FUSED 1
 #else
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
 #define HASH_ONESHOT XXH3_64bits
+#define HASH_UPDATE XXH3_64bits_update
 #define HAVE_FUSED 0
 #endif
 
@@ -45,6 +55,8 @@
  * pages and against each other (BENCHMARKS.md, "Tiers", sitting 25). */
 #define PREFETCH_AHEAD (8 * 1024)       /* 4, 16 and 32 KiB: 0.77 / 0.80 / 0.78x at 256 KiB */
 #define STREAM_FROM (16 * 1024 * 1024) /* streamed from 2 MiB: 0.51-0.67x, dst stays in L3 */
+#define WHOLE_MAX (512 * 1024)         /* two_pass: hashed whole, then copied out of L2 */
+#define PIECE (4 * 1024)               /* two_pass: 2-16 KiB pieces measured the same */
 
 #if HAVE_FUSED
 typedef void (*accumulate_512_fn)(void *XXH_RESTRICT, const void *XXH_RESTRICT, const void *XXH_RESTRICT);
@@ -56,6 +68,14 @@ XXH_FORCE_INLINE void store_stripe(char *to, const xxh_u8 *from, int stream) {
     }
     for (int i = 0; i < XXH_STRIPE_LEN; i += 16)
         _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)(from + i)));
+}
+
+/* n bytes with non-temporal stores: to 16-byte aligned; a tail under a stripe stored plainly. */
+static void stream_copy(char *to, const char *from, size_t n) {
+    size_t i = 0;
+    for (; i + XXH_STRIPE_LEN <= n; i += XXH_STRIPE_LEN)
+        store_stripe(to + i, (const xxh_u8 *)from + i, 1);
+    memcpy(to + i, from + i, n - i);
 }
 
 /* Stripes [first, first + count) of the block at in, each accumulated, then stored at to. */
@@ -113,7 +133,52 @@ FUSED_FOR(avx512, XXH_TARGET_AVX512)
 static int (*fused)(char *, const char *, size_t, XXH64_hash_t) = fused_sse2;
 #endif
 
-static PyObject *verified_copy(PyObject *self, PyObject *args) {
+static int two_pass_long(char *to, const char *from, size_t n, XXH64_hash_t checksum) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+#if HAVE_FUSED
+    int stream = n >= STREAM_FROM && ((uintptr_t)to & 15) == 0;
+#endif
+    for (size_t at = 0; at < n; at += PIECE) {
+        size_t piece = n - at < PIECE ? n - at : PIECE;
+        for (size_t ahead = at + PIECE; ahead < at + 2 * PIECE && ahead < n; ahead += 64)
+            XXH_PREFETCH(from + ahead); /* the next piece, while this one is hashed and copied */
+        HASH_UPDATE(&state, from + at, piece);
+#if HAVE_FUSED
+        if (stream) {
+            stream_copy(to + at, from + at, piece);
+            continue;
+        }
+#endif
+        memcpy(to + at, from + at, piece);
+    }
+#if HAVE_FUSED
+    if (stream)
+        _mm_sfence();
+#endif
+    return XXH3_64bits_digest(&state) == checksum;
+}
+
+enum { TWO_PASS = 0, ONE_PASS = 1 };
+static int chosen = TWO_PASS;
+
+/* Without the GIL. */
+static int copy_verified(char *to, const char *from, size_t n, XXH64_hash_t checksum, int how) {
+#if HAVE_FUSED
+    if (how == ONE_PASS && n > XXH3_MIDSIZE_MAX)
+        return fused(to, from, n, checksum);
+#else
+    (void)how;
+#endif
+    if (n > WHOLE_MAX)
+        return two_pass_long(to, from, n, checksum);
+    if (HASH_ONESHOT(from, n) != checksum)
+        return 0;
+    memcpy(to, from, n);
+    return 1;
+}
+
+static PyObject *call(PyObject *args, int how) {
     Py_buffer src, dst;
     PyObject *checksum_obj;
     if (!PyArg_ParseTuple(args, "y*w*O", &src, &dst, &checksum_obj))
@@ -126,21 +191,9 @@ static PyObject *verified_copy(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "the destination holds %zd bytes, the block %zd", dst.len, src.len);
         goto done;
     }
-    const char *from = (const char *)src.buf;
-    char *to = (char *)dst.buf;
-    size_t n = (size_t)src.len;
     int good;
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_FUSED
-    if (n > XXH3_MIDSIZE_MAX) {
-        good = fused(to, from, n, (XXH64_hash_t)checksum);
-    } else
-#endif
-    {
-        good = HASH_ONESHOT(from, n) == (XXH64_hash_t)checksum;
-        if (good)
-            memcpy(to, from, n);
-    }
+    good = copy_verified((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (XXH64_hash_t)checksum, how);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(good);
 done:
@@ -149,8 +202,14 @@ done:
     return result;
 }
 
+static PyObject *verified_copy(PyObject *self, PyObject *args) { return call(args, chosen); }
+static PyObject *one_pass(PyObject *self, PyObject *args) { return call(args, ONE_PASS); }
+static PyObject *two_pass(PyObject *self, PyObject *args) { return call(args, TWO_PASS); }
+
 static PyMethodDef methods[] = {
     {"verified_copy", verified_copy, METH_VARARGS, "Copy a block and check its xxh3-64; see the module source."},
+    {"one_pass", one_pass, METH_VARARGS, "verified_copy, hashing and storing each stripe in one pass."},
+    {"two_pass", two_pass, METH_VARARGS, "verified_copy, hashing each piece and then copying it."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -164,10 +223,17 @@ PyMODINIT_FUNC PyInit__verify(void) {
         fused = fused_avx2;
 #endif
 #if XXH_DISPATCH_AVX512
-    if (vector >= XXH_AVX512)
+    if (vector >= XXH_AVX512) {
         fused = fused_avx512;
+        chosen = ONE_PASS;
+    }
 #endif
     (void)vector;
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObject(m, "ONE_PASS", PyBool_FromLong(chosen == ONE_PASS)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }
