@@ -370,6 +370,34 @@ def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_on
     tier.close()
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_a_stored_value_of_another_length_than_its_header_is_a_counted_miss_never_copied(
+    config: NvmeConfig, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    import tiers.nvme
+
+    if loop == "python":
+        monkeypatch.setattr(tiers.nvme, "_verify", None)
+    else:
+        native_verify()
+    size = 20_000
+    tier = NvmeTier(config)
+    for i in (1, 2, 3):
+        tier.put(key(i), payload(i, size), FP)
+    tier.close()
+    with raw_env(config) as env, env.begin(write=True, db=env.open_db(b"payloads")) as txn:
+        txn.put(key(1), payload(1, size)[:-1])  # shorter than its header says
+        txn.put(key(2), payload(2, size) + b"\0" * 64)  # longer: a reader trusting it would overrun
+    tier = NvmeTier(config)
+    outs = [bytearray(size) for _ in range(3)]
+    sizes: list[int | None] = []
+    tier.get_into_many([key(1), key(2), key(3)], [memoryview(o) for o in outs], sizes)
+    assert sizes == [None, None, size]
+    assert outs[0] == outs[1] == bytearray(size) and bytes(outs[2]) == payload(3, size)
+    assert tier.usage().checksum_failures == 2 and tier.usage().blocks == 1
+    tier.close()
+
+
 def test_a_batched_read_stops_at_a_buffer_too_small_and_gives_its_readers_back(config: NvmeConfig) -> None:
     tier = NvmeTier(config)
     for i in (1, 2, 3):

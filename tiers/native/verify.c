@@ -54,13 +54,13 @@
 #include <emmintrin.h>
 #define HASH_ONESHOT XXH3_64bits_dispatch
 #define HASH_UPDATE XXH3_64bits_update_dispatch
-#define HAVE_FUSED 1
+#define X86 1
 #else
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
 #define HASH_ONESHOT XXH3_64bits
 #define HASH_UPDATE XXH3_64bits_update
-#define HAVE_FUSED 0
+#define X86 0
 #endif
 
 /* Chosen on a 2-vCPU AMD EPYC (L2 1 MiB a core, L3 32 MiB) against a bare copy of the same
@@ -70,25 +70,41 @@
 #define WHOLE_MAX (512 * 1024)         /* two_pass: hashed whole, then copied out of L2 */
 #define PIECE (4 * 1024)               /* two_pass: 2-16 KiB pieces measured the same */
 
-#if HAVE_FUSED
-typedef void (*accumulate_512_fn)(void *XXH_RESTRICT, const void *XXH_RESTRICT, const void *XXH_RESTRICT);
+/* Non-temporal stores (x86-64 only): whether a copy of n bytes into ``to`` takes them; a
+ * stripe, or n bytes (to 16-byte aligned, a tail under a stripe stored plainly), copied so; the
+ * fence after the last, before the caller reads dst. */
+static int streams(const char *to, size_t n) { return X86 && n >= STREAM_FROM && ((uintptr_t)to & 15) == 0; }
 
 XXH_FORCE_INLINE void store_stripe(char *to, const xxh_u8 *from, int stream) {
-    if (!stream) {
-        memcpy(to, from, XXH_STRIPE_LEN);
+#if X86
+    if (stream) {
+        for (int i = 0; i < XXH_STRIPE_LEN; i += 16)
+            _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)(from + i)));
         return;
     }
-    for (int i = 0; i < XXH_STRIPE_LEN; i += 16)
-        _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)(from + i)));
+#endif
+    memcpy(to, from, XXH_STRIPE_LEN);
 }
 
-/* n bytes with non-temporal stores: to 16-byte aligned; a tail under a stripe stored plainly. */
-static void stream_copy(char *to, const char *from, size_t n) {
+static void copy_piece(char *to, const char *from, size_t n, int stream) {
     size_t i = 0;
-    for (; i + XXH_STRIPE_LEN <= n; i += XXH_STRIPE_LEN)
-        store_stripe(to + i, (const xxh_u8 *)from + i, 1);
+    if (stream)
+        for (; i + XXH_STRIPE_LEN <= n; i += XXH_STRIPE_LEN)
+            store_stripe(to + i, (const xxh_u8 *)from + i, 1);
     memcpy(to + i, from + i, n - i);
 }
+
+static void end_streaming(int stream) {
+#if X86
+    if (stream)
+        _mm_sfence();
+#else
+    (void)stream;
+#endif
+}
+
+#if X86
+typedef void (*accumulate_512_fn)(void *XXH_RESTRICT, const void *XXH_RESTRICT, const void *XXH_RESTRICT);
 
 /* Stripes [first, first + count) of the block at in, each accumulated, then stored at to. */
 XXH_FORCE_INLINE void stripes(xxh_u64 *acc, char *to, const xxh_u8 *in, size_t count, const xxh_u8 *secret,
@@ -110,7 +126,7 @@ XXH_FORCE_INLINE int fused_long(char *to, const char *from, size_t n, XXH64_hash
     const size_t block_len = XXH_STRIPE_LEN * per_block;
     const size_t blocks = (n - 1) / block_len;
     const xxh_u8 *in = (const xxh_u8 *)from, *end = in + n;
-    int stream = n >= STREAM_FROM && ((uintptr_t)to & 15) == 0;
+    int stream = streams(to, n);
     XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
     for (size_t ahead = 0; ahead < PREFETCH_AHEAD && ahead < n; ahead += 64)
         XXH_PREFETCH(in + ahead);
@@ -125,8 +141,7 @@ XXH_FORCE_INLINE int fused_long(char *to, const char *from, size_t n, XXH64_hash
     at += last * XXH_STRIPE_LEN;
     memcpy(to + at, in + at, n - at);
     f_acc512(acc, end - XXH_STRIPE_LEN, secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
-    if (stream)
-        _mm_sfence(); /* the streamed stores are visible before the caller reads dst */
+    end_streaming(stream);
     return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)n) == checksum;
 }
 
@@ -148,26 +163,15 @@ static int (*fused)(char *, const char *, size_t, XXH64_hash_t) = fused_sse2;
 static int two_pass_long(char *to, const char *from, size_t n, XXH64_hash_t checksum) {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
-#if HAVE_FUSED
-    int stream = n >= STREAM_FROM && ((uintptr_t)to & 15) == 0;
-#endif
+    int stream = streams(to, n);
     for (size_t at = 0; at < n; at += PIECE) {
         size_t piece = n - at < PIECE ? n - at : PIECE;
         for (size_t ahead = at + PIECE; ahead < at + 2 * PIECE && ahead < n; ahead += 64)
             XXH_PREFETCH(from + ahead); /* the next piece, while this one is hashed and copied */
         HASH_UPDATE(&state, from + at, piece);
-#if HAVE_FUSED
-        if (stream) {
-            stream_copy(to + at, from + at, piece);
-            continue;
-        }
-#endif
-        memcpy(to + at, from + at, piece);
+        copy_piece(to + at, from + at, piece, stream);
     }
-#if HAVE_FUSED
-    if (stream)
-        _mm_sfence();
-#endif
+    end_streaming(stream);
     return XXH3_64bits_digest(&state) == checksum;
 }
 
@@ -176,7 +180,7 @@ static int chosen = TWO_PASS;
 
 /* Without the GIL. */
 static int copy_verified(char *to, const char *from, size_t n, XXH64_hash_t checksum, int how) {
-#if HAVE_FUSED
+#if X86
     if (how == ONE_PASS && n > XXH3_MIDSIZE_MAX)
         return fused(to, from, n, checksum);
 #else
@@ -190,6 +194,20 @@ static int copy_verified(char *to, const char *from, size_t n, XXH64_hash_t chec
     return 1;
 }
 
+/* copy_verified of src into dst without the GIL: 1 good, 0 failed its check, -1 error set
+ * (dst too small, nothing copied). */
+static int copy_buffers(Py_buffer *src, Py_buffer *dst, XXH64_hash_t checksum, int how) {
+    if (dst->len < src->len) {
+        PyErr_Format(PyExc_ValueError, "the destination holds %zd bytes, the block %zd", dst->len, src->len);
+        return -1;
+    }
+    int good;
+    Py_BEGIN_ALLOW_THREADS
+    good = copy_verified((char *)dst->buf, (const char *)src->buf, (size_t)src->len, checksum, how);
+    Py_END_ALLOW_THREADS
+    return good;
+}
+
 static PyObject *call(PyObject *args, int how) {
     Py_buffer src, dst;
     PyObject *checksum_obj;
@@ -197,18 +215,10 @@ static PyObject *call(PyObject *args, int how) {
         return NULL;
     PyObject *result = NULL;
     unsigned long long checksum = PyLong_AsUnsignedLongLong(checksum_obj);
-    if (checksum == (unsigned long long)-1 && PyErr_Occurred())
-        goto done;
-    if (dst.len < src.len) {
-        PyErr_Format(PyExc_ValueError, "the destination holds %zd bytes, the block %zd", dst.len, src.len);
-        goto done;
+    if (!(checksum == (unsigned long long)-1 && PyErr_Occurred())) {
+        int good = copy_buffers(&src, &dst, (XXH64_hash_t)checksum, how);
+        result = good < 0 ? NULL : PyBool_FromLong(good);
     }
-    int good;
-    Py_BEGIN_ALLOW_THREADS
-    good = copy_verified((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (XXH64_hash_t)checksum, how);
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(good);
-done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return result;
@@ -236,18 +246,7 @@ static int plain_block(PyObject *stored, PyObject *dst_obj, PyObject *entry) {
         PyBuffer_Release(&src);
         return -1;
     }
-    int good = 0;
-    if (src.len == stored_len) {
-        if (dst.len < src.len) {
-            PyErr_Format(PyExc_ValueError, "the destination holds %zd bytes, the block %zd", dst.len, src.len);
-            good = -1;
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            good = copy_verified((char *)dst.buf, (const char *)src.buf, (size_t)src.len, (XXH64_hash_t)checksum,
-                                 chosen);
-            Py_END_ALLOW_THREADS
-        }
-    }
+    int good = src.len == stored_len ? copy_buffers(&src, &dst, (XXH64_hash_t)checksum, chosen) : 0;
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return good;
@@ -327,7 +326,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_verify", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__verify(void) {
-#if HAVE_FUSED
+#if X86
     int vector = XXH_featureTest();
 #if XXH_DISPATCH_AVX2
     if (vector >= XXH_AVX2)
