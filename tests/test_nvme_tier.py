@@ -314,17 +314,33 @@ def test_corrupt_payload_is_a_counted_miss_and_is_deleted(config: NvmeConfig, si
     tier.close()
 
 
+def read_loop(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
+    """Batched reads through the C loop over plain blocks ("native", asserted built) or Python's."""
+    import tiers.nvme
+
+    if loop == "python":
+        monkeypatch.setattr(tiers.nvme, "_verify", None)
+    else:
+        native_verify()
+
+
+def three_blocks_stored(config: NvmeConfig, size: int) -> None:
+    """Blocks 1-3 of ``size`` bytes committed in ``config``'s folder, the tier closed."""
+    tier = NvmeTier(config)
+    for i in (1, 2, 3):
+        tier.put(key(i), payload(i, size), FP)
+    tier.close()
+
+
 @pytest.mark.parametrize("loop", ["native", "python"])
 def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_one_transaction(
     config: NvmeConfig, monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
     import tiers.nvme
 
+    read_loop(monkeypatch, loop)
     starts: list[int] = []  # where each native run over the plain blocks began
-    if loop == "python":
-        monkeypatch.setattr(tiers.nvme, "_verify", None)
-    else:
-        native_verify()
+    if loop == "native":
         read_plain = tiers.nvme._verify.read_plain
 
         def counted_run(*args: object) -> object:
@@ -333,10 +349,7 @@ def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_on
 
         monkeypatch.setattr(tiers.nvme._verify, "read_plain", counted_run)
     size = 300_000
-    tier = NvmeTier(config)
-    for i in (1, 2, 3):
-        tier.put(key(i), payload(i, size), FP)
-    tier.close()
+    three_blocks_stored(config, size)
     with raw_env(config) as env, env.begin(write=True, db=env.open_db(b"payloads")) as txn:
         stored = bytearray(txn.get(key(2)) or b"")
         stored[size // 2] ^= 0x01
@@ -374,17 +387,9 @@ def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_on
 def test_a_stored_value_of_another_length_than_its_header_is_a_counted_miss_never_copied(
     config: NvmeConfig, monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
-    import tiers.nvme
-
-    if loop == "python":
-        monkeypatch.setattr(tiers.nvme, "_verify", None)
-    else:
-        native_verify()
+    read_loop(monkeypatch, loop)
     size = 20_000
-    tier = NvmeTier(config)
-    for i in (1, 2, 3):
-        tier.put(key(i), payload(i, size), FP)
-    tier.close()
+    three_blocks_stored(config, size)
     with raw_env(config) as env, env.begin(write=True, db=env.open_db(b"payloads")) as txn:
         txn.put(key(1), payload(1, size)[:-1])  # shorter than its header says
         txn.put(key(2), payload(2, size) + b"\0" * 64)  # longer: a reader trusting it would overrun
