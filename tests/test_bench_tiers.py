@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import Result, write_json
 from benchmarks.tiers import _Working, bench_dram, bench_keys, bench_nvme
 
@@ -32,6 +34,13 @@ def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
         assert r.value is not None and r.value > 0
         assert r.reference_value is not None and r.reference_value > 0
         assert r.ratio == r.value / r.reference_value
+
+
+def test_the_destination_block_starts_on_a_page_as_a_restores_do() -> None:
+    for size in (1000, 256 * 1024, 2 << 20):
+        w = _Working(size, 4 << 20)
+        assert np.frombuffer(w.dst_view, dtype=np.uint8).ctypes.data % 4096 == 0
+        assert len(w.dst_view) == size and w.dst.flags.writeable
 
 
 def test_json_shape(tmp_path: Path) -> None:

@@ -403,6 +403,50 @@ def test_a_stored_value_of_another_length_than_its_header_is_a_counted_miss_neve
     tier.close()
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_a_batched_read_fills_typed_and_byte_buffers_alike(
+    config: NvmeConfig, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """A restore's buffers may be views of any element type (a float16 page, a 2-D block of
+    rows): each is filled byte for byte, as a flat byte buffer is."""
+    read_loop(monkeypatch, loop)
+    size = 20_000
+    three_blocks_stored(config, size)
+    tier = NvmeTier(config)
+    halves = np.zeros(size // 2, dtype=np.float16)
+    rows = np.zeros((10, size // 10), dtype=np.uint8)
+    flat = bytearray(size)
+    outs = [memoryview(halves), memoryview(rows), memoryview(flat)]
+    sizes: list[int | None] = []
+    tier.get_into_many([key(1), key(2), key(3)], outs, sizes)
+    assert sizes == [size] * 3
+    assert [halves.tobytes(), rows.tobytes(), bytes(flat)] == [payload(i, size) for i in (1, 2, 3)]
+    tier.close()
+
+
+def test_the_native_plain_loop_reads_through_the_transactions_own_or_a_named_database(
+    config: NvmeConfig,
+) -> None:
+    native_verify()
+    from tiers import _verify  # type: ignore[attr-defined]
+
+    size = 5000
+    three_blocks_stored(config, size)
+    tier = NvmeTier(config)
+    keys = [key(1), key(2), key(3)]
+    entries = [tier._index.get(k) for k in keys]
+    for db in (None, tier._payloads):  # None: get(key), the transaction begun on the payloads
+        outs = [memoryview(bytearray(size)) for _ in keys]
+        sizes: list[int | None] = []
+        bad: list[int] = []
+        begin = {"db": tier._payloads} if db is None else {}
+        with tier._env.begin(buffers=True, **begin) as txn:
+            done = _verify.read_plain(txn.get, db, keys, entries, [None] * 3, outs, Codec.NONE, 0, sizes, bad)
+        assert (done, sizes, bad) == (3, [size] * 3, [])
+        assert [bytes(o) for o in outs] == [payload(i, size) for i in (1, 2, 3)]
+    tier.close()
+
+
 def test_a_batched_read_stops_at_a_buffer_too_small_and_gives_its_readers_back(config: NvmeConfig) -> None:
     tier = NvmeTier(config)
     for i in (1, 2, 3):

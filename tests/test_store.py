@@ -7,7 +7,7 @@ page per block, so every eviction below is forced and predictable. Restart behav
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -398,6 +398,43 @@ def test_a_read_that_raises_mid_batch_misses_that_block_and_serves_the_rest() ->
         assert all(bytes(outs[i]) == data(keys[i]) for i in (0, 1, 3, 4))
         assert s.tier_of(A, keys[2]) is None  # that copy is gone; the others stay
         assert s.tier_of(A, keys[4]) == tier.name
+    finally:
+        s.close()
+
+
+class _HookedDram(DramTier):
+    """A dram tier that runs ``during`` once inside its next batched read, before the copies:
+    what another thread could do while a restore copies without the store's lock."""
+
+    during: Callable[[], None] | None = None
+
+    def get_into_many(
+        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
+    ) -> None:
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        super().get_into_many(keys, outs, sizes)
+
+
+def test_a_restore_gives_back_its_holds_a_block_deleted_meanwhile_is_freed_a_leased_one_kept() -> None:
+    tier = _HookedDram(DramConfig(capacity_bytes=8 * PAGE, page_bytes=PAGE, prefault=False))
+    s = TieredStore([tier], clock=FakeClock())
+    try:
+        keys = chain(4)
+        s.put(A, keys, [data(k) for k in keys])
+        lease = s.pin(A, keys[3:], ttl_s=30)
+        tier.during = lambda: s.delete(A, keys[1:3]) and None  # held by the restore: doomed
+        outs = [memoryview(bytearray(PAGE)) for _ in keys]
+        assert s.get_into_many(A, keys, outs) == [PAGE] * 4  # doomed blocks keep their bytes till then
+        assert all(bytes(outs[i]) == data(keys[i]) for i in range(4))
+        assert tier.usage().blocks == 2  # the restore's last hold freed the two deleted blocks
+        assert s.lookup(A, keys).hit_blocks == 1  # keys[1] is gone: the prefix ends there
+        index = s._p.index
+        pins = [b.pins for k in (keys[0], keys[3]) if (b := index.visible((index.intern(A), k)))]
+        assert pins == [0, 1]  # the restore's holds are given back; the lease's stays
+        s.release(lease.lease_id)
+        assert s.get_into_many(A, keys[3:], outs[3:]) == [PAGE]
     finally:
         s.close()
 

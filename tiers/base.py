@@ -119,7 +119,7 @@ class BlockHeader:
         return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A place in a memory tier's region: ``offset`` and the ``size_bytes`` of the block it holds."""
 

@@ -348,7 +348,12 @@ class NvmeTier(Tier):
         same steps as ``_copy_committed`` without the interpreter between blocks."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys and {len(outs)} buffers")
-        dsts = [byte_view(out) for out in outs]
+        # Flat byte views; a restore's buffers mostly are already (a view made again costs
+        # ~0.15 us a block).
+        dsts = [
+            out if type(out) is memoryview and out.format == "B" and out.ndim == 1 else byte_view(out)
+            for out in outs
+        ]
         with self._lock:
             self._check_open_locked()
             entries = [self._index.get(key) for key in keys]
@@ -357,14 +362,17 @@ class NvmeTier(Tier):
                 if e is not None and len(dsts[i]) < e.payload_len:
                     limit, need = i, e.payload_len
                     break
-            ops = [
-                None if e is None else self._writer.pin_pending_locked(k)
-                for k, e in zip(keys[:limit], entries[:limit], strict=True)
-            ]
+            if self._writer.any_pending_locked():
+                ops = [
+                    None if e is None else self._writer.pin_pending_locked(k)
+                    for k, e in zip(keys[:limit], entries[:limit], strict=True)
+                ]
+            else:  # a warm read: nothing queued to pin
+                ops = [None] * limit
             self._readers += 1
         corrupt: list[tuple[TierKey, _Entry]] = []
         try:
-            with self._env.begin(buffers=True) as txn:
+            with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
                 batch = list(keys[:limit])
                 plain = _verify is not None and self._config.cipher is None
                 i = 0
@@ -372,7 +380,7 @@ class NvmeTier(Tier):
                     if plain:  # the plain blocks from i on in C, up to one it hands back
                         bad: list[int] = []
                         i = _verify.read_plain(
-                            txn.get, self._payloads, batch, entries, ops, dsts, Codec.NONE, i, sizes, bad
+                            txn.get, None, batch, entries, ops, dsts, Codec.NONE, i, sizes, bad
                         )
                         corrupt += [(batch[j], cast(_Entry, entries[j])) for j in bad]
                         if i == limit:

@@ -194,6 +194,10 @@ class NvmeWriter:
     def is_pending_locked(self, key: TierKey) -> bool:
         return key in self._pending
 
+    def any_pending_locked(self) -> bool:
+        """Whether any put waits for the writer (none: a batched read pins nothing)."""
+        return bool(self._pending)
+
     def pin_pending_locked(self, key: TierKey) -> PutOp | None:
         """The pending put of ``key``, pinned until release_locked(); None when none is pending."""
         op = self._pending.get(key)

@@ -221,17 +221,15 @@ class TieredStore:
         failed is forgotten and a hit from a slower tier is promoted. ``sizes`` is shorter than
         ``held`` when the copies stopped early: the rest only lose their hold."""
         p = self._p
+        p.pins.unhold_many(held)
         fast_hits = 0
         for block, t, out, n in zip(held, sources, outs, sizes, strict=False):  # sizes may be short
-            p.pins.unhold(block)
             if t == 0 and n is not None:
                 fast_hits += 1
             else:
                 self._after_read(block, t, out, n)
         if fast_hits:
             p.counters[p.served_counter[0]] += fast_hits
-        for block in held[len(sizes) :]:
-            p.pins.unhold(block)
 
     def _after_read(self, block: Block, source: int, out: memoryview, n: int | None) -> None:
         p = self._p

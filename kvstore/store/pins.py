@@ -3,7 +3,7 @@
 A pinned block is never evicted or freed. Pins come from leases a client holds (``grant`` ...
 ``release``, or expiry), from a reservation keeping its parent (``hold`` ... ``unhold``), and
 from the store's own transient holds while a copy runs outside its lock (the same two calls;
-``hold_many`` for the blocks of one restore, each released by ``unhold``).
+``hold_many`` for the blocks of one restore, released by ``unhold_many``).
 
 On the last unhold of a block:
     doomed (deleted while pinned)   -> ``on_free(block)``: its copies and entry go now
@@ -19,7 +19,7 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.leases import Lease, LeaseTable
@@ -67,6 +67,16 @@ class Pins:
             elif block.parked:
                 block.parked = False
                 self._eviction.push(block)
+
+    def unhold_many(self, blocks: Iterable[Block]) -> None:
+        """``unhold`` of each (the blocks of one restore): one call, the last-release work only
+        where a block is doomed or parked."""
+        for block in blocks:
+            pins = block.pins - 1
+            if pins > 0 or (pins == 0 and not block.doomed and not block.parked):
+                block.pins = pins
+            else:
+                self.unhold(block)  # the last release of a doomed or parked block, or an error
 
     def doom(self, block: Block) -> None:
         if block.pins:

@@ -29,7 +29,8 @@
  *
  * read_plain(get, db, keys, entries, ops, dsts, plain_codec, start, sizes, corrupt) -> int
  *   The loop of tiers.nvme.NvmeTier.get_into_many over its plain blocks, from ``start``: for
- *   block i, ``stored = get(keys[i], db=db)`` (the read transaction's get), then
+ *   block i, ``stored = get(keys[i], db=db)`` (the read transaction's get; ``get(keys[i])`` when
+ *   db is None, the transaction's own database: no keyword to parse, ~0.06 us a block), then
  *   verified_copy(stored, dsts[i], entries[i].checksum) after checking len(stored) against
  *   entries[i].stored_len; appends entries[i].payload_len to ``sizes`` (None when the key is
  *   gone since the index lookup, None and i to ``corrupt`` when the check fails). It stops, and
@@ -264,8 +265,8 @@ static PyObject *read_plain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "entries, ops and dsts must cover keys, and start be >= 0");
         return NULL;
     }
-    PyObject *kwargs = Py_BuildValue("{sO}", "db", db);
-    if (kwargs == NULL)
+    PyObject *kwargs = db == Py_None ? NULL : Py_BuildValue("{sO}", "db", db);
+    if (kwargs == NULL && db != Py_None)
         return NULL;
     PyObject *result = NULL;
     for (; i < n; i++) {
@@ -273,11 +274,16 @@ static PyObject *read_plain(PyObject *self, PyObject *args) {
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 6 || PyList_GET_ITEM(ops, i) != Py_None ||
             PyTuple_GET_ITEM(entry, 4) != plain_codec)
             break; /* not plain: the caller's Python loop reads it */
-        PyObject *call_args = PyTuple_Pack(1, PyList_GET_ITEM(keys, i));
-        if (call_args == NULL)
-            goto done;
-        PyObject *stored = PyObject_Call(get, call_args, kwargs);
-        Py_DECREF(call_args);
+        PyObject *stored;
+        if (kwargs == NULL) {
+            stored = PyObject_CallOneArg(get, PyList_GET_ITEM(keys, i));
+        } else {
+            PyObject *call_args = PyTuple_Pack(1, PyList_GET_ITEM(keys, i));
+            if (call_args == NULL)
+                goto done;
+            stored = PyObject_Call(get, call_args, kwargs);
+            Py_DECREF(call_args);
+        }
         if (stored == NULL)
             goto done;
         PyObject *size = Py_None;
@@ -307,7 +313,7 @@ static PyObject *read_plain(PyObject *self, PyObject *args) {
     }
     result = PyLong_FromSsize_t(i);
 done:
-    Py_DECREF(kwargs);
+    Py_XDECREF(kwargs);
     return result;
 }
 
