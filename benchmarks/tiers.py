@@ -80,7 +80,7 @@ def _aligned_zeros(size: int, align: int = 4096) -> np.ndarray:
     (torch's tensors, the client's receive pools, vLLM's pages): numpy's own start on any
     16-byte boundary, and a copy out of LMDB (its values start 16 bytes into a page) ran at
     24.5-25 GB/s into one at 32 or 48 bytes past a line and 29-30 into one at 0 or 16, which
-    swung the nvme rows' ratios between 0.85x and 1.08x by where numpy put the buffer."""
+    swung the nvme warm read's ratio between 0.87x and 1.08x by where numpy put the buffer."""
     raw = np.zeros(size + align, dtype=np.uint8)
     skip = -raw.ctypes.data % align
     return raw[skip : skip + size]

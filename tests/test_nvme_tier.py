@@ -344,7 +344,7 @@ def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_on
         read_plain = tiers.nvme._verify.read_plain
 
         def counted_run(*args: object) -> object:
-            starts.append(cast(int, args[7]))
+            starts.append(cast(int, args[6]))
             return read_plain(*args)
 
         monkeypatch.setattr(tiers.nvme._verify, "read_plain", counted_run)
@@ -424,9 +424,7 @@ def test_a_batched_read_fills_typed_and_byte_buffers_alike(
     tier.close()
 
 
-def test_the_native_plain_loop_reads_through_the_transactions_own_or_a_named_database(
-    config: NvmeConfig,
-) -> None:
+def test_the_native_plain_loop_reads_through_the_transactions_own_database(config: NvmeConfig) -> None:
     native_verify()
     from tiers import _verify  # type: ignore[attr-defined]
 
@@ -435,15 +433,13 @@ def test_the_native_plain_loop_reads_through_the_transactions_own_or_a_named_dat
     tier = NvmeTier(config)
     keys = [key(1), key(2), key(3)]
     entries = [tier._index.get(k) for k in keys]
-    for db in (None, tier._payloads):  # None: get(key), the transaction begun on the payloads
-        outs = [memoryview(bytearray(size)) for _ in keys]
-        sizes: list[int | None] = []
-        bad: list[int] = []
-        begin = {"db": tier._payloads} if db is None else {}
-        with tier._env.begin(buffers=True, **begin) as txn:
-            done = _verify.read_plain(txn.get, db, keys, entries, [None] * 3, outs, Codec.NONE, 0, sizes, bad)
-        assert (done, sizes, bad) == (3, [size] * 3, [])
-        assert [bytes(o) for o in outs] == [payload(i, size) for i in (1, 2, 3)]
+    outs = [memoryview(bytearray(size)) for _ in keys]
+    sizes: list[int | None] = []
+    bad: list[int] = []
+    with tier._env.begin(db=tier._payloads, buffers=True) as txn:  # get(key) reads the payloads
+        done = _verify.read_plain(txn.get, keys, entries, [None] * 3, outs, Codec.NONE, 0, sizes, bad)
+    assert (done, sizes, bad) == (3, [size] * 3, [])
+    assert [bytes(o) for o in outs] == [payload(i, size) for i in (1, 2, 3)]
     tier.close()
 
 

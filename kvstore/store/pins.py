@@ -69,14 +69,9 @@ class Pins:
                 self._eviction.push(block)
 
     def unhold_many(self, blocks: Iterable[Block]) -> None:
-        """``unhold`` of each (the blocks of one restore): one call, the last-release work only
-        where a block is doomed or parked."""
+        """``unhold`` of each (the blocks of one restore)."""
         for block in blocks:
-            pins = block.pins - 1
-            if pins > 0 or (pins == 0 and not block.doomed and not block.parked):
-                block.pins = pins
-            else:
-                self.unhold(block)  # the last release of a doomed or parked block, or an error
+            self.unhold(block)
 
     def doom(self, block: Block) -> None:
         if block.pins:

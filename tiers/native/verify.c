@@ -27,10 +27,10 @@
  * prefetched and then copied out of L1, streamed from STREAM_FROM on. What Python's version (tiers.nvme.verified_copy_py) does,
  * in one call.
  *
- * read_plain(get, db, keys, entries, ops, dsts, plain_codec, start, sizes, corrupt) -> int
+ * read_plain(get, keys, entries, ops, dsts, plain_codec, start, sizes, corrupt) -> int
  *   The loop of tiers.nvme.NvmeTier.get_into_many over its plain blocks, from ``start``: for
- *   block i, ``stored = get(keys[i], db=db)`` (the read transaction's get; ``get(keys[i])`` when
- *   db is None, the transaction's own database: no keyword to parse, ~0.06 us a block), then
+ *   block i, ``stored = get(keys[i])`` (the get of a read transaction begun on the payloads'
+ *   database: no keyword to parse, ~0.06 us a block), then
  *   verified_copy(stored, dsts[i], entries[i].checksum) after checking len(stored) against
  *   entries[i].stored_len; appends entries[i].payload_len to ``sizes`` (None when the key is
  *   gone since the index lookup, None and i to ``corrupt`` when the check fails). It stops, and
@@ -254,9 +254,9 @@ static int plain_block(PyObject *stored, PyObject *dst_obj, PyObject *entry) {
 }
 
 static PyObject *read_plain(PyObject *self, PyObject *args) {
-    PyObject *get, *db, *keys, *entries, *ops, *dsts, *plain_codec, *sizes, *corrupt;
+    PyObject *get, *keys, *entries, *ops, *dsts, *plain_codec, *sizes, *corrupt;
     Py_ssize_t i;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!O!OnO!O!", &get, &db, &PyList_Type, &keys, &PyList_Type, &entries,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!OnO!O!", &get, &PyList_Type, &keys, &PyList_Type, &entries,
                           &PyList_Type, &ops, &PyList_Type, &dsts, &plain_codec, &i, &PyList_Type, &sizes,
                           &PyList_Type, &corrupt))
         return NULL;
@@ -265,25 +265,13 @@ static PyObject *read_plain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "entries, ops and dsts must cover keys, and start be >= 0");
         return NULL;
     }
-    PyObject *kwargs = db == Py_None ? NULL : Py_BuildValue("{sO}", "db", db);
-    if (kwargs == NULL && db != Py_None)
-        return NULL;
     PyObject *result = NULL;
     for (; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i);
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 6 || PyList_GET_ITEM(ops, i) != Py_None ||
             PyTuple_GET_ITEM(entry, 4) != plain_codec)
             break; /* not plain: the caller's Python loop reads it */
-        PyObject *stored;
-        if (kwargs == NULL) {
-            stored = PyObject_CallOneArg(get, PyList_GET_ITEM(keys, i));
-        } else {
-            PyObject *call_args = PyTuple_Pack(1, PyList_GET_ITEM(keys, i));
-            if (call_args == NULL)
-                goto done;
-            stored = PyObject_Call(get, call_args, kwargs);
-            Py_DECREF(call_args);
-        }
+        PyObject *stored = PyObject_CallOneArg(get, PyList_GET_ITEM(keys, i));
         if (stored == NULL)
             goto done;
         PyObject *size = Py_None;
@@ -313,7 +301,6 @@ static PyObject *read_plain(PyObject *self, PyObject *args) {
     }
     result = PyLong_FromSsize_t(i);
 done:
-    Py_XDECREF(kwargs);
     return result;
 }
 
