@@ -38,6 +38,27 @@ def test_blocks_go_into_their_slots_and_come_back_out(copy_path: str) -> None:
     assert bytes(outs[2][:1]) == blocks[2] and bytes(outs[3][:65_536]) == blocks[3]
 
 
+def test_copies_are_exact_at_every_offset_within_a_line(copy_path: str) -> None:
+    """Source and destination at each of the 64 offsets apart within a cache line (where the
+    native copy leaves memcpy for its own loop: tiers/native/copy.h), at lengths about the
+    loop's threshold (256 B), its 16-byte head and 64-byte steps, and a tail of each size: every
+    byte of the block arrives, none past it changes."""
+    lengths = [255, 256, 257, 319, 4096 + 63, 65_536 + 17]
+    span = max(lengths) + 128
+    region = memoryview(bytearray(64 * span))
+    blocks = [os.urandom(lengths[apart % len(lengths)]) for apart in range(64)]
+    slots = [(apart * span + apart, len(block)) for apart, block in enumerate(blocks)]  # every offset
+    inplace.scatter_into_slots(region, slots, blocks)
+    for (offset, size), block in zip(slots, blocks, strict=True):
+        assert bytes(region[offset : offset + size]) == block
+        assert bytes(region[offset + size : offset + size + 64]) == bytes(64)  # past it: untouched
+    backing = bytearray(64 * span)
+    outs = [memoryview(backing)[i * span + 7 : i * span + 7 + size + 64] for i, (_, size) in enumerate(slots)]
+    inplace.gather_from_slots(region, slots, outs)
+    for out, block in zip(outs, blocks, strict=True):
+        assert bytes(out[: len(block)]) == block and bytes(out[len(block) :]) == bytes(64)
+
+
 def test_a_block_larger_than_its_slot_copies_nothing(copy_path: str) -> None:
     region = memoryview(bytearray(4096))
     with pytest.raises(ValueError):

@@ -104,6 +104,33 @@ def test_sizes_are_matched_exactly() -> None:
 # ----------------------------------------------------------------------------- wire.Stream
 
 
+def test_views_made_ahead_are_of_free_buffers_and_hold_none_past_the_next_begin() -> None:
+    """``begin(expect=n)`` makes views of free buffers of the last size taken: take and
+    take_many hand those out first, never one the caller still holds, never one twice; those
+    not handed out keep no buffer busy after the next ``begin``."""
+    pool = ReceivePool(capacity_bytes=64 * KiB)
+    pool.begin()
+    first = pool.take_many([4 * KiB] * 4)
+    ids = [id(v.obj) for v in first]
+    kept = first[0]
+    del first
+    pool.begin(expect=8)  # three free: three views made
+    assert len(pool._ready) == 3 and id(kept.obj) not in {id(v.obj) for v in pool._ready}
+    again = [*pool.take_many([4 * KiB] * 2), pool.take(4 * KiB), *pool.take_many([4 * KiB] * 2)]
+    assert len({id(v.obj) for v in again}) == 5 and id(kept.obj) not in {id(v.obj) for v in again}
+    assert len({id(v.obj) for v in again} & set(ids[1:])) == 3  # the three free ones, then new
+    del again
+    pool.begin(expect=2)
+    assert len(pool._ready) == 2
+    other = pool.take(KiB)  # another size: not from the views made ahead
+    assert len(other) == KiB and all(v.obj is not other.obj for v in pool._ready)
+    pool.begin()  # the two views made ahead and not taken are dropped: their buffers free again
+    held = pool.take_many([4 * KiB] * 4)  # five free of the six: nothing new made
+    assert len({id(v.obj) for v in held}) == 4 and pool.held_bytes == 6 * 4 * KiB + KiB
+    pool.begin(expect=4)
+    assert len(pool._ready) == 1  # of the six 4 KiB buffers, ``kept`` and ``held`` hold five
+
+
 def test_stream_reads_fields_from_one_recv_and_keeps_the_rest() -> None:
     a, b = socket.socketpair()
     with a, b:

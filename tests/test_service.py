@@ -286,8 +286,12 @@ def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
     served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """read_into and get over 11 blocks (chunks 1 2 4 4): the lookup of the next chunk goes out
-    before the copy of this one, each chunk's pin is released, the bytes are the blocks'."""
+    before the copy of this one, each chunk's pin is released, the bytes are the blocks'. A
+    release waits for the next send rather than waking the server alone: the third chunk's goes
+    out with the last one's, four sends in all."""
     from kvstore.client import inplace
+    from kvstore.client.dataport import DataPortClient
+    from kvstore.wire import OP_LOOKUP_SLOTS, OP_RELEASE_NOWAIT
 
     store = served.server.store
     copies: list[int] = []
@@ -311,15 +315,26 @@ def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
         asked.append(len(keys))
         return real_request(fingerprint, keys, pin_ttl_s)
 
+    sends: list[list[int]] = []  # the first byte (the op) of each request of each send
+    real_send = DataPortClient.send
+
+    def send(self: DataPortClient, requests: Sequence[bytes]) -> None:
+        sends.append([r[0] for r in requests])
+        real_send(self, requests)
+
     monkeypatch.setattr(inplace, "_copy_spans", copy)
     monkeypatch.setattr(inplace, "lookup_slots_request", request)
     with connect(served.unix) as kv:
         fp, keys, blocks = stored_chain(kv, 11, "pipelined read")
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+        monkeypatch.setattr(DataPortClient, "send", send)
         assert kv.read_into(fp, keys, outs) == 11
+        monkeypatch.setattr(DataPortClient, "send", real_send)
         assert [bytes(o) for o in outs] == blocks
         assert copies == [1, 2, 4, 4] and asked == [1, 2, 4, 4]
         assert asked_before_copy == [2, 3, 4, 4]  # one chunk's lookup ahead of each copy
+        look, release = OP_LOOKUP_SLOTS, OP_RELEASE_NOWAIT
+        assert sends == [[look, look], [release, look], [release, look], [release, release]]
         assert _leases_drop_to_zero(store)
         copies.clear()
         assert kv.get(fp, keys) == blocks

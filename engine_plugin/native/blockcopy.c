@@ -22,7 +22,7 @@
  *   the address of each contiguous buffer (writable ones only, if asked) as u64[n] bytes: ~0.1 us
  *   a buffer, where numpy's frombuffer takes ~3 us. The caller keeps the buffers alive.
  *
- * One memcpy per part of each block, block after block (the stored block is read or written in
+ * One copy (kv_copy, tiers/native/copy.h) per part of each block, block after block (the stored block is read or written in
  * order), without the GIL: copy_layers' thread never takes it, so neither its start nor its
  * layers wait for the forward pass, which holds the GIL, and the forward never waits for it. The caller (kv_layout.BlockCopier)
  * has checked every id against the cache and every buffer's size: this module trusts them.
@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "copy.h"
 
 #define MAX_THREADS 16
 
@@ -54,9 +56,9 @@ static void *run(void *arg) {
             const int64_t *part = j->parts + 4 * p;
             char *cache = (char *)(uintptr_t)part[0] + id * part[1];
             if (j->gather)
-                memcpy(block + part[2], cache, (size_t)part[3]);
+                kv_copy(block + part[2], cache, (size_t)part[3]);
             else
-                memcpy(cache, block + part[2], (size_t)part[3]);
+                kv_copy(cache, block + part[2], (size_t)part[3]);
         }
     }
     return NULL;

@@ -338,9 +338,14 @@ class Client:
         data = self._data_port()
         if data is not None and self._arena_mapped():  # same host: out of the arena, not the socket
             views: list[memoryview] = []
-            # the pool's look at which buffers are free runs while the first lookup is answered
+            # the pool's look at which buffers are free, and the views of them, made while the
+            # first lookup is answered
             got = self._from_arena(
-                fingerprint, keys, scope, lambda _, sizes: _taken(pool, sizes, views), pool.begin
+                fingerprint,
+                keys,
+                scope,
+                lambda _, sizes: _taken(pool, sizes, views),
+                lambda: pool.begin(expect=len(keys)),
             )
             if got is not None:
                 return views

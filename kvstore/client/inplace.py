@@ -44,8 +44,10 @@ A read in place is a pinning lookup that names the slots, the copy out of them, 
 microsecond and a half each) comes before the first byte is copied. ``read_pipelined`` asks for
 a small first chunk, then chunks READ_GROWTH times the one before, one ahead of the copy: the
 lookup of chunk k+1 runs on the server while chunk k is copied, and chunk k's release goes out
-in the same send as the lookup of chunk k+2. Each chunk's pin covers its own copy. A chunk that
-ends short (a miss) ends the prefix; a lookup already sent past it is read and its pin released.
+in the same send as the lookup of chunk k+2; a release with no lookup left to go with waits for
+the next send, the last one's (a send wakes the server: 25-120 us of this thread's time here).
+Each chunk's pin covers its own copy. A chunk that ends short (a miss) ends the prefix; a lookup
+already sent past it is read and its pin released.
 """
 
 from __future__ import annotations
@@ -324,11 +326,14 @@ def read_pipelined(
     sent = len(coming)
     if meanwhile is not None:
         meanwhile()
+    out: list[bytes] = []  # what goes out next: releases wait for a lookup to go with, or the end
     while coming:
         k, asked = coming.popleft()
         first, end = parts[k]
+        asking = False
         n, _, lease_id, name, spans = conn.read_lookup_spans()
-        out = [release_request(lease_id)] if lease_id else []  # what goes out after this chunk
+        if lease_id:
+            out.append(release_request(lease_id))
         if not ended and spans.missing:
             below = ended = True
         if not ended:
@@ -348,8 +353,10 @@ def read_pipelined(
             if not ended and sent < len(parts):
                 out.append(lookup(sent))
                 sent += 1
-        if out:
+                asking = True
+        if out and (asking or not coming):
             conn.send(out)
+            out = []
     return None if below else hit
 
 

@@ -12,7 +12,7 @@
  *
  * Everything is checked before the first byte moves (a span outside the region, a buffer too
  * small or not writable, a src larger than its slot: ValueError or BufferError, nothing
- * copied); then the memcpys run one after the other without the GIL. A restore of 256 KiB blocks copies each in ~15 us, and the
+ * copied); then the copies (kv_copy, copy.h) run one after the other without the GIL. A restore of 256 KiB blocks copies each in ~15 us, and the
  * Python loop this replaces (a lookup, two slices and an assignment per block) cost ~0.5 us of
  * that (a same-host write of 256 KiB blocks: ~2 us a block of numpy views and copyto). The
  * caller keeps every block's slot from being reused until the call returns (the store's pins,
@@ -23,6 +23,8 @@
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "copy.h"
 
 typedef struct {
     Py_buffer buf; /* held until the copies are done: no other thread can resize it meanwhile */
@@ -96,9 +98,9 @@ static PyObject *copy_spans(PyObject *args, int scatter) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         if (scatter)
-            memcpy(spans[i].region_at, spans[i].buf.buf, spans[i].size);
+            kv_copy(spans[i].region_at, spans[i].buf.buf, spans[i].size);
         else
-            memcpy(spans[i].buf.buf, spans[i].region_at, spans[i].size);
+            kv_copy(spans[i].buf.buf, spans[i].region_at, spans[i].size);
     }
     Py_END_ALLOW_THREADS
     result = Py_None;

@@ -50,6 +50,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "copy.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include "xxhash/xxh_x86dispatch.c"
 #include <emmintrin.h>
@@ -92,7 +94,7 @@ static void copy_piece(char *to, const char *from, size_t n, int stream) {
     if (stream)
         for (; i + XXH_STRIPE_LEN <= n; i += XXH_STRIPE_LEN)
             store_stripe(to + i, (const xxh_u8 *)from + i, 1);
-    memcpy(to + i, from + i, n - i);
+    kv_copy(to + i, from + i, n - i);
 }
 
 static void end_streaming(int stream) {
@@ -191,7 +193,7 @@ static int copy_verified(char *to, const char *from, size_t n, XXH64_hash_t chec
         return two_pass_long(to, from, n, checksum);
     if (HASH_ONESHOT(from, n) != checksum)
         return 0;
-    memcpy(to, from, n);
+    kv_copy(to, from, n);
     return 1;
 }
 

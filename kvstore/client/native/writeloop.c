@@ -33,6 +33,8 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "copy.h"
+
 #define OP_COMMIT 7
 #define SLOT_RECORD 17 /* present (1), offset (8), size (8) */
 
@@ -359,7 +361,7 @@ static PyObject *steps(PyObject *self, PyObject *args) {
         }
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
-            memcpy((char *)region.buf + le64(rec + (size_t)i * SLOT_RECORD + 1), bufs[i].buf, (size_t)bufs[i].len);
+            kv_copy((char *)region.buf + le64(rec + (size_t)i * SLOT_RECORD + 1), bufs[i].buf, (size_t)bufs[i].len);
         Py_END_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
             PyBuffer_Release(&bufs[i]);
