@@ -34,6 +34,8 @@ For each block size (256 KiB, 2 MiB, 32 MiB) and a working set of ``total`` byte
 - Block keys per second for a 32k-token prompt, and the codecs' speed and ratio on bf16 data.
 - SGLang HiCache's page restore into a layer-first host pool (64 pieces a 2 MiB page) through
   the backend's copy, against memcpy into one buffer a page, beside the copy it made before.
+- The native block copy (``kv_copy``) against memcpy, 256 KiB blocks out of page-aligned slots
+  into destinations 0, 8, 16, 32 and 48 bytes past a line (``bench_copy_offsets``).
 
 Subject and reference are measured alternately, several rounds, medians reported, with the
 garbage collector as ``kvstore serve`` runs it (``hold_full_collections``: young collections
@@ -591,6 +593,55 @@ def bench_sglang_pages(rounds: int, pages: int = 64, pieces: int = 64) -> list[R
     ]
 
 
+COPY_OFFSETS = (0, 8, 16, 32, 48)  # bytes past a line the destinations start at
+
+
+def bench_copy_offsets(rounds: int, size: int = 256 * KiB, count: int = 512) -> list[Result]:
+    """The native block copy (``tiers/native/copy.h``'s kv_copy, through ``tiers._gather``, as
+    the dram tier, the client and the connector copy) against memcpy (memoryview assignment),
+    ``count`` blocks of ``size`` out of page-aligned slots into destinations starting ``offset``
+    bytes past a line: glibc's memcpy slows down where the two differ in line offset, kv_copy
+    copies those with a loop of its own. No target: what the machine's memcpy does, and what
+    the native copy does about it."""
+    try:
+        from tiers import _gather  # type: ignore[attr-defined]
+    except ImportError:
+        return []
+    stride = size + 4 * KiB
+    source = _aligned_zeros(count * size)
+    source[:] = np.random.default_rng(3).integers(0, 256, count * size, dtype=np.uint8)
+    region = memoryview(source.data)
+    offsets, sizes = [i * size for i in range(count)], [size] * count
+    dest = _aligned_zeros(count * stride)
+    results = []
+    for offset in COPY_OFFSETS:
+        outs = [memoryview(dest[i * stride + offset : i * stride + offset + size].data) for i in range(count)]
+        ins = [region[at : at + size] for at in offsets]
+
+        def native(outs: list[memoryview] = outs) -> None:
+            _gather.gather(region, offsets, sizes, outs)
+
+        def memcpy(outs: list[memoryview] = outs, ins: list[memoryview] = ins) -> None:
+            for out, block in zip(outs, ins, strict=True):
+                out[:] = block
+
+        native_s, ref_s = interleaved(_timed(native), _timed(memcpy), rounds)
+        if bytes(outs[-1]) != bytes(ins[-1]):
+            raise RuntimeError("the native copy wrote wrong bytes")
+        results.append(
+            Result(
+                f"copy {size_label(size)}, destination {offset} B past a line",
+                gbps(count * size, native_s),
+                "GB/s",
+                "memcpy, the same blocks",
+                gbps(count * size, ref_s),
+                note="kv_copy (tiers._gather) against memoryview assignment (memcpy), out of "
+                "page-aligned slots",
+            )
+        )
+    return results
+
+
 def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> int:
     total = 256 * MiB if quick else 1 * GiB
     rounds = 3 if quick else 7
@@ -601,7 +652,7 @@ def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> 
     hold_full_collections()  # the collector as in `kvstore serve`, where the tiers and store run
     try:
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("tiers", total=len(SIZES) * 3 + 3)
+            task = progress.add_task("tiers", total=len(SIZES) * 3 + 4)
             for size in SIZES:
                 w = _Working(size, total)
                 progress.update(task, description=f"dram {size_label(size)}")
@@ -622,6 +673,9 @@ def run_tier_bench(quick: bool, json_path: str | None, data_dir: str | None) -> 
             progress.advance(task)
             progress.update(task, description="sglang pages")
             results += bench_sglang_pages(rounds * 3)
+            progress.advance(task)
+            progress.update(task, description="copy offsets")
+            results += bench_copy_offsets(COPY_ROUNDS * rounds)
             progress.advance(task)
     finally:
         gc.set_threshold(*thresholds)

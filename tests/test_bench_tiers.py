@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, write_json
-from benchmarks.tiers import _Working, bench_dram, bench_keys, bench_nvme
+from benchmarks.tiers import COPY_OFFSETS, _Working, bench_copy_offsets, bench_dram, bench_keys, bench_nvme
 
 KEYS = {
     "metric",
@@ -56,3 +56,11 @@ def test_json_shape(tmp_path: Path) -> None:
     # the target as a number too, with its verdict
     assert (doc["results"][1]["target_op"], doc["results"][1]["target_ratio"]) == (">=", 0.8)
     assert doc["results"][1]["meets_target"] is False
+
+
+def test_the_copy_offset_rows_name_each_offset_and_copy_right() -> None:
+    rows = bench_copy_offsets(rounds=1, size=64 * 1024, count=8)
+    assert [r.metric for r in rows] == [
+        f"copy 64 KiB, destination {offset} B past a line" for offset in COPY_OFFSETS
+    ]
+    assert all(r.value and r.reference_value and r.target is None for r in rows)
