@@ -116,3 +116,25 @@ def test_a_restore_misses_deleted_and_expired_blocks_and_serves_the_rest() -> No
         assert store.stats().leases == 0 and all(b.pins == 0 for b in store._p.index.blocks.values())
     finally:
         store.close()
+
+
+def test_the_index_finds_by_scope_exactly_the_blocks_it_holds() -> None:
+    """visible_many probes the index by scope, then key: after admits, a replacement, removals
+    and another scope's blocks under the same keys, it answers as the index's entries do."""
+    index, eviction = setup()
+    other = Scope("tenant-b", FP)
+    blocks = [stored(index, eviction, i) for i in range(6)]
+    theirs = new_block(StoreConfig(), other, key(2), SIZE, None, 0)
+    index.admit(theirs)
+    assert index.visible_many(A, [key(i) for i in range(6)]) == blocks
+    assert index.visible_many(other, [key(1), key(2)]) == [None, theirs]
+    replaced = new_block(StoreConfig(), A, key(3), SIZE, None, 0)
+    index.admit(replaced)
+    index.remove(blocks[3])  # no longer the entry: nothing removed
+    index.remove(blocks[4])
+    assert index.visible_many(A, [key(i) for i in range(6)]) == [*blocks[:3], replaced, None, blocks[5]]
+    assert index.prefix(A, [key(i) for i in range(6)]) == [*blocks[:3], replaced]
+    for block in [*blocks[:3], replaced, blocks[5], theirs]:
+        index.remove(block)
+    assert index.visible_many(A, [key(0)]) == [None] and index.visible_many(other, [key(2)]) == [None]
+    assert not index.blocks and not index._by_scope  # nothing left behind for a scope

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.keys import BlockKey, Fingerprint
@@ -61,6 +62,7 @@ from tiers import BytesLike, InPlaceTier, Tier
 from tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore.store")
+_TIERS_OF = attrgetter("tiers")
 REMOTE = "remote"  # the tier name lookups report for blocks found only in the remote tier
 
 
@@ -129,7 +131,8 @@ class TieredStore:
             scope = p.index.intern(scope)
             hits = p.index.prefix(scope, keys)
             names = [tier.name for tier in p.tiers]
-            tiers = [names[min(block.tiers)] for block in hits]  # each one's fastest tier
+            # each one's fastest tier, in C (a frame a block was a tenth of a lookup's time)
+            tiers = list(map(names.__getitem__, map(min, map(_TIERS_OF, hits))))
             p.count(scope, "lookup_hit_blocks", len(hits))
             p.count(scope, "lookup_miss_blocks", len(keys) - len(hits))
             lease = None

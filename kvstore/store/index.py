@@ -40,6 +40,9 @@ class BlockIndex:
         self.by_age: dict[str, collections.deque[BlockId]] = {}  # retained namespaces, oldest first
         self._children: dict[BlockId, set[BlockKey]] = {}
         self._scopes: dict[Scope, Scope] = {}
+        # The same entries by scope, then key: a batch's probes hash only its keys (bytes cache
+        # their hash), not a (scope, key) tuple each, whose hash called Scope's in Python.
+        self._by_scope: dict[Scope, dict[BlockKey, Block]] = {}
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -66,11 +69,11 @@ class BlockIndex:
         """``visible((scope, key))`` for each key, in order; one loop for a whole restore
         (``scope`` interned). Retention is judged against one reading of the wall clock.
         ``prefix``: stop before the first miss (a lookup's answer: only blocks, no None)."""
-        get = self.blocks.get
+        get = self._by_scope.get(scope, {}).get
         now: float | None = None  # read at the first block with a deadline: most have none
         out: list[Block | None] = []
         for key in keys:
-            block = get((scope, key))
+            block = get(key)
             if block is not None:
                 if block.doomed:
                     block = None
@@ -119,10 +122,14 @@ class BlockIndex:
         last_ns: str | None = None  # a commit's blocks share one namespace: looked up once
         retention: float | None = None
         in_namespace: dict[BlockId, Block] = {}
+        last_scope: Scope | None = None
+        in_scope: dict[BlockKey, Block] = {}
         for block in blocks:
             scope = block.scope
             ns = scope.namespace
             ident = (scope, block.key)
+            if scope is not last_scope:
+                last_scope, in_scope = scope, self._by_scope.setdefault(scope, {})
             if not block.stored_at_s:
                 block.stored_at_s = now
             if ns is not last_ns:
@@ -133,6 +140,7 @@ class BlockIndex:
                 self.by_age.setdefault(ns, collections.deque()).append(ident)
             index[ident] = block
             in_namespace[ident] = block
+            in_scope[block.key] = block
             self.namespace_bytes[ns] += block.size_bytes
             if block.parent is not None:
                 siblings = children.get((scope, block.parent))
@@ -145,6 +153,10 @@ class BlockIndex:
         if self.blocks.get(ident) is not block:
             return
         del self.blocks[ident]
+        in_scope = self._by_scope[block.scope]
+        del in_scope[block.key]
+        if not in_scope:
+            del self._by_scope[block.scope]
         ns = block.scope.namespace
         del self.by_namespace[ns][ident]
         self.namespace_bytes[ns] -= block.size_bytes

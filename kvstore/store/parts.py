@@ -110,7 +110,10 @@ class StoreParts:
 
     def count(self, scope: Scope, name: str, n: int = 1) -> None:
         self.counters[name] += n
-        self.namespace_counters.setdefault(scope.namespace, Counter())[name] += n
+        counters = self.namespace_counters.get(scope.namespace)
+        if counters is None:  # (not setdefault: that made a Counter on every call)
+            counters = self.namespace_counters[scope.namespace] = Counter()
+        counters[name] += n
 
     def arena(self) -> tuple[int, InPlaceTier]:
         if self.arena_index is None:
