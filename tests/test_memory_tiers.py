@@ -247,6 +247,13 @@ def test_dram_get_into_many_copies_every_block_either_way(gather_path: str) -> N
         tier.get_into_many(keys, [memoryview(b) for b in bufs], sizes)
         assert sizes == [len(blocks[k]) for k in keys]
         assert all(bytes(b[: len(blocks[k])]) == blocks[k] for b, k in zip(bufs, keys, strict=True))
+        # one block in and out through buffers at odd offsets within a line (put and get_into)
+        odd = bytearray(300_003)
+        odd[3:] = os.urandom(300_000)
+        tier.put(TierKey(b"odd"), memoryview(odd)[3:], FP)
+        out = bytearray(300_000 + 72)
+        assert tier.get_into(TierKey(b"odd"), memoryview(out)[5:]) == 300_000
+        assert out[5 : 5 + 300_000] == odd[3:] and out[:5] == bytes(5) and out[-67:] == bytes(67)
     finally:
         tier.close()
 
