@@ -151,7 +151,7 @@ class BlockCopier:
     id outside the caches, or a buffer of another size, is a ValueError before anything is copied.
 
     By address with the native copier (``native``, the default where it is built): one C call for
-    the whole copy, a memcpy per slice, block after block. Without it, a run of blocks whose
+    the whole copy, one copy (kv_copy) per slice, block after block. Without it, a run of blocks whose
     buffers are evenly spaced in one buffer (the arena's slots of one chain, a staging buffer)
     moves each layer's slice of the whole run in one numpy copy, indexed by the block ids (vLLM
     hands out ids in any order, often descending); anything else is one memmove per slice. Both

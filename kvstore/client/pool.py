@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # getrefcount's own argument, the loop variable and the pool's list: the count of a free buffer
 _FREE_REFS = 3
@@ -53,11 +56,8 @@ class ReceivePool:
         for buffer in self._buffers:
             if sys.getrefcount(buffer) == _FREE_REFS:
                 free.setdefault(len(buffer), []).append(buffer)
-        same_size = free.get(self._ready_size)
-        if expect > 0 and same_size:
-            first = max(0, len(same_size) - expect)
-            self._ready = [memoryview(b) for b in same_size[first:]]
-            del same_size[first:]
+        if expect > 0:
+            self._ready = [memoryview(b) for b in _pop_last(free.get(self._ready_size, []), expect)]
 
     def take(self, size_bytes: int) -> memoryview:
         """A writable view of ``size_bytes`` bytes nobody else refers to: a free pooled buffer
@@ -79,16 +79,10 @@ class ReceivePool:
         if len(set(sizes)) != 1:
             return [self.take(size) for size in sizes]
         size, count = sizes[0], len(sizes)
-        ready: list[memoryview] = []
-        if size == self._ready_size and self._ready:
-            first = max(0, len(self._ready) - count)
-            ready = self._ready[first:]
-            del self._ready[first:]
-            count -= len(ready)
+        ready = _pop_last(self._ready, count) if size == self._ready_size else []
+        count -= len(ready)
         self._ready_size = size
-        same_size = self._free.get(size, [])
-        reused = same_size[-count:] if 0 < count <= len(same_size) else same_size[:count]
-        del same_size[len(same_size) - len(reused) :]
+        reused = _pop_last(self._free.get(size, []), count)
         return [
             *ready,
             *(memoryview(b) for b in reused),
@@ -101,3 +95,11 @@ class ReceivePool:
         self._free = {}
         self._ready = []
         self.held_bytes = 0
+
+
+def _pop_last(items: list[T], n: int) -> list[T]:
+    """The last ``n`` of ``items`` (all of them, if fewer), taken out of it."""
+    first = max(0, len(items) - n)
+    taken = items[first:]
+    del items[first:]
+    return taken
