@@ -430,6 +430,39 @@ def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
         assert [bytes(o) for o in outs] == blocks
 
 
+def test_a_read_whose_last_copy_fails_gives_back_the_release_it_held_for_the_next_send(
+    served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 blocks in chunks 1 2 4 1: the third chunk's release has no lookup left to go with and
+    waits for the next send; the last chunk's copy fails before that send. Both pins go back
+    at once, not after their 30 s."""
+    from kvstore.client import inplace
+
+    real_copy = inplace._copy_spans
+    copies: list[int] = []
+
+    def failing_copy(
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        outs: Sequence[memoryview],
+        into_region: bool,
+    ) -> None:
+        if not into_region and len(copies) == 3:  # the last chunk
+            raise ValueError("the caller's buffer went away")
+        copies.append(len(offsets))
+        real_copy(region, offsets, sizes, outs, into_region)
+
+    store = served.server.store
+    with connect(served.unix) as kv:
+        fp, keys, _ = stored_chain(kv, 8, "last copy fails")
+        monkeypatch.setattr(inplace, "_copy_spans", failing_copy)
+        with pytest.raises(ValueError, match="went away"):
+            kv.read_into(fp, keys, [memoryview(bytearray(BLOCK)) for _ in keys])
+        assert copies == [1, 2, 4]
+        assert _leases_drop_to_zero(store, within_s=2.0)
+
+
 @pytest.mark.parametrize("data_plane", ["auto", "grpc"], ids=["data-port", "grpc-streams"])
 def test_remote_put_and_get_over_tcp(served: Served, data_plane: str) -> None:
     with connect(served.tcp, token="tok-a", data_plane=data_plane) as kv:
