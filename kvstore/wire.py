@@ -147,6 +147,8 @@ class Stream:
         self._armed_at = -math.inf
         self._timeout_s: float | None = sock.gettimeout()  # what the socket has, when known
         self._poller: select.poll | None = None  # for ``spin``, made on its first call
+        # While a list, ``send`` keeps what it is given there instead (to be sent together later).
+        self.held: list[bytes | bytearray | memoryview] | None = None
 
     def begin(self, deadline: float | None) -> None:
         self.deadline = deadline
@@ -197,6 +199,27 @@ class Stream:
         except TimeoutError:
             return False
         return self._end > 0
+
+    def buffered(self) -> memoryview:
+        """The bytes read and not consumed yet (valid until the next read)."""
+        return self._view[self._start : self._end]
+
+    def fill_nowait(self) -> int | None:
+        """Read what a non-blocking socket holds into the empty buffer, without waiting: how
+        many bytes (0: the peer closed), None when it held none."""
+        if self._end > self._start:
+            raise RuntimeError("fill_nowait with bytes still buffered")
+        self._start = self._end = 0
+        try:
+            self._end = self.sock.recv_into(self._view)
+        except BlockingIOError:
+            return None
+        return self._end
+
+    def forget_timeout(self) -> None:
+        """Someone else set the socket's timeout (or made it non-blocking): set ours again."""
+        self._timeout_s = 0.0
+        self._armed_at = -math.inf
 
     def take_buffered(self) -> bytes:
         """The bytes read past the last message consumed, handed to another reader (a native
@@ -260,6 +283,9 @@ class Stream:
         return code, self.read(length).decode(errors="replace") if length else ""
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
+        if self.held is not None:
+            self.held.append(data)
+            return
         self._arm()
         self.sock.sendall(data)
 

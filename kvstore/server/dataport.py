@@ -17,6 +17,7 @@ its bytes trickle, and each request handed to the data plane.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -32,6 +33,7 @@ from typing import Any, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
 from kvstore.keys import BlockKey, Fingerprint
+from kvstore.server.answering import AnsweringLoop, Outcome, Parked
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
 from kvstore.store import Scope
@@ -82,7 +84,8 @@ class _Session:
 
 
 class DataPort:
-    """A thread per connection; ``close()`` stops accepting and waits for them."""
+    """A thread per connection, its small requests answered by one loop between its others
+    (``kvstore.server.answering``); ``close()`` stops accepting and waits for them."""
 
     def __init__(
         self,
@@ -132,6 +135,8 @@ class DataPort:
         self._lock = threading.Lock()
         self._spinner = threading.Lock()  # held by the one connection spinning for its next request
         self._closing = threading.Event()
+        # answers the small requests of connections between their others
+        self._loop = AnsweringLoop(lookups=not plane.store.has_remote)
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-dataport", daemon=True)
         self._acceptor.start()
 
@@ -169,6 +174,7 @@ class DataPort:
         deadline = time.monotonic() + grace_s
         self._closing.set()
         self._listener.close()
+        self._loop.close()
         if self.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
@@ -193,6 +199,7 @@ class DataPort:
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session: _Session | None = None
+        parked: Parked | None = None
         try:
             hello_deadline = time.monotonic() + HELLO_S
             if self._ssl_context is not None and conn.family != socket.AF_UNIX:
@@ -207,21 +214,18 @@ class DataPort:
             stream.begin(hello_deadline)
             session = self._hello(stream, peer)
             self._admit(session)
+            if not isinstance(conn, ssl.SSLSocket):
+                parked = Parked(conn, stream, functools.partial(self._serve_one, stream, session))
             spin_s = 0.0
             while not self._closing.is_set():
-                if not self._next_request(stream, spin_s):
+                if parked is not None and spin_s == 0.0 and not stream.buffered():
+                    if not self._park(parked):
+                        return
+                    if not stream.buffered():
+                        continue
+                elif not self._next_request(stream, spin_s):
                     return
-                stream.begin(time.monotonic() + REQUEST_S)  # all of it, however its bytes trickle
-                op = stream.read(1)[0]
-                started = time.perf_counter()
-                try:
-                    self._dispatch(op, stream, session)
-                finally:
-                    if self.on_request is not None and op in OP_NAMES:
-                        self.on_request(OP_NAMES[op], time.perf_counter() - started)
-                # A write with a reservation still open here sends its next commit a chunk's
-                # copy from now: wait for it awake.
-                spin_s = self.spin_s if session.reserved and op in (OP_RESERVE, OP_COMMIT) else 0.0
+                spin_s = self._serve_one(stream, session)
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
@@ -240,6 +244,33 @@ class DataPort:
                 self._conns.discard(conn)
                 if session is not None and session.caller.tenant in self._per_tenant:
                     self._per_tenant[session.caller.tenant] -= 1
+
+    def _serve_one(self, stream: Stream, session: _Session) -> float:
+        """Serve the request whose first bytes have come; how long to spin for the next one."""
+        stream.begin(time.monotonic() + REQUEST_S)  # all of it, however its bytes trickle
+        op = stream.read(1)[0]
+        started = time.perf_counter()
+        try:
+            self._dispatch(op, stream, session)
+        finally:
+            if self.on_request is not None and op in OP_NAMES:
+                self.on_request(OP_NAMES[op], time.perf_counter() - started)
+        # A write with a reservation still open here sends its next commit a chunk's copy from
+        # now: wait for it awake.
+        return self.spin_s if session.reserved and op in (OP_RESERVE, OP_COMMIT) else 0.0
+
+    def _park(self, parked: Parked) -> bool:
+        """Leave the connection to the answering loop until a request needs this thread;
+        whether the connection goes on. Sends first what the loop could not send at once."""
+        outcome = self._loop.park(parked)
+        if parked.unsent:
+            parked.stream.begin(time.monotonic() + REQUEST_S)
+            parked.stream.send(parked.unsent)
+        if outcome is Outcome.FAILED and parked.error is not None:
+            raise parked.error
+        if outcome is not Outcome.SERVE:
+            log.debug("data connection parked: %s", outcome.value)
+        return outcome is Outcome.SERVE
 
     def _dispatch(self, op: int, stream: Stream, session: _Session) -> None:
         if op == OP_LOOKUP:

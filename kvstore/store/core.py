@@ -107,6 +107,11 @@ class TieredStore:
             self._cleaner = Cleaner(self._p, a, disk, self.config.clean_ahead, lambda: self._closed)
 
     @property
+    def has_remote(self) -> bool:
+        """Whether a lookup may ask the fleet's remote tier (a network call) past its local prefix."""
+        return self._remote is not None
+
+    @property
     def leases(self) -> LeaseTable[Block]:
         return self._p.pins.leases
 

@@ -1,0 +1,215 @@
+"""The data port's answering loop: one thread that watches every connection between requests
+and answers the small ones itself.
+
+With a thread per connection, each small request (a lookup, a release, a lease check) wakes its
+own thread, and that thread then takes the GIL from the others at every socket call: with four
+clients looking up at once, a lookup waited for the others' requests piece by piece, and its
+p99 went past 2 ms on two CPUs. Here one thread sleeps in ``epoll`` on every parked connection,
+answers each complete small request it finds buffered (several in a row without sleeping, their
+answers joined into one send), and hands the connection back to its own thread for anything
+else: a request of another kind, one whose bytes have not all come (the thread then reads the
+rest under the request's deadline), an answer the socket would not take at once (the thread
+sends the rest under the deadline), an error (the thread sends the error frame and closes), the
+peer gone, the connection idle past IDLE_S, or the port closing.
+
+Order of calls, per connection: its thread calls ``park(parked)`` and blocks until the loop
+hands the connection back; ``parked.outcome`` then says why. Only the thread that owns a
+connection touches its stream, except between ``park`` and the hand-back, when only the loop
+does. TLS connections are never parked (their bytes sit in the TLS layer, out of epoll's sight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvstore.wire import (
+    IDLE_S,
+    OP_LEASE_HELD,
+    OP_LOOKUP,
+    OP_LOOKUP_SLOTS,
+    OP_RELEASE,
+    OP_RELEASE_NOWAIT,
+    Stream,
+)
+
+log = logging.getLogger(__name__)
+
+_COUNT = struct.Struct("<I")
+_LOOKUP_HEAD = 1 + 32 + 4  # op, fingerprint, key count
+_ONE_ID = 1 + 8  # op, a lease id
+IDLE_CHECK_S = 1.0
+
+
+class Outcome(Enum):
+    SERVE = "a request to serve"  # its first bytes are buffered in the stream
+    CLOSED = "the peer closed the connection"
+    IDLE = "idle past IDLE_S"
+    CLOSING = "the port is closing"
+    FAILED = "a request failed"  # ``parked.error`` says how
+
+
+@dataclass(eq=False)
+class Parked:
+    """A connection between requests. ``unsent``: answers the loop could not send at once, for
+    the thread to send first; ``error``: what a request the loop answered raised."""
+
+    sock: socket.socket
+    stream: Stream
+    answer: Callable[[], object]  # serves the request whose bytes are all buffered
+    outcome: Outcome = Outcome.SERVE
+    unsent: bytes = b""
+    error: BaseException | None = None
+    since: float = 0.0
+    _handed: threading.Lock = field(default_factory=threading.Lock)
+
+
+def small_request_size(buffered: memoryview, lookups: bool) -> int:
+    """The size of the request at the front of ``buffered`` if the loop answers it itself,
+    -1 when more bytes must come to know, 0 when it is for the connection's thread.
+    ``lookups``: whether lookups are the loop's (not where one may wait on the network)."""
+    op = buffered[0]
+    if lookups and op in (OP_LOOKUP, OP_LOOKUP_SLOTS):
+        if len(buffered) < _LOOKUP_HEAD:
+            return -1
+        n: int = _COUNT.unpack_from(buffered, 33)[0]
+        return _LOOKUP_HEAD + 32 * n + 8
+    if op in (OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD):
+        return _ONE_ID
+    return 0
+
+
+class AnsweringLoop:
+    """One daemon thread; ``park`` from any connection thread, ``close`` once. ``lookups``:
+    whether it answers lookups too; not where a lookup may ask the fleet's remote tier past
+    its local prefix (a network call, up to its timeout, would hold up every connection)."""
+
+    def __init__(self, lookups: bool) -> None:
+        self._lookups = lookups
+        self._epoll = select.epoll()
+        self._parked: dict[int, Parked] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waker, self._wake_end = socket.socketpair()
+        self._waker.setblocking(False)
+        self._epoll.register(self._waker.fileno(), select.EPOLLIN)
+        self._thread = threading.Thread(target=self._run, name="kvstore-answering", daemon=True)
+        self._thread.start()
+
+    def park(self, parked: Parked) -> Outcome:
+        """Hand the connection to the loop until a request needs its thread (or it ends);
+        blocks the calling thread until then."""
+        parked._handed.acquire()
+        parked.outcome, parked.unsent, parked.error = Outcome.SERVE, b"", None
+        parked.stream.held = []
+        parked.since = time.monotonic()
+        fd = parked.sock.fileno()
+        parked.sock.setblocking(False)
+        parked.stream.forget_timeout()
+        with self._lock:
+            if self._closed:
+                parked._handed.release()
+                parked.outcome = Outcome.CLOSING
+                return parked.outcome
+            self._parked[fd] = parked
+            self._epoll.register(fd, select.EPOLLIN)
+        parked._handed.acquire()  # until the loop releases it
+        parked._handed.release()
+        parked.stream.held = None
+        return parked.outcome
+
+    def close(self) -> None:
+        """Hand every parked connection back (Outcome.CLOSING) and stop; later parks return at once."""
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_end.send(b"x")
+        self._thread.join(5.0)
+
+    # ---------------------------------------------------------------- the loop's thread
+
+    def _run(self) -> None:
+        next_idle_check = time.monotonic() + IDLE_CHECK_S
+        try:
+            while True:
+                events = self._epoll.poll(IDLE_CHECK_S)
+                if self._closed:  # set before the waker's byte is sent
+                    return
+                for fd, _ in events:
+                    if (parked := self._parked.get(fd)) is not None:
+                        self._answer(fd, parked)
+                if (now := time.monotonic()) >= next_idle_check:
+                    next_idle_check = now + IDLE_CHECK_S
+                    self._hand_back_idle(now)
+        finally:
+            with self._lock:
+                self._closed = True
+                left = list(self._parked.items())
+            for fd, parked in left:
+                self._hand_back(fd, parked, Outcome.CLOSING)
+            self._epoll.close()
+            self._waker.close()
+            self._wake_end.close()
+
+    def _answer(self, fd: int, parked: Parked) -> None:
+        """Answer every complete small request buffered, then keep watching, or hand the
+        connection back."""
+        stream = parked.stream
+        try:
+            got = stream.fill_nowait()
+        except OSError:
+            self._hand_back(fd, parked, Outcome.CLOSED)
+            return
+        if got == 0:
+            self._hand_back(fd, parked, Outcome.CLOSED)
+            return
+        outcome: Outcome | None = None
+        try:
+            lookups = self._lookups
+            while (buffered := stream.buffered()) and 0 < small_request_size(buffered, lookups) <= len(
+                buffered
+            ):
+                parked.answer()
+        except Exception as exc:  # noqa: BLE001 (re-raised by the connection's thread, which reports it)
+            parked.error, outcome = exc, Outcome.FAILED
+        held, stream.held = stream.held or [], []
+        if held:
+            data = b"".join(held)
+            try:
+                sent = parked.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._hand_back(fd, parked, Outcome.CLOSED)
+                return
+            if sent < len(data):
+                parked.unsent = data[sent:]
+                outcome = outcome or Outcome.SERVE
+        if stream.buffered() and outcome is None:
+            outcome = Outcome.SERVE  # another kind, or not all here yet: its thread reads the rest
+        if outcome is None:
+            parked.since = time.monotonic()  # watched still: no system call to stay parked
+            return
+        self._hand_back(fd, parked, outcome)
+
+    def _hand_back_idle(self, now: float) -> None:
+        with self._lock:
+            idle = [(fd, p) for fd, p in self._parked.items() if now - p.since > IDLE_S]
+        for fd, parked in idle:
+            self._hand_back(fd, parked, Outcome.IDLE)
+
+    def _hand_back(self, fd: int, parked: Parked, outcome: Outcome) -> None:
+        with self._lock:
+            if self._parked.pop(fd, None) is None:
+                return
+            self._epoll.unregister(fd)  # before its thread may close it
+        parked.outcome = outcome
+        parked._handed.release()

@@ -1,0 +1,244 @@
+"""The data port's answering loop (kvstore.server.answering): one thread answers the small
+requests of every connection between its other requests. Pipelined lookups are answered in
+order by that thread; one whose bytes trickle is still answered (its own thread reads the rest);
+a client that never reads its answers holds up no one else; an error answered there reaches its
+client and closes that connection only; a connection idle past IDLE_S is closed; a drain hands
+every parked connection back at once; a lookup that waits on the remote tier is never the
+loop's."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+import kvstore.server.answering as answering
+from kvstore.client import connect
+from kvstore.keys import BlockKey
+from kvstore.server.config import load_settings
+from kvstore.server.serve import start_server
+from kvstore.status import Status
+from kvstore.wire import MAGIC, OP_LEASE_HELD, OP_LOOKUP, OP_LOOKUP_SLOTS, read_status, recv_exact
+from tests.service_fixtures import MODEL, Served, settings_for
+from tests.service_fixtures import served as served  # the fixture
+from tests.test_service import blocks_for, chain
+
+
+def lookup_request(keys: list[BlockKey], op: int = OP_LOOKUP) -> bytes:
+    return struct.pack("<B32sI", op, MODEL.fingerprint(), len(keys)) + b"".join(keys) + struct.pack("<d", 0.0)
+
+
+def read_lookup(sock: socket.socket) -> int:
+    """The hit count of one lookup answer (its tiers and lease read past)."""
+    code, message = read_status(sock)
+    assert code == Status.OK, message
+    (hit,) = struct.unpack("<I", recv_exact(sock, 4))
+    recv_exact(sock, hit + 8)
+    return int(hit)
+
+
+def unix_hello(served: Served) -> socket.socket:
+    port = served.server.data_socket
+    assert port is not None and port.unix_path
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(port.unix_path)
+    sock.sendall(MAGIC + struct.pack("<HH", 0, 0))
+    assert read_status(sock)[0] == Status.OK
+    return sock
+
+
+def stored(served: Served, n: int, salt: str) -> list[BlockKey]:
+    keys = chain(n, salt=salt)
+    with connect(served.unix) as kv:
+        kv.register(MODEL)
+        kv.put(MODEL.fingerprint(), keys, blocks_for(keys))
+    return keys
+
+
+def recording_threads(served: Served, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of the thread that served each data-port request from now on."""
+    port = served.server.data_socket
+    assert port is not None
+    names: list[str] = []
+    inner: Callable[[str, float], None] | None = port.on_request
+
+    def record(method: str, seconds: float) -> None:
+        names.append(threading.current_thread().name)
+        if inner is not None:
+            inner(method, seconds)
+
+    monkeypatch.setattr(port, "on_request", record)
+    return names
+
+
+def settled(names: list[str], n: int) -> bool:
+    """Whether ``n`` requests were recorded within a second (each is recorded just after its
+    answer went out, so a client can read the answer first)."""
+    deadline = time.monotonic() + 1
+    while len(names) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return len(names) == n
+
+
+def test_pipelined_lookups_are_answered_in_order_by_the_loop(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = stored(served, 3, "pipelined")
+    sock = unix_hello(served)
+    names = recording_threads(served, monkeypatch)
+    # 40 lookups in one send: prefixes of 0..4 keys of a chain of 3 stored blocks
+    sock.sendall(b"".join(lookup_request(keys[: i % 5] + chain(1, salt=f"miss-{i}")) for i in range(40)))
+    assert [read_lookup(sock) for _ in range(40)] == [min(i % 5, 3) for i in range(40)]
+    assert settled(names, 40) and names == ["kvstore-answering"] * 40
+    sock.close()
+
+
+def test_a_lookup_whose_bytes_trickle_is_answered(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = stored(served, 2, "trickle")
+    sock = unix_hello(served)
+    names = recording_threads(served, monkeypatch)
+    request = lookup_request(keys)
+    for cut in (1, 20, 40, len(request) - 3):  # mid-header, mid-keys, before the pin's ttl
+        sock.sendall(request[:cut])
+        time.sleep(0.05)
+        sock.sendall(request[cut:])
+        assert read_lookup(sock) == 2
+    assert settled(names, 4) and "kvstore-answering" not in names  # each finished by its own thread
+    sock.sendall(request)
+    assert read_lookup(sock) == 2  # and the next whole one is the loop's again
+    assert settled(names, 5) and names[-1] == "kvstore-answering"
+    sock.close()
+
+
+def test_a_client_that_never_reads_its_answers_holds_up_no_one(served: Served) -> None:
+    """Lease checks sent one by one, never read: the answers fill the socket until the loop
+    cannot send one at once, which it then leaves to that connection's thread (blocked in its
+    send until the request's deadline or the client's leaving) instead of waiting itself. (Nine
+    bytes a request: a backlog of them never ends the loop's buffer mid-request, so every one
+    is the loop's to answer.)"""
+    keys = stored(served, 2, "hog")
+    hog = unix_hello(served)
+    hog.setblocking(False)
+    request = struct.pack("<BQ", OP_LEASE_HELD, 12345)
+    sent = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until the server stops taking requests from it
+        try:
+            hog.send(request)
+        except BlockingIOError:
+            time.sleep(0.2)
+            try:
+                hog.send(request)
+            except BlockingIOError:
+                break
+        sent += 1
+    assert sent > 100, "the server's answers never filled the socket"
+    with connect(served.unix) as other:
+        started = time.monotonic()
+        for _ in range(20):
+            assert other.lookup(MODEL.fingerprint(), keys) == 2
+        assert time.monotonic() - started < 5
+    hog.close()
+    with connect(served.unix) as other:  # the hog's thread ended with its connection
+        assert other.lookup(MODEL.fingerprint(), keys) == 2
+
+
+def test_an_error_answered_by_the_loop_closes_that_connection_only(served: Served) -> None:
+    keys = chain(2, salt="slots-over-tcp")
+    with connect(served.tcp, token="tok-a") as a:
+        a.register(MODEL)
+        a.put(MODEL.fingerprint(), keys, blocks_for(keys))
+        assert served.server.data_port is not None
+        sock = socket.create_connection(("127.0.0.1", served.server.data_port.port), timeout=10)
+        sock.sendall(MAGIC + struct.pack("<H", 5) + b"tok-a" + struct.pack("<H", 0))
+        assert read_status(sock)[0] == Status.OK
+        sock.sendall(lookup_request(keys, OP_LOOKUP_SLOTS))  # arena slots are for the Unix socket
+        code, message = read_status(sock)
+        assert code == Status.FAILED_PRECONDITION and "Unix socket" in message
+        assert sock.recv(1) == b""  # closed after its error
+        sock.close()
+        assert a.lookup(MODEL.fingerprint(), keys) == 2
+
+
+def test_a_parked_connection_idle_past_idle_s_is_closed(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(answering, "IDLE_S", 0.3)
+    monkeypatch.setattr(answering, "IDLE_CHECK_S", 0.1)
+    keys = stored(served, 1, "idle")
+    sock = unix_hello(served)
+    sock.sendall(lookup_request(keys))
+    assert read_lookup(sock) == 1
+    started = time.monotonic()
+    sock.settimeout(5)
+    assert sock.recv(1) == b""
+    assert time.monotonic() - started < 3  # IDLE_S, then at most a loop timeout (1 s) and a check
+    sock.close()
+
+
+def test_a_drain_hands_every_parked_connection_back_at_once(served: Served) -> None:
+    socks = [unix_hello(served) for _ in range(8)]
+    time.sleep(0.2)  # all parked
+    started = time.monotonic()
+    served.server.stop()
+    took = time.monotonic() - started
+    for sock in socks:
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+        sock.close()
+    assert took < 2, f"the drain took {took:.1f} s with only parked connections"
+
+
+def test_with_a_remote_tier_a_lookup_that_waits_on_it_holds_up_no_one_else() -> None:
+    """Past the local prefix a lookup asks the fleet's remote tier, a network call: here a node
+    that accepts and never answers, so that lookup takes the remote timeout. It is not the
+    loop's to answer then (lookups go to their own threads on such a server), and another
+    client's lookups, all local hits, are answered meanwhile."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    data_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    overrides = settings_for(
+        data_dir,
+        **{
+            "remote.backend": "kvstore",
+            "remote.nodes": f"127.0.0.1:{silent.getsockname()[1]}",
+            "remote.timeout_s": "2",
+            "remote.tokens": "t/local=tok-a",
+        },
+    )
+    server = start_server(load_settings(env={}, overrides=overrides))
+    try:
+        served = Served(server, data_dir)
+        keys = stored(served, 2, "remote-local")
+        missing = chain(2, salt="remote-missing")
+        slow_s: list[float] = []
+
+        def look_past_the_local_prefix() -> None:
+            with connect(served.unix) as kv:
+                started = time.monotonic()
+                kv.lookup(MODEL.fingerprint(), missing)
+                slow_s.append(time.monotonic() - started)
+
+        slow = threading.Thread(target=look_past_the_local_prefix)
+        with connect(served.unix) as other:
+            assert other.lookup(MODEL.fingerprint(), keys) == 2  # connected, warm
+            slow.start()
+            time.sleep(0.3)  # the slow lookup is waiting on the silent node
+            worst = 0.0
+            for _ in range(10):
+                started = time.monotonic()
+                assert other.lookup(MODEL.fingerprint(), keys) == 2
+                worst = max(worst, time.monotonic() - started)
+        slow.join(30)
+        assert slow_s and slow_s[0] > 1.0, "the remote tier answered: nothing was waited on"
+        assert worst < 0.5, f"a local lookup waited {worst:.2f} s behind one on the remote tier"
+    finally:
+        server.stop()
+        silent.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
