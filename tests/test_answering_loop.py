@@ -150,6 +150,42 @@ def test_a_client_that_never_reads_its_answers_holds_up_no_one(served: Served) -
         assert other.lookup(MODEL.fingerprint(), keys) == 2
 
 
+def test_a_client_pipelining_many_requests_takes_its_turn_with_the_others(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thousand lease checks in one send: the loop answers ANSWERS_PER_TURN of them, then the
+    other connections' requests, then the next ones. The first check is held until the other
+    client's lookup is waiting, so that the order is the loop's alone."""
+    keys = stored(served, 1, "turns")
+    port = served.server.data_socket
+    assert port is not None
+    hog, other = unix_hello(served), unix_hello(served)
+    started, go = threading.Event(), threading.Event()
+    lease_held = port.plane.lease_held
+
+    def first_waits(*args: object) -> bool:
+        if not started.is_set():
+            started.set()
+            go.wait(10)
+        return lease_held(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(port.plane, "lease_held", first_waits)
+    methods: list[str] = []
+    monkeypatch.setattr(port, "on_request", lambda method, seconds: methods.append(method))
+    hog.sendall(struct.pack("<BQ", OP_LEASE_HELD, 12345) * 1000)
+    assert started.wait(10)
+    other.sendall(lookup_request(keys))
+    time.sleep(0.2)  # in the other's socket before the loop goes on
+    go.set()
+    assert read_lookup(other) == 1
+    for _ in range(1000):
+        assert read_status(hog)[0] == Status.OK and recv_exact(hog, 1) == b"\0"
+    assert settled(methods, 1001)
+    assert methods.index("Lookup") == answering.ANSWERS_PER_TURN  # right after the hog's first turn
+    hog.close()
+    other.close()
+
+
 def test_an_error_answered_by_the_loop_closes_that_connection_only(served: Served) -> None:
     keys = chain(2, salt="slots-over-tcp")
     with connect(served.tcp, token="tok-a") as a:
