@@ -24,7 +24,16 @@ from kvstore.keys import BlockKey
 from kvstore.server.config import load_settings
 from kvstore.server.serve import start_server
 from kvstore.status import Status
-from kvstore.wire import MAGIC, OP_LEASE_HELD, OP_LOOKUP, OP_LOOKUP_SLOTS, read_status, recv_exact
+from kvstore.wire import (
+    END,
+    MAGIC,
+    OP_GET,
+    OP_LEASE_HELD,
+    OP_LOOKUP,
+    OP_LOOKUP_SLOTS,
+    read_status,
+    recv_exact,
+)
 from tests.service_fixtures import MODEL, Served, settings_for
 from tests.service_fixtures import served as served  # the fixture
 from tests.test_service import blocks_for, chain
@@ -63,14 +72,16 @@ def stored(served: Served, n: int, salt: str) -> list[BlockKey]:
 
 
 def recording_threads(served: Served, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The name of the thread that served each data-port request from now on."""
+    """The name of the thread that served each data-port lookup from now on (only lookups: a
+    request served before, the put that stored the keys, may be recorded just after)."""
     port = served.server.data_socket
     assert port is not None
     names: list[str] = []
     inner: Callable[[str, float], None] | None = port.on_request
 
     def record(method: str, seconds: float) -> None:
-        names.append(threading.current_thread().name)
+        if method == "Lookup":
+            names.append(threading.current_thread().name)
         if inner is not None:
             inner(method, seconds)
 
@@ -114,6 +125,32 @@ def test_a_lookup_whose_bytes_trickle_is_answered(served: Served, monkeypatch: p
     sock.sendall(request)
     assert read_lookup(sock) == 2  # and the next whole one is the loop's again
     assert settled(names, 5) and names[-1] == "kvstore-answering"
+    sock.close()
+
+
+def test_after_a_request_of_another_kind_its_thread_waits_for_the_next_one_itself(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get (bytes over the socket) is the connection's own thread's; that thread then waits for
+    the connection's next request itself (a write's next chunk comes soon, and a hand-over
+    through the loop each time cost it), and parks the connection again after one the loop
+    would have answered."""
+    keys = stored(served, 1, "own-thread")
+    sock = unix_hello(served)
+    names = recording_threads(served, monkeypatch)
+    sock.sendall(lookup_request(keys))
+    assert read_lookup(sock) == 1
+    sock.sendall(struct.pack("<B32sI", OP_GET, MODEL.fingerprint(), 1) + keys[0])
+    assert read_status(sock)[0] == Status.OK
+    (size,) = struct.unpack("<Q", recv_exact(sock, 8))
+    recv_exact(sock, size)
+    assert struct.unpack("<Q", recv_exact(sock, 8))[0] == END and read_status(sock)[0] == Status.OK
+    for _ in range(2):
+        sock.sendall(lookup_request(keys))
+        assert read_lookup(sock) == 1
+    assert settled(names, 3)
+    assert names[0] == "kvstore-answering" and names[1] != "kvstore-answering"
+    assert names[2] == "kvstore-answering"
     sock.close()
 
 
@@ -171,7 +208,11 @@ def test_a_client_pipelining_many_requests_takes_its_turn_with_the_others(
 
     monkeypatch.setattr(port.plane, "lease_held", first_waits)
     methods: list[str] = []
-    monkeypatch.setattr(port, "on_request", lambda method, seconds: methods.append(method))
+    monkeypatch.setattr(  # lookups and lease checks only: the put before may be recorded after
+        port,
+        "on_request",
+        lambda method, seconds: method in ("Lookup", "LeaseHeld") and methods.append(method),
+    )
     hog.sendall(struct.pack("<BQ", OP_LEASE_HELD, 12345) * 1000)
     assert started.wait(10)
     other.sendall(lookup_request(keys))

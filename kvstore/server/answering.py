@@ -10,7 +10,9 @@ answers joined into one send; ANSWERS_PER_TURN of one connection, then the other
 else: a request of another kind, one whose bytes have not all come (the thread then reads the
 rest under the request's deadline), an answer the socket would not take at once (the thread
 sends the rest under the deadline), an error (the thread sends the error frame and closes), the
-peer gone, the connection idle past IDLE_S, or the port closing.
+peer gone, the connection idle past IDLE_S, or the port closing. A thread that served a request
+of another kind waits for its connection's next request itself (``answers`` says which kinds
+are the loop's): a write's next one comes soon, and a hand-over each time cost it.
 
 Order of calls, per connection: its thread calls ``park(parked)`` and blocks until the loop
 hands the connection back; ``parked.outcome`` then says why. Only the thread that owns a
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 _COUNT = struct.Struct("<I")
 _LOOKUP_HEAD = 1 + 32 + 4  # op, fingerprint, key count
 _ONE_ID = 1 + 8  # op, a lease id
+_LOOKUP_OPS = frozenset((OP_LOOKUP, OP_LOOKUP_SLOTS))
+_ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD))  # a lease id their only field
 IDLE_CHECK_S = 1.0
 # Requests of one connection answered in a row before the others' turn: a client pipelining a
 # buffer's worth (1,820 lease checks in 16 KiB) holds up the rest for ~0.2 ms, not ~10 ms.
@@ -80,12 +84,12 @@ def small_request_size(buffered: memoryview, lookups: bool) -> int:
     -1 when more bytes must come to know, 0 when it is for the connection's thread.
     ``lookups``: whether lookups are the loop's (not where one may wait on the network)."""
     op = buffered[0]
-    if lookups and op in (OP_LOOKUP, OP_LOOKUP_SLOTS):
+    if lookups and op in _LOOKUP_OPS:
         if len(buffered) < _LOOKUP_HEAD:
             return -1
         n: int = _COUNT.unpack_from(buffered, 33)[0]
         return _LOOKUP_HEAD + 32 * n + 8
-    if op in (OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD):
+    if op in _ID_OPS:
         return _ONE_ID
     return 0
 
@@ -107,6 +111,10 @@ class AnsweringLoop:
         self._epoll.register(self._waker.fileno(), select.EPOLLIN)
         self._thread = threading.Thread(target=self._run, name="kvstore-answering", daemon=True)
         self._thread.start()
+
+    def answers(self, op: int) -> bool:
+        """Whether requests of operation ``op`` are the loop's to answer."""
+        return op in _ID_OPS or (self._lookups and op in _LOOKUP_OPS)
 
     def park(self, parked: Parked) -> Outcome:
         """Hand the connection to the loop until a request needs its thread (or it ends);
