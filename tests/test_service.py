@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -397,13 +397,13 @@ def test_a_pipelined_read_that_meets_a_block_below_the_arena_resolves_the_chain(
     assert _leases_drop_to_zero(store)
 
 
-def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
-    served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def read_copy_failing_at(chunk: int, copies: list[int]) -> Callable[..., None]:
+    """``inplace._copy_spans`` that fails the copy out of the arena of read chunk ``chunk``
+    (from 0), as a caller's buffer gone away would, and records each earlier one's block count
+    in ``copies``."""
     from kvstore.client import inplace
 
     real_copy = inplace._copy_spans
-    copies: list[int] = []
 
     def failing_copy(
         region: memoryview,
@@ -412,11 +412,21 @@ def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
         outs: Sequence[memoryview],
         into_region: bool,
     ) -> None:
-        if not into_region and len(copies) == 1:  # the second chunk, the third's lookup out already
+        if not into_region and len(copies) == chunk:
             raise ValueError("the caller's buffer went away")
-        copies.append(1)
+        copies.append(len(offsets))
         real_copy(region, offsets, sizes, outs, into_region)
 
+    return failing_copy
+
+
+def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
+    served: Served, small_reads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.client import inplace
+
+    real_copy = inplace._copy_spans
+    failing_copy = read_copy_failing_at(1, [])  # the second chunk, the third's lookup out already
     store = served.server.store
     with connect(served.unix) as kv:
         fp, keys, blocks = stored_chain(kv, 8, "read fails")
@@ -438,21 +448,8 @@ def test_a_read_whose_last_copy_fails_gives_back_the_release_it_held_for_the_nex
     at once, not after their 30 s."""
     from kvstore.client import inplace
 
-    real_copy = inplace._copy_spans
     copies: list[int] = []
-
-    def failing_copy(
-        region: memoryview,
-        offsets: list[int],
-        sizes: list[int],
-        outs: Sequence[memoryview],
-        into_region: bool,
-    ) -> None:
-        if not into_region and len(copies) == 3:  # the last chunk
-            raise ValueError("the caller's buffer went away")
-        copies.append(len(offsets))
-        real_copy(region, offsets, sizes, outs, into_region)
-
+    failing_copy = read_copy_failing_at(3, copies)  # the last chunk
     store = served.server.store
     with connect(served.unix) as kv:
         fp, keys, _ = stored_chain(kv, 8, "last copy fails")

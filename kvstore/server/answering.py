@@ -23,7 +23,6 @@ does. TLS connections are never parked (their bytes sit in the TLS layer, out of
 from __future__ import annotations
 
 import contextlib
-import logging
 import select
 import socket
 import struct
@@ -42,8 +41,6 @@ from kvstore.wire import (
     OP_RELEASE_NOWAIT,
     Stream,
 )
-
-log = logging.getLogger(__name__)
 
 _COUNT = struct.Struct("<I")
 _LOOKUP_HEAD = 1 + 32 + 4  # op, fingerprint, key count
@@ -79,19 +76,15 @@ class Parked:
     _handed: threading.Lock = field(default_factory=threading.Lock)
 
 
-def small_request_size(buffered: memoryview, lookups: bool) -> int:
-    """The size of the request at the front of ``buffered`` if the loop answers it itself,
-    -1 when more bytes must come to know, 0 when it is for the connection's thread.
-    ``lookups``: whether lookups are the loop's (not where one may wait on the network)."""
-    op = buffered[0]
-    if lookups and op in _LOOKUP_OPS:
-        if len(buffered) < _LOOKUP_HEAD:
-            return -1
-        n: int = _COUNT.unpack_from(buffered, 33)[0]
-        return _LOOKUP_HEAD + 32 * n + 8
-    if op in _ID_OPS:
+def _size_of(buffered: memoryview) -> int:
+    """The size of the request of the loop's at the front of ``buffered`` (``answers`` its
+    operation), -1 when more bytes must come to know."""
+    if buffered[0] in _ID_OPS:
         return _ONE_ID
-    return 0
+    if len(buffered) < _LOOKUP_HEAD:
+        return -1
+    n: int = _COUNT.unpack_from(buffered, 33)[0]
+    return _LOOKUP_HEAD + 32 * n + 8
 
 
 class AnsweringLoop:
@@ -186,11 +179,15 @@ class AnsweringLoop:
                 self._hand_back(fd, parked, Outcome.CLOSED)
                 return
         outcome: Outcome | None = None
-        lookups, more = self._lookups, False
+        more = False
         try:
             for answered in range(ANSWERS_PER_TURN + 1):
                 buffered = stream.buffered()
-                if not buffered or not 0 < small_request_size(buffered, lookups) <= len(buffered):
+                if (
+                    not buffered
+                    or not self.answers(buffered[0])
+                    or not 0 < _size_of(buffered) <= len(buffered)
+                ):
                     break
                 if more := answered == ANSWERS_PER_TURN:
                     self._again.append(fd)  # the others' turn first
