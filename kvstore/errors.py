@@ -13,6 +13,7 @@ nowhere else).
     │   ├── QuotaExceeded                           the tenant's byte quota is full of blocks that cannot go
     │   └── StoreFull                               no tier can take the block (everything is pinned)
     ├── FailedPrecondition     FAILED_PRECONDITION  a call out of order (commit without reserve)
+    │   └── AuditNotWritten                         an admin action refused: its audit record could not be written
     └── Unavailable            UNAVAILABLE          the server is draining or a tier's medium is gone, or unreachable
         └── DeadlineExceeded   DEADLINE_EXCEEDED    no answer within the call's deadline (the server may be hung)
 
@@ -26,6 +27,7 @@ client's lower layers raise (gRPC, sockets, the arena's mapping) is translated b
 from __future__ import annotations
 
 __all__ = [
+    "AuditNotWritten",
     "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
@@ -84,6 +86,12 @@ class StoreFull(ResourceExhausted):
 
 class FailedPrecondition(KvStoreError):
     pass
+
+
+class AuditNotWritten(FailedPrecondition):
+    """A delete, invalidation, demotion or shred refused, not done: its audit record could not
+    be written (a full or read-only file system under ``server.audit_log``). Retrying helps only
+    once an operator has made room there."""
 
 
 class Unavailable(KvStoreError):

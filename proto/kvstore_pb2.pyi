@@ -160,6 +160,20 @@ class DemoteResponse(_message.Message):
     moved: int
     def __init__(self, moved: _Optional[int] = ...) -> None: ...
 
+class ShredRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class ShredResponse(_message.Message):
+    __slots__ = ("removed", "key_removed")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    KEY_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    key_removed: bool
+    def __init__(self, removed: _Optional[int] = ..., key_removed: _Optional[bool] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class KvStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.DemoteRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.DemoteResponse.FromString,
                 _registered_method=True)
+        self.Shred = channel.unary_unary(
+                '/kvstore.v1.KvStore/Shred',
+                request_serializer=proto_dot_kvstore__pb2.ShredRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.ShredResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.KvStore/Stats',
                 request_serializer=proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
@@ -154,6 +159,14 @@ class KvStoreServicer:
 
     def Demote(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shred(self, request, context):
+        """Crypto-shred a tenant now (admins only): its key file deleted, every copy the server reaches
+        dropped (nvme, dram, the remote tier's), audited before it happens.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -253,6 +266,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Demote,
                     request_deserializer=proto_dot_kvstore__pb2.DemoteRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.DemoteResponse.SerializeToString,
+            ),
+            'Shred': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shred,
+                    request_deserializer=proto_dot_kvstore__pb2.ShredRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.ShredResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -467,6 +485,33 @@ class KvStore:
             '/kvstore.v1.KvStore/Demote',
             proto_dot_kvstore__pb2.DemoteRequest.SerializeToString,
             proto_dot_kvstore__pb2.DemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shred(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KvStore/Shred',
+            proto_dot_kvstore__pb2.ShredRequest.SerializeToString,
+            proto_dot_kvstore__pb2.ShredResponse.FromString,
             options,
             channel_credentials,
             insecure,

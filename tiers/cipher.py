@@ -4,8 +4,10 @@ Stored form of a block: nonce (12 random bytes) ‖ ciphertext ‖ tag (16 bytes
 key as associated data, so a sealed block cannot be moved under another key. Keys live in a
 folder of their own, one file per namespace (``<hex of the namespace>.key``, 32 random bytes,
 mode 0600), made the first time a namespace stores a block. Deleting a namespace's key file
-(with the server stopped) shreds every block of it on disk: they no longer open, and the tier
-treats each as corrupt (a miss, deleted, counted) when it is next read.
+shreds every block of it on disk: they no longer open, and the tier treats each as corrupt (a
+miss, deleted, counted) when it is next read. While a server runs, ``vanished`` (called every
+second by ``kvstore.server.shredding``) notices a deleted key file and forgets the key, and
+``shred`` deletes one; the server then drops the namespace's copies in every tier.
 
 ``namespace_of`` maps a tier key to the namespace whose key seals it; the tier's owner supplies
 it (the tiered store knows the key layout; this package does not import it).
@@ -36,6 +38,7 @@ class BlockCipher:
         os.chmod(self._dir, 0o700)
         self._namespace_of = namespace_of
         self._keys: dict[str, AESGCM | None] = {}
+        self._files: dict[str, tuple[str, tuple[int, int]]] = {}  # each loaded key's file, (dev, inode)
         self._lock = threading.Lock()
 
     def key_path(self, namespace: str) -> Path:
@@ -61,7 +64,38 @@ class BlockCipher:
                     os.fsync(f.fileno())
             aead = AESGCM(raw) if len(raw) == 32 else None
             self._keys[namespace] = aead
+            file_id = _file_id(str(path))
+            if aead is not None and file_id is not None:
+                self._files[namespace] = (str(path), file_id)
             return aead
+
+    def shred(self, namespace: str) -> bool:
+        """Delete the namespace's key file and forget its key: none of its sealed blocks opens
+        again (a block stored later is sealed under a new key). Whether a key file was there."""
+        with self._lock:
+            self._keys[namespace] = None
+            self._files.pop(namespace, None)
+            try:
+                self.key_path(namespace).unlink()
+            except FileNotFoundError:
+                return False
+            _fsync_dir(self._dir)
+            return True
+
+    def vanished(self) -> list[str]:
+        """The namespaces whose key file was deleted or replaced since their key was loaded,
+        their keys forgotten now (a ``stat`` per loaded key: call it every second or so, not
+        per block). Deleting a key file while the server runs shreds like ``shred``. The stats
+        run outside the lock, which every seal and open takes."""
+        with self._lock:
+            loaded = list(self._files.items())
+        gone = [(ns, entry) for ns, entry in loaded if _file_id(entry[0]) != entry[1]]
+        with self._lock:
+            forgotten = [ns for ns, entry in gone if self._files.get(ns) is entry]  # not reloaded since
+            for namespace in forgotten:
+                self._keys[namespace] = None
+                del self._files[namespace]
+        return forgotten
 
     def seal_into(self, key: bytes, payload: memoryview, out: memoryview) -> None:
         """nonce ‖ ciphertext ‖ tag of ``payload`` under its namespace's key, into ``out``
@@ -85,3 +119,20 @@ class BlockCipher:
         except InvalidTag:
             return None
         return n
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a removal in ``folder`` durable: a shredded key must not come back after a crash."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

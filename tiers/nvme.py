@@ -443,6 +443,11 @@ class NvmeTier(Tier):
         with self._cond:
             return self._writer.write_failures
 
+    @property
+    def cipher(self) -> BlockCipher | None:
+        """The keys sealing this tier's blocks, for the server's shredding (None: plaintext)."""
+        return self._config.cipher
+
     def flush(self) -> None:
         with self._cond:
             self._check_open_locked()

@@ -4,6 +4,8 @@
     kvstore stats                  a running server's tiers and counters (table or --json)
     kvstore invalidate             the kill switch: a fingerprint's blocks, or everything
     kvstore demote                 move blocks out of a tier into the next one (nothing dropped)
+    kvstore shred --tenant T       crypto-shred a tenant now: its key file and every copy (admins)
+    kvstore audit                  the audit log's records, torn or damaged lines skipped
     kvstore demo                   end-to-end demonstration of the store on this machine
     kvstore bench tiers [--quick]  per-tier throughput against memcpy and raw LMDB
     kvstore bench device [--quick] copies between the tiers and a GPU against torch's pinned copies
@@ -212,6 +214,34 @@ def _cmd_demote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_shred(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        removed, key_removed = client.shred(args.tenant)
+    key = "key file deleted" if key_removed else "no key file (encryption at rest off, or none made yet)"
+    print(f"shredded tenant {args.tenant}: {key}, {removed} blocks dropped")
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from kvstore.server.audit import read_audit
+
+    settings = _settings(args)
+    path = args.file or settings.server.audit_log
+    if not path:
+        raise InvalidArgument("server.audit_log is empty (no audit log): name one with --file")
+    if path == "auto":
+        path = str(Path(settings.data_dir) / "audit.log")
+    try:
+        read = read_audit(path)
+    except OSError as exc:
+        raise InvalidArgument(f"audit log {path}: {exc.strerror or exc}") from None
+    for action in read.actions:
+        print(json.dumps(action, sort_keys=True))
+    if read.skipped:
+        print(f"{read.skipped} torn or damaged records skipped", file=sys.stderr)
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -374,6 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     demote.add_argument("--model", metavar="ID", help="only the blocks of this model id")
     demote.add_argument("--tenant", default="", help="another tenant's blocks, or '*' for all (admins)")
     demote.set_defaults(func=_cmd_demote)
+
+    shred = sub.add_parser("shred", parents=[common, remote], help="crypto-shred a tenant now (admins)")
+    shred.add_argument("--tenant", required=True, help="the tenant whose key and blocks go")
+    shred.set_defaults(func=_cmd_shred)
+
+    audit = sub.add_parser("audit", parents=[common], help="print the audit log, one action a line")
+    audit.add_argument("--file", help="the audit log (default: server.audit_log)")
+    audit.set_defaults(func=_cmd_audit)
 
     demo = sub.add_parser("demo", parents=[common], help="end-to-end demonstration of the store")
     demo.add_argument(

@@ -259,6 +259,12 @@ class Client:
         request = pb.DemoteRequest(tier=tier, fingerprint=fingerprint or b"", tenant=tenant)
         return int(self._call(self._stub.Demote, request).moved)
 
+    def shred(self, tenant: str) -> tuple[int, bool]:
+        """Crypto-shred ``tenant`` now (admins only): its key file deleted and every copy of its
+        blocks the server reaches dropped. Returns (blocks dropped, whether a key file went)."""
+        r: pb.ShredResponse = self._call(self._stub.Shred, pb.ShredRequest(tenant=tenant))
+        return int(r.removed), bool(r.key_removed)
+
     def stats(self) -> dict[str, Any]:
         return stats_dict(self._call(self._stub.Stats, pb.StatsRequest()))
 

@@ -39,6 +39,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.models import FILE_NAME as MODELS_FILE
 from kvstore.server.models import ModelRegistry
 from kvstore.server.service import KvStoreService
+from kvstore.server.shredding import Shredder
 from kvstore.store import TieredStore
 from kvstore.tls import ServerTls
 
@@ -74,6 +75,7 @@ class RunningServer:
             if port is not None:
                 port.close(self.drain_grace_s)
         self.grpc_server.stop(self.drain_grace_s).wait()
+        self.service.shredder.close()  # its key checks take the store's lock
         self.store.close()
         if self.service.audit is not None:
             self.service.audit.close()
@@ -112,6 +114,9 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         log.log(level, "tier absent: %s", line)
     metrics = Metrics(store) if settings.server.metrics_address else None
     auth = Authenticator(settings.server)
+    audit = _audit_log(settings, undo)
+    shredder = Shredder(store, audit)
+    undo.callback(shredder.close)
     service = KvStoreService(
         store,
         auth,
@@ -119,7 +124,8 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         ModelRegistry(Path(settings.data_dir) / MODELS_FILE),
         max_requests_per_tenant=settings.server.max_requests_per_tenant,
         stream_timeout_s=settings.server.stream_timeout_s,
-        audit=_audit_log(settings, undo),
+        audit=audit,
+        shredder=shredder,
     )
     options = [
         ("grpc.max_receive_message_length", settings.server.max_message_bytes),

@@ -39,11 +39,12 @@ from kvstore.errors import (
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.server.audit import AuditLog
-from kvstore.server.auth import Authenticator, Caller
+from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.dataplane import BATCH_BLOCKS, DataPlane
 from kvstore.server.handlers import abort, register
 from kvstore.server.metrics import Metrics
 from kvstore.server.models import ModelRegistry
+from kvstore.server.shredding import Shredder
 from kvstore.server.stats import TokenCounts, stats_response
 from kvstore.store import Scope, TieredStore
 from proto import kvstore_pb2 as pb
@@ -75,9 +76,11 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         max_requests_per_tenant: int = 8,
         stream_timeout_s: float = 60.0,
         audit: AuditLog | None = None,
+        shredder: Shredder | None = None,
     ) -> None:
         self.store = store
-        self.audit = audit  # invalidations, deletions, demotions: who, what, how many
+        self.audit = audit  # invalidations, deletions, demotions, shreds: who, what, how many
+        self.shredder = shredder or Shredder(store, audit)
         self.auth = auth
         self.metrics = metrics
         self.draining = threading.Event()
@@ -128,24 +131,21 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             with self._in_flight_lock:
                 self._in_flight[tenant] -= 1
 
-    def _audit(
+    def _audited(
         self,
         caller: Caller,
         action: str,
         namespace: str | None,
-        fingerprint: bytes | None,
-        keys: Sequence[bytes],
-        outcome: int,
-    ) -> None:
-        if self.audit is not None:
-            self.audit.record(
-                caller.tenant,
-                action,
-                namespace=namespace,
-                fingerprint=fingerprint,
-                keys=keys,
-                outcome=outcome,
-            )
+        fingerprint: bytes | None = None,
+        keys: Sequence[bytes] = (),
+    ) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+        """The audit log's record of an admin action around its body: written before the action
+        takes effect, or the action refused (``AuditNotWritten``; ``kvstore.server.audit``)."""
+        if self.audit is None:
+            return contextlib.nullcontext(_ignore)
+        return self.audit.action(
+            caller.tenant, action, namespace=namespace, fingerprint=fingerprint, keys=keys
+        )
 
     def _watchdog(self, context: grpc.ServicerContext) -> threading.Timer:
         """Cuts a stream still open after ``stream_timeout_s``: a stalled peer frees its worker."""
@@ -257,8 +257,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         def body(caller: Caller) -> pb.DeleteResponse:
             scope = self._scope(caller, request.fingerprint, request.scope)
             keys = [BlockKey(k) for k in request.keys]
-            deleted = self.store.delete(scope, keys)
-            self._audit(caller, "delete", scope.namespace, scope.fingerprint, keys, deleted)
+            with self._audited(caller, "delete", scope.namespace, scope.fingerprint, keys) as done:
+                deleted = self.store.delete(scope, keys)
+                done(deleted)
             return pb.DeleteResponse(deleted=deleted)
 
         return self._serve("Delete", context, body)
@@ -273,11 +274,12 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 raise InvalidArgument("Invalidate needs a fingerprint or everything=true")
             namespace = _target_namespace(caller, request.tenant, "invalidate")
             fingerprint = _optional_fingerprint(request.fingerprint) if target == "fingerprint" else None
-            removed = self.store.invalidate(namespace=namespace, fingerprint=fingerprint)
+            with self._audited(caller, "invalidate", namespace, fingerprint) as done:
+                removed = self.store.invalidate(namespace=namespace, fingerprint=fingerprint)
+                done(removed)
             log.warning(
                 "tenant %s invalidated %d blocks (target %s)", caller.tenant, removed, request.tenant or "own"
             )
-            self._audit(caller, "invalidate", namespace, fingerprint, (), removed)
             return pb.InvalidateResponse(removed=removed)
 
         return self._serve("Invalidate", context, body)
@@ -287,12 +289,30 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         def body(caller: Caller) -> pb.DemoteResponse:
             namespace = _target_namespace(caller, request.tenant, "demote")
             fingerprint = _optional_fingerprint(request.fingerprint) if request.fingerprint else None
-            moved = self.store.demote(request.tier, namespace=namespace, fingerprint=fingerprint)
+            with self._audited(caller, f"demote {request.tier}", namespace, fingerprint) as done:
+                moved = self.store.demote(request.tier, namespace=namespace, fingerprint=fingerprint)
+                done(moved)
             log.info("tenant %s demoted %d blocks out of %s", caller.tenant, moved, request.tier)
-            self._audit(caller, f"demote {request.tier}", namespace, fingerprint, (), moved)
             return pb.DemoteResponse(moved=moved)
 
         return self._serve("Demote", context, body)
+
+    @override
+    def Shred(self, request: pb.ShredRequest, context: grpc.ServicerContext) -> pb.ShredResponse:
+        def body(caller: Caller) -> pb.ShredResponse:
+            if not caller.admin:
+                raise PermissionDenied(
+                    f"tenant {caller.tenant!r} is not an admin (server.admins): only admins shred"
+                )
+            if not request.tenant or request.tenant == "*":
+                raise InvalidArgument("Shred needs the name of one tenant")
+            namespace = tenant_namespace(request.tenant)
+            with self._audited(caller, "shred", namespace) as done:
+                removed, key_removed = self.shredder.shred(namespace)
+                done(removed)
+            return pb.ShredResponse(removed=removed, key_removed=key_removed)
+
+        return self._serve("Shred", context, body)
 
     @override
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
@@ -508,6 +528,10 @@ def _target_namespace(caller: Caller, tenant: str, verb: str) -> str | None:
     if tenant == "*":
         return None
     return Caller(tenant or caller.tenant, False).namespace
+
+
+def _ignore(outcome: int) -> None:
+    """The outcome of an admin action when the audit log is off."""
 
 
 def _fill(view: memoryview, payload: memoryview) -> None:
