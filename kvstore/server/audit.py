@@ -3,8 +3,8 @@
 Fails closed: an admin action (delete, invalidate, demote, shred) is recorded, on disk, before
 it takes effect, and one whose record cannot be written is refused (``AuditNotWritten``) and
 not done. ``action`` writes an *intent* record and fsyncs it, runs the action, then writes its
-*done* record (the outcome: how many blocks, or the error), best effort: the action has
-happened by then and an intent without its done record says so.
+*done* record (the outcome: how many blocks, or the error), best effort and not fsynced: the
+action has happened by then, and an intent without its done record reads as attempted.
 
 Records are lines in ``server.audit_log`` (default ``<data_dir>/audit.log``, mode 0600, appended,
 never rewritten): ``<crc32 of the JSON, 8 hex digits> <JSON object>\\n``, each one ``os.write``
@@ -87,12 +87,12 @@ class AuditLog:
 
     def _done(self, entry: dict[str, object]) -> None:
         try:
-            self.write(entry)
+            self.write(entry, sync=False)  # one fsync per action: a done record lost reads as attempted
         except OSError as exc:  # done already: the intent on disk says it was attempted
             log.error("audit log %s: the outcome of %s %s not recorded: %s", self.path, *_ids(entry), exc)
 
-    def write(self, entry: dict[str, object]) -> None:
-        """Append one record and fsync it; raises OSError, leaving no part of it in the file."""
+    def write(self, entry: dict[str, object], sync: bool = True) -> None:
+        """Append one record (and fsync it); raises OSError, leaving no part of it in the file."""
         body = json.dumps({"time": round(time.time(), 3), **entry}, sort_keys=True).encode()
         line = b"%08x %s\n" % (zlib.crc32(body), body)
         with self._lock:
@@ -103,7 +103,8 @@ class AuditLog:
                 written = os.write(self._fd, line)
                 if written != len(line):
                     raise OSError(28, f"wrote {written} of {len(line)} bytes", self.path)
-                os.fsync(self._fd)
+                if sync:
+                    os.fsync(self._fd)
             except OSError:
                 self._cut(size)
                 raise
