@@ -20,10 +20,10 @@ FP = bytes(range(32))
 OTHER_FP = bytes(reversed(range(32)))
 
 
-def key(namespace: str, n: int) -> TierKey:
+def key(namespace: str, n: int, fingerprint: bytes = FP) -> TierKey:
     """A key shaped as the store's: namespace length, namespace, fingerprint, block key."""
     ns = namespace.encode()
-    return TierKey(bytes([len(ns)]) + ns + FP + n.to_bytes(32, "big"))
+    return TierKey(bytes([len(ns)]) + ns + fingerprint + n.to_bytes(32, "big"))
 
 
 def block(k: TierKey, size: int = 4096) -> RemoteBlock:
@@ -54,16 +54,19 @@ def make_tier(cluster: RedisClusterProcess) -> Iterator[Callable[..., RemoteTier
 
 
 def test_frames_round_trip_and_refuse_what_is_not_an_intact_block() -> None:
-    b = block(key("a", 1))
+    k = key("a", 1)
+    b = block(k)
     value = frame(b)
-    assert unframe(value, FP) == bytes(b.payload)
-    assert unframe(value, OTHER_FP) is None  # another model's block is never served
-    assert unframe(value[:-1], FP) is None  # torn
+    assert unframe(value, k, FP) == bytes(b.payload)
+    assert unframe(value, k, OTHER_FP) is None  # another model's block is never served
+    assert unframe(value, key("a", 2), FP) is None  # nor one read under another key
+    assert unframe(value, key("b", 1), FP) is None  # or another namespace
+    assert unframe(value[:-1], k, FP) is None  # torn
     flipped = bytearray(value)
     flipped[-1] ^= 1
-    assert unframe(bytes(flipped), FP) is None  # checksum
-    assert unframe(b"\xff\xff junk", FP) is None  # a header that lies about its size
-    assert unframe(b"", FP) is None
+    assert unframe(bytes(flipped), k, FP) is None  # checksum
+    assert unframe(b"\xff\xff junk", k, FP) is None  # a header that lies about its size
+    assert unframe(b"", k, FP) is None
 
 
 def test_put_then_contains_and_get_many_in_order(make_tier: Callable[..., RemoteTier]) -> None:
@@ -101,6 +104,33 @@ def test_a_corrupt_or_foreign_value_is_a_counted_miss_and_deleted(
         assert raw.exists(redis_key) == 0  # deleted, not served again
         # asked under another fingerprint: a miss, never the other model's bytes
         assert tier.get_many([good.key], OTHER_FP) == [None]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("moved_to", ["another-key", "another-namespace", "another-model"])
+def test_a_value_copied_under_another_key_namespace_or_model_is_a_counted_miss_and_deleted(
+    make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess, moved_to: str
+) -> None:
+    """Someone with access to the cluster copies a block's whole value (header and payload, as
+    redis-py reads it) under another block's name: the header names the right fingerprint and
+    its payload is intact, but the checksum is bound to the key it was stored under."""
+    tier = make_tier()
+    source = block(key("a", 1))
+    target, fingerprint = {
+        "another-key": (key("a", 2), FP),  # same tenant, same model, another prefix
+        "another-namespace": (key("b", 1), FP),  # the same block key in another tenant
+        "another-model": (key("a", 1, OTHER_FP), OTHER_FP),
+    }[moved_to]
+    assert tier.put_many([source]) == 1
+    raw = redis.cluster.RedisCluster(host="127.0.0.1", port=int(cluster.nodes[0].rsplit(":", 1)[1]))
+    try:
+        name = tier._key(target)  # type: ignore[attr-defined]
+        raw.set(name, raw.get(tier._key(source.key)))  # type: ignore[attr-defined]
+        assert tier.get_many([target], fingerprint) == [None]  # a miss, not the other block
+        assert tier.usage().checksum_failures == 1  # counted
+        assert raw.exists(name) == 0  # deleted, not served again
+        assert tier.get_many([source.key], FP) == [bytes(source.payload)]  # the original serves
     finally:
         raw.close()
 

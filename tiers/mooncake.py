@@ -113,7 +113,7 @@ class MooncakeTier(RemoteTier):
         out: list[BytesLike | None] = []
         corrupt: list[TierKey] = []
         for key, value in zip(keys, values, strict=True):
-            payload = unframe(value, fingerprint) if value else None  # b"": not there
+            payload = unframe(value, key, fingerprint) if value else None  # b"": not there
             if payload is None and value:
                 corrupt.append(key)
             out.append(payload)

@@ -87,7 +87,7 @@ class RedisClusterTier(RemoteTier):
         out: list[BytesLike | None] = []
         corrupt: list[TierKey] = []
         for key, value in zip(keys, replies, strict=True):
-            payload = unframe(value, fingerprint) if isinstance(value, bytes) else None
+            payload = unframe(value, key, fingerprint) if isinstance(value, bytes) else None
             if payload is None and isinstance(value, bytes):
                 corrupt.append(key)
             out.append(payload)

@@ -24,9 +24,11 @@ node is left alone for a backoff (doubling up to a cap) so that a dead store cos
 not one per request. Writes to it are dropped and counted. Only programming errors raise.
 
 Integrity: every value on the medium is a ``BlockHeader`` (fingerprint, length, xxh3-64 of the
-payload) framed before the payload (``frame``/``unframe``). A read whose header does not parse,
-names another fingerprint, or whose checksum fails is a miss: the value is deleted and counted
-in ``usage().checksum_failures``.
+payload bound to the tier key: ``tiers.base.bound_checksum``) framed before the payload
+(``frame``/``unframe``). A read whose header does not parse, names another fingerprint, or whose
+checksum fails is a miss: the value is deleted and counted in ``usage().checksum_failures``.
+Since the checksum binds the key (namespace, fingerprint, block key), a value copied or moved
+under another key, namespace or model fails it too.
 
 Threads: every method may be called from any thread.
 """
@@ -42,7 +44,15 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiers.base import BlockHeader, BytesLike, Codec, TierKey, check_fingerprint, check_key
+from tiers.base import (
+    BlockHeader,
+    BytesLike,
+    Codec,
+    TierKey,
+    bound_checksum,
+    check_fingerprint,
+    check_key,
+)
 
 _HEADER_LEN = struct.Struct("<H")
 
@@ -129,13 +139,15 @@ def frame(block: RemoteBlock) -> bytes:
     check_fingerprint(block.fingerprint)
     view = memoryview(block.payload).cast("B")
     n = len(view)
-    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, xxhash.xxh3_64_intdigest(view)).pack()
+    checksum = bound_checksum(block.key, xxhash.xxh3_64_intdigest(view))
+    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, checksum).pack()
     return b"".join((_HEADER_LEN.pack(len(header)), header, view))
 
 
-def unframe(value: BytesLike, fingerprint: bytes) -> memoryview | None:
-    """The payload of a stored value, as a view of ``value`` (no copy), or None when it is not a
-    whole, intact block of ``fingerprint`` (the caller deletes it and counts a checksum failure)."""
+def unframe(value: BytesLike, key: TierKey, fingerprint: bytes) -> memoryview | None:
+    """The payload of a value read under ``key``, as a view of ``value`` (no copy), or None when
+    it is not a whole, intact block of ``fingerprint`` stored under ``key`` (the caller deletes
+    it and counts a checksum failure)."""
     view = memoryview(value)
     if len(view) < _HEADER_LEN.size:
         return None
@@ -145,6 +157,8 @@ def unframe(value: BytesLike, fingerprint: bytes) -> memoryview | None:
     if header is None or header.fingerprint != fingerprint or header.codec is not Codec.NONE:
         return None
     payload = view[start:]
-    if len(payload) != header.stored_len or xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if len(payload) != header.stored_len:
+        return None
+    if xxhash.xxh3_64_intdigest(payload) != bound_checksum(key, header.checksum):
         return None
     return payload

@@ -12,6 +12,13 @@ Two-phase writes: ``reserve`` takes a slot that readers cannot see, the caller f
 this process, or in another one that mapped the same region), ``commit`` publishes it and
 frees the slot of any older block under the same key; ``abort`` gives the slot back.
 
+Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
+touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
+or, for a block filled in place by a same-host client, the first copy that leaves the process
+(``intact``: hashing every in-place write at commit would cost the same-host write half a
+memcpy more, README "Every copy knows what it is"). ``intact`` checks a block against it
+before its bytes leave; a mismatch is counted in ``usage().checksum_failures``.
+
 Threads: one lock guards the allocator and the index; byte copies run outside it. The caller
 (the tiered store) guarantees that a key is not deleted while a copy out of its slot runs.
 """
@@ -19,10 +26,13 @@ Threads: one lock guards the allocator and the index; byte copies run outside it
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import xxhash
 
 from tiers.base import (
     BytesLike,
@@ -36,6 +46,8 @@ from tiers.base import (
     check_meta,
 )
 from tiers.errors import BlockTooLarge, SlotBusy, TierClosed, TierFull
+
+log = logging.getLogger(__name__)
 
 SLOT_ALIGN_BYTES = 4096
 
@@ -207,6 +219,7 @@ class SlabEntry:
     fingerprint: bytes
     meta: bytes
     committed: bool
+    checksum: int | None = None  # xxh3-64 of the slot's bytes; None until taken (module docstring)
 
 
 class SlabTier(Tier):
@@ -224,6 +237,7 @@ class SlabTier(Tier):
         self._used_bytes = 0
         self._closed = False
         self._batching = 0  # frees_batched() contexts open
+        self._checksum_failures = 0
 
     # Subclasses: move bytes in and out of the region. Called without the lock held.
     @abstractmethod
@@ -389,6 +403,35 @@ class SlabTier(Tier):
             self._alloc.free(entry.slot)
             return True
 
+    def note_checksum(self, key: TierKey, checksum: int) -> None:
+        """The xxh3-64 of the bytes the caller just wrote into the reserved slot of ``key``,
+        kept from its commit on; nothing when the reservation is gone."""
+        with self._lock:
+            entry = self._pending.get(key)
+            if entry is not None:
+                entry.checksum = checksum
+
+    def intact(self, key: TierKey, view: memoryview) -> bool:
+        """Before ``view`` (the committed slot of ``key``, kept from deletion by the caller)
+        leaves the process: whether its bytes are the block's. A block without a checksum yet
+        takes it now, from these bytes. False (counted) when they differ: the caller deletes the
+        block through its store, which owns the index."""
+        with self._lock:
+            entry = self._entries.get(key)
+            expected = None if entry is None else entry.checksum
+        digest = xxhash.xxh3_64_intdigest(view)
+        if expected is None:
+            with self._lock:
+                if entry is not None and entry.checksum is None:
+                    entry.checksum = digest
+            return True
+        if digest == expected:
+            return True
+        with self._lock:
+            self._checksum_failures += 1
+        log.warning("%s tier: block %s changed since it was checksummed", self.name, key.hex())
+        return False
+
     def locate(self, key: TierKey) -> Slot | None:
         """Where the committed block of ``key`` lives, or None for a miss."""
         with self._lock:
@@ -473,6 +516,7 @@ class SlabTier(Tier):
                 capacity_bytes=self._alloc.capacity_bytes,
                 used_bytes=self._used_bytes,
                 blocks=len(self._entries),
+                checksum_failures=self._checksum_failures,
                 stored_bytes=self._alloc.used_slot_bytes,
             )
 

@@ -10,9 +10,12 @@ adapters over this, so a request has the same outcome, status and metrics whiche
                                                   of ``each(key, slot view)`` for the present
                                                   prefix; the batch is pinned while ``each`` runs
                                                   and released before the list is yielded, so a
-                                                  slow consumer never holds a pin
+                                                  slow consumer never holds a pin; a block
+                                                  whose arena bytes changed since they were
+                                                  checksummed ends the prefix (counted, deleted)
     write(caller, scope, parent, keys, sizes, fill) -> blocks stored; ``fill(i, view)`` writes
-                                                  block i's bytes into its reserved arena slot
+                                                  block i's bytes into its reserved arena
+                                                  slot, checksummed there (``note_checksum``)
 
 Every block lands in the arena (`dram`), reserved in batches so that one request never needs the
 whole arena; a block the arena cannot take (full of pinned blocks) is filled into a buffer and
@@ -31,10 +34,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+import xxhash
+
 from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
 from kvstore.server.auth import Caller
-from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStore
+from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStore, tier_key
 from kvstore.store.placement import PACE_SLICE_BYTES, slices
 from tiers import InPlaceTier
 
@@ -126,21 +131,27 @@ class DataPlane:
             for first in range(0, len(keys), BATCH_BLOCKS):
                 batch = keys[first : first + BATCH_BLOCKS]
                 resolved = self.store.resolve(scope, batch, LEASE_S, owner=caller.tenant)
+                changed: BlockKey | None = None
                 try:
                     results = []
                     for key, slot in zip(batch, resolved.slots, strict=False):
                         if resolved.lease is not None:
                             check_live(resolved.lease.expires_at_s, "lease")
-                        results.append(
-                            each(key, arena.arena.view[slot.offset : slot.offset + slot.size_bytes])
-                        )
+                        view = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
+                        # the bytes leave the process: they must be the block's (tiers.slab)
+                        if not arena.intact(tier_key(scope, key), view):
+                            changed = key
+                            break
+                        results.append(each(key, view))
                 finally:
                     if resolved.lease is not None:
                         with contextlib.suppress(LeaseExpired):  # expired: nothing is held
                             self.store.release(resolved.lease.lease_id, owner=caller.tenant)
-                served.extend(resolved.tiers)
+                served.extend(resolved.tiers[: len(results)])
+                if changed is not None:  # a miss from there on (a prefix is served), and deleted
+                    self.store.delete(scope, [changed])
                 yield results
-                if len(resolved.slots) < len(batch):
+                if len(results) < len(batch):
                     return
         finally:
             self._record_hits(caller, scope.fingerprint, len(keys), served)
@@ -170,7 +181,12 @@ class DataPlane:
                 for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
                     if slot is not None:
                         check_live(reservation.expires_at_s, "reservation")
-                        fill(first + i, arena.arena.view[slot.offset : slot.offset + size])
+                        view = arena.arena.view[slot.offset : slot.offset + size]
+                        fill(first + i, view)
+                        # hashed while the bytes just received are warm, so that the block
+                        # carries its checksum from its commit (tiers.slab)
+                        digest = xxhash.xxh3_64_intdigest(view)
+                        arena.note_checksum(tier_key(scope, keys[first + i]), digest)
                     else:
                         data = bytearray(size)
                         fill(first + i, memoryview(data))

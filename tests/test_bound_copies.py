@@ -1,0 +1,201 @@
+"""Every copy that leaves the process knows what it is: a block's checksum is bound to its key
+(namespace, model fingerprint, block key), so a whole value moved under another key is a miss,
+counted and deleted. The Redis Cluster case is in test_remote_contract.py (its cluster); this
+file covers the nvme tier (a real LMDB, edited with py-lmdb as an attacker would) and a shared
+kvstore node (a real ``kvstore serve`` process whose arena slot is altered in /dev/shm)."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import xxhash
+
+from benchmarks.server_process import ServerProcess
+from kvstore.client import Client, connect
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+from kvstore.store import Scope, tier_key
+from tiers import Codec, TierKey
+from tiers.dram import Arena
+from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.remote import RemoteBlock
+
+FP = Fingerprint(bytes(range(32)))
+OTHER_FP = Fingerprint(bytes(reversed(range(32))))
+MiB = 1 << 20
+SIZE = 100_000
+
+
+def key(namespace: str, n: int, fingerprint: Fingerprint = FP) -> TierKey:
+    return tier_key(Scope(namespace, fingerprint), BlockKey(n.to_bytes(32, "big")))
+
+
+def payload(seed: int) -> bytes:
+    return np.random.default_rng(seed).bytes(SIZE)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> NvmeConfig:
+    return NvmeConfig(path=tmp_path / "nvme", capacity_bytes=64 * MiB)
+
+
+def raw_env(config: NvmeConfig) -> lmdb.Environment:
+    return lmdb.open(str(config.path), map_size=config.effective_map_size_bytes, max_dbs=2)
+
+
+MOVES = {
+    "another-key": key("t/a", 2),  # same tenant, same model, another block
+    "another-namespace": key("t/b", 1),  # the same block key in another tenant
+    "another-model": key("t/a", 1, OTHER_FP),  # the same block key under another model
+}
+
+
+@pytest.mark.parametrize("reader", ["get_into", "get_into_many"])  # Python's (or C's) copy, C's loop
+@pytest.mark.parametrize("moved_to", list(MOVES))
+def test_an_nvme_block_moved_under_another_key_is_a_counted_miss_and_deleted(
+    config: NvmeConfig, moved_to: str, reader: str
+) -> None:
+    source, target = key("t/a", 1), MOVES[moved_to]
+    tier = NvmeTier(config)
+    tier.put(source, payload(1), FP)
+    tier.close()
+    # copy the block's header and payload, as they are, under the other key
+    with raw_env(config) as env:
+        headers, payloads = env.open_db(b"headers"), env.open_db(b"payloads")
+        with env.begin(write=True) as txn:
+            for db in (headers, payloads):
+                txn.put(target, txn.get(source, db=db) or b"", db=db)
+    tier = NvmeTier(config)
+    try:
+        assert {b.key for b in tier.scan()} == {source, target}  # the header parses: it is indexed
+        out = memoryview(bytearray(SIZE))
+        if reader == "get_into":
+            assert tier.get_into(target, out) is None
+        else:
+            sizes: list[int | None] = []
+            tier.get_into_many([target], [out], sizes)
+            assert sizes == [None]
+        assert tier.usage().checksum_failures == 1  # counted
+        assert tier.size_of(target) is None  # and deleted
+        assert tier.get_into(source, out) == SIZE and bytes(out) == payload(1)  # the original serves
+    finally:
+        tier.close()
+    tier = NvmeTier(config)
+    try:
+        assert [b.key for b in tier.scan()] == [source]  # the delete reached the disk
+    finally:
+        tier.close()
+
+
+def test_an_nvme_block_of_the_previous_format_is_dropped_at_open(
+    config: NvmeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A header of version 1 (its checksum not bound to the key) is never read as version 2."""
+    tier = NvmeTier(config)
+    tier.put(key("t/a", 1), payload(1), FP)
+    tier.close()
+    old = key("t/a", 7)
+    v1 = struct.pack(
+        "<4sHB32sQQQ", b"KVSB", 1, int(Codec.NONE), FP, SIZE, SIZE, xxhash.xxh3_64_intdigest(payload(7))
+    )
+    with raw_env(config) as env:
+        headers, payloads = env.open_db(b"headers"), env.open_db(b"payloads")
+        with env.begin(write=True) as txn:
+            txn.put(old, v1, db=headers)
+            txn.put(old, payload(7), db=payloads)
+    with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
+        tier = NvmeTier(config)
+    try:
+        assert [b.key for b in tier.scan()] == [key("t/a", 1)]
+        assert tier.get_into(old, memoryview(bytearray(SIZE))) is None
+        assert "dropped 1 blocks whose header is unreadable or of an older format" in caplog.text
+    finally:
+        tier.close()
+    with raw_env(config) as env:
+        headers = env.open_db(b"headers")
+        with env.begin() as txn:
+            assert txn.get(old, db=headers) is None  # cleared from the disk
+
+
+# ---- a shared kvstore node whose arena copy is altered in place ------------------------------
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[ServerProcess]:
+    """A shared node as deployed (``kvstore serve``): tenant ``local`` reaches it over TCP with
+    its token, and over the Unix socket as the same-host client it is by default."""
+    server = ServerProcess(
+        {
+            "dram.capacity_bytes": "8MiB",
+            "dram.page_bytes": "1MiB",
+            "dram.prefault": "false",
+            "nvme.capacity_bytes": "64MiB",
+            "server.tokens": "tok-l=local",
+        },
+        tcp=True,
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def sidecar(node: ServerProcess) -> KvStoreNodesTier:
+    """A sidecar's remote tier, fresh: nothing of it cached from an earlier one."""
+    return KvStoreNodesTier(NodesConfig(nodes=(node.tcp,), tokens={"t/local": "tok-l"}))
+
+
+def flip_in_arena(kv: Client, block: bytes) -> None:
+    """What someone who can open the node's arena in /dev/shm does: find a block's bytes there
+    and flip one, in place."""
+    path = Arena.path_of(kv.attach().name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, os.fstat(fd).st_size) as arena:
+            at = arena.find(block)
+            assert at >= 0 and arena.find(block, at + 1) < 0
+            arena[at + 100] ^= 0xFF
+    finally:
+        os.close(fd)
+
+
+def dram_checksum_failures(kv: Client) -> int:
+    return int(next(t["checksum_failures"] for t in kv.stats()["tiers"] if t["name"] == "dram"))
+
+
+@pytest.mark.parametrize("written", ["by-a-sidecar-over-tcp", "in-place-by-a-same-host-client"])
+def test_a_shared_nodes_arena_copy_altered_in_place_is_a_counted_miss(
+    node: ServerProcess, written: str
+) -> None:
+    seed = 10 if written.startswith("by") else 20
+    keys = [key("t/local", seed + i) for i in range(3)]
+    blocks = [np.random.default_rng(seed + i).bytes(8192) for i in range(3)]
+    with connect(node.unix) as kv:
+        failures = dram_checksum_failures(kv)
+        if written.startswith("by"):  # checksummed as the node received it
+            first = sidecar(node)
+            assert first.put_many([RemoteBlock(k, FP, b) for k, b in zip(keys, blocks, strict=True)]) == 3
+            first.close()
+        else:  # written into the mapped arena by the client; checksummed when first served
+            block_keys_ = [BlockKey(k[-32:]) for k in keys]
+            assert kv.write(FP, block_keys_, blocks) == 3
+            served = sidecar(node)
+            assert served.get_many(keys, FP) == blocks
+            served.close()
+        flip_in_arena(kv, blocks[1])
+        fresh = sidecar(node)
+        try:
+            # the node serves the intact prefix and stops at the altered block: a miss
+            assert fresh.get_many(keys, FP) == [blocks[0], None, None]
+        finally:
+            fresh.close()
+        assert dram_checksum_failures(kv) == failures + 1  # counted
+        assert kv.exists(FP, [BlockKey(k[-32:]) for k in keys]) == [True, False, True]  # deleted
