@@ -6,9 +6,11 @@ mid-record, a full disk) is detected and skipped when the log is read."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +148,19 @@ def test_a_torn_tail_is_skipped_when_read_and_the_next_record_starts_whole(tmp_p
     damaged = path.read_bytes().replace(b'"t/tenant-1"', b'"t/tenant-9"', 1)  # a changed byte
     path.write_bytes(damaged)
     assert read_audit(path).skipped == 2
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvstore", "audit", "--file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert [json.loads(line)["namespace"] for line in shown.stdout.splitlines()] == [
+        "t/tenant-0",
+        "t/tenant-1",  # its done record alone: the intent is the damaged line
+        "t/tenant-2",
+        "t/tenant-3",
+    ]
+    assert shown.stderr.strip() == "2 torn or damaged records skipped"

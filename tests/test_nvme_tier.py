@@ -29,13 +29,12 @@ from tiers import (
     Codec,
     TierBusy,
     TierClosed,
-    TierCorrupt,
     TierFull,
     TierKey,
     TierUnavailable,
     nvme_folder,
 )
-from tiers.nvme import VERIFY_CHUNK_BYTES, NvmeConfig, NvmeTier, verified_copy_py
+from tiers.nvme import VERIFY_CHUNK_BYTES, Durability, NvmeConfig, NvmeTier, verified_copy_py
 
 FP = b"\x01" * 32
 FP2 = b"\x02" * 32
@@ -582,38 +581,34 @@ def filled(config: NvmeConfig) -> None:
     tier.close()
 
 
-def test_cache_mode_starts_empty_when_lmdb_is_unreadable_after_a_crash(
-    config: NvmeConfig, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("durability", "unclean"), [("cache", True), ("cache", False), ("durable", True), ("durable", False)]
+)
+def test_a_damaged_environment_is_moved_aside_kept_and_counted_and_the_tier_starts_empty(
+    config: NvmeConfig, caplog: pytest.LogCaptureFixture, durability: Durability, unclean: bool
 ) -> None:
+    config = replace(config, durability=durability)
     filled(config)
     scribble(config)
-    make_unclean(config, dirty=True)
+    damaged_bytes = (Path(config.path) / "data.mdb").read_bytes()
+    if unclean:
+        make_unclean(config, dirty=False)
     with caplog.at_level(logging.WARNING, logger="tiers.nvme"):
         tier = NvmeTier(config)
-    assert list(tier.scan()) == []
-    assert "starting empty" in caplog.text
-    tier.put(key(2), b"b", FP)
-    assert read(tier, key(2)) == b"b"
-    tier.close()
-
-
-def test_durable_mode_refuses_an_unreadable_environment(config: NvmeConfig) -> None:
-    config = replace(config, durability="durable")
-    filled(config)
-    scribble(config)
-    make_unclean(config, dirty=False)
-    with pytest.raises(TierCorrupt):
-        NvmeTier(config)
-    # The folder lock was released: once repaired (here: emptied) it opens again.
-    nvme_folder.wipe_environment(Path(config.path))
-    NvmeTier(config).close()
-
-
-def test_unreadable_environment_after_a_clean_close_is_not_discarded(config: NvmeConfig) -> None:
-    filled(config)
-    scribble(config)
-    with pytest.raises(TierCorrupt):
-        NvmeTier(config)
+    try:
+        assert list(tier.scan()) == []
+        assert tier.usage().damaged_moved == 1
+        [moved] = Path(config.path).parent.glob("nvme.damaged-*")
+        assert (moved / "data.mdb").read_bytes() == damaged_bytes, "kept as found, for inspection"
+        [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+        assert str(moved) in line and "empty" in line
+        tier.put(key(2), b"b", FP)
+        assert read(tier, key(2)) == b"b"
+    finally:
+        tier.close()
+    reopened = NvmeTier(config)  # the fresh environment is whole: nothing more is moved
+    assert reopened.usage().damaged_moved == 0 and read(reopened, key(2)) == b"b"
+    reopened.close()
 
 
 def test_unsynced_cache_from_an_earlier_boot_is_discarded(config: NvmeConfig) -> None:

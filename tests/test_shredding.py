@@ -131,3 +131,20 @@ def test_kvstore_shred_drops_a_tenants_key_and_every_copy_at_once(server: Server
     assert [(a["tenant"], a["namespace"], a["phase"], a["outcome"]) for a in shreds] == [
         ("local", "t/v", "done", 12)
     ]
+
+
+def test_a_key_file_there_at_start_is_watched_before_its_key_is_used(tmp_path: Path) -> None:
+    # A tenant whose blocks since the restart sit only in dram: its key was never loaded, and
+    # deleting the file must still drop them.
+    from tiers.cipher import OVERHEAD_BYTES, BlockCipher
+
+    before = BlockCipher(tmp_path, lambda key: key.decode())
+    sealed = memoryview(bytearray(16 + OVERHEAD_BYTES))
+    for namespace in ("t/w", "t/x"):
+        before.seal_into(namespace.encode(), memoryview(b"\0" * 16), sealed)
+    restarted = BlockCipher(tmp_path, lambda key: key.decode())
+    assert restarted.vanished() == []
+    (tmp_path / f"{b't/w'.hex()}.key").unlink()
+    assert restarted.vanished() == ["t/w"]
+    assert restarted.vanished() == []  # once
+    assert restarted.open_into(b"t/x", sealed, memoryview(bytearray(16))) == 16

@@ -51,8 +51,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType, Protocol
 
-import xxhash
-
 TierKey = NewType("TierKey", bytes)
 """A tier's storage key: opaque bytes chosen by the store."""
 
@@ -77,14 +75,8 @@ class BlockHeader:
     """The small header stored in front of every block on a persistent or remote medium.
 
     ``payload_len`` is the logical (decoded) length; ``stored_len`` is what follows the header
-    on the medium; ``checksum`` is ``bound_checksum(key, xxh3-64 of the stored bytes)``, which
-    ties the value to the tier key it was stored under (namespace, fingerprint and block key):
-    the same header and bytes under another key fail their check. ``meta`` is the caller's
+    on the medium; ``checksum`` is xxh3-64 of the stored bytes; ``meta`` is the caller's
     metadata, packed after the fixed fields.
-
-    Version 2 binds the key; a version-1 header (checksum of the bytes alone) does not parse, so
-    a block written before is a miss (the nvme tier drops it at open, a remote tier deletes it
-    when read).
     """
 
     fingerprint: bytes
@@ -92,7 +84,7 @@ class BlockHeader:
     stored_len: int
     codec: Codec
     checksum: int
-    version: int = 2
+    version: int = 1
     meta: bytes = b""
 
     _FORMAT = struct.Struct("<4sHB32sQQQ")
@@ -119,28 +111,12 @@ class BlockHeader:
         if len(raw) < cls.SIZE:
             return None
         magic, version, codec, fingerprint, payload_len, stored_len, checksum = cls._FORMAT.unpack_from(raw)
-        if magic != cls._MAGIC or version != 2 or codec not in Codec._value2member_map_:
+        if magic != cls._MAGIC or version != 1 or codec not in Codec._value2member_map_:
             return None
         meta = bytes(raw[cls.SIZE :])
         if len(meta) > MAX_META_BYTES:
             return None
         return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta)
-
-
-def key_digest(key: BytesLike) -> int:
-    """xxh3-64 of a tier key: what binds a block's checksum to its key (``bound_checksum``)."""
-    return xxhash.xxh3_64_intdigest(key)
-
-
-def bound_checksum(key: BytesLike, bytes_checksum: int) -> int:
-    """The checksum a header or slot keeps for bytes whose xxh3-64 is ``bytes_checksum``, stored
-    under ``key``: the two xor-ed. Checking it is ``bound_checksum(key, stored) == xxh3-64 of
-    the bytes read`` (xor is its own inverse), so the readers' hash of the bytes, C's fused
-    copy-and-hash included, is unchanged and the binding costs one hash of a ~70-byte key. A value
-    moved under another key matches only if the two keys' digests collide (2**-64). Like the
-    checksum itself this catches mistakes, stale copies and moves, not a forger who can write
-    the medium (xxh3 has no key): against that, the AEAD of ``tiers.cipher``."""
-    return bytes_checksum ^ key_digest(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +147,9 @@ class TierUsage:
     blocks: int
     checksum_failures: int = 0
     stored_bytes: int = 0  # bytes on the medium after the codec; equals used_bytes without one
+    degraded: bool = False  # takes no writes now (a full or read-only file system): nvme
+    write_failures: int = 0  # blocks that could not be written (dropped or refused): nvme
+    damaged_moved: int = 0  # damaged environments moved aside at open: nvme
 
 
 class Tier(ABC):
@@ -266,10 +245,6 @@ class InPlaceTier(Protocol):
     ``commit`` (publishes it; ``commit_many`` several at once, all or none) or ``abort`` (gives
     it back). ``locate`` finds a committed block's
     slot; its view stays valid while the caller keeps the block from being deleted.
-
-    Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
-    there; ``intact`` checks a committed block's bytes against it before they leave the process
-    (and takes the checksum then for a block that has none: ``tiers.slab``).
     """
 
     @property
@@ -292,10 +267,6 @@ class InPlaceTier(Protocol):
     def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None: ...
 
     def abort(self, key: TierKey) -> bool: ...
-
-    def note_checksum(self, key: TierKey, checksum: int) -> None: ...
-
-    def intact(self, key: TierKey, view: memoryview) -> bool: ...
 
     def locate(self, key: TierKey) -> Slot | None: ...
 

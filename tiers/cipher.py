@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
@@ -38,7 +38,8 @@ class BlockCipher:
         os.chmod(self._dir, 0o700)
         self._namespace_of = namespace_of
         self._keys: dict[str, AESGCM | None] = {}
-        self._files: dict[str, tuple[str, tuple[int, int]]] = {}  # each loaded key's file, (dev, inode)
+        # each key file there is, at start or once loaded or made: (path, (device, inode))
+        self._files: dict[str, tuple[str, tuple[int, int]]] = dict(_key_files(self._dir))
         self._lock = threading.Lock()
 
     def key_path(self, namespace: str) -> Path:
@@ -83,8 +84,8 @@ class BlockCipher:
             return True
 
     def vanished(self) -> list[str]:
-        """The namespaces whose key file was deleted or replaced since their key was loaded,
-        their keys forgotten now (a ``stat`` per loaded key: call it every second or so, not
+        """The namespaces whose key file was deleted or replaced since the start (or since their
+        key was loaded or made), their keys forgotten now (a ``stat`` per loaded key: call it every second or so, not
         per block). Deleting a key file while the server runs shreds like ``shred``. The stats
         run outside the lock, which every seal and open takes."""
         with self._lock:
@@ -119,6 +120,18 @@ class BlockCipher:
         except InvalidTag:
             return None
         return n
+
+
+def _key_files(folder: Path) -> Iterator[tuple[str, tuple[str, tuple[int, int]]]]:
+    """(namespace, (path, file id)) of each key file in ``folder``."""
+    for path in folder.glob("*.key"):
+        file_id = _file_id(str(path))
+        try:
+            namespace = bytes.fromhex(path.stem).decode()
+        except ValueError:
+            continue  # not one of ours
+        if file_id is not None:
+            yield namespace, (str(path), file_id)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -7,7 +7,8 @@
     ├── BlockTooLarge     the block can never fit this tier (larger than a slot page or the tier)
     ├── TierClosed        the tier was used after close()
     ├── TierUnavailable   the medium cannot be used here (no CUDA for `hbm`)
-    │   └── ArenaNoRoom   the shared-memory folder has less room than the arena needs
+    │   ├── ArenaNoRoom   the shared-memory folder has less room than the arena needs
+    │   └── MediumNoRoom  a full or read-only file system cannot even open the tier
     └── TierCorrupt       the medium itself is unreadable (not one bad block: that is a miss)
 
 A checksum mismatch on one block is not an error: the tier deletes the block, counts it and
@@ -53,6 +54,11 @@ class ArenaNoRoom(TierUnavailable):
         self.folder = folder
         self.needed_bytes = needed_bytes
         self.free_bytes = free_bytes
+
+
+class MediumNoRoom(TierUnavailable):
+    """A full or read-only file system: the tier cannot be created or opened at all (a tier
+    that opens there runs with writes off instead)."""
 
 
 class TierCorrupt(TierError):

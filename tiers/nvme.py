@@ -30,11 +30,8 @@ of each (measured), what a crash loses in each and what an open does after one: 
 
 No torn block is ever readable: a transaction is atomic (header and payload appear together;
 a transaction killed half-way never becomes visible), and every read verifies the xxh3-64
-checksum of the stored bytes named in the header, bound to the block's key
-(``tiers.base.bound_checksum``); a mismatch (a torn or altered block, or one moved under another
-key, namespace or model) deletes the block, counts it in ``usage().checksum_failures`` and is a
-miss. Headers of the previous format (version 1, not bound) do not parse: such blocks are
-dropped at open, and the count logged (a cache refills; nothing is misread).
+checksum of the stored bytes named in the header; a mismatch deletes the block, counts it in
+``usage().checksum_failures`` and is a miss.
 
 Capacity: ``capacity_bytes`` bounds the sum of stored (post-codec) bytes, queued puts
 included, counted in memory; a payload longer than the capacity is BlockTooLarge whatever it
@@ -42,8 +39,9 @@ compresses to. With a codec, can_store() estimates the stored size from the comp
 of the blocks held. The LMDB map is larger (default ``2 * capacity + 64 MiB``, a sparse file):
 LMDB copies pages on write and reuses freed pages only after later commits. A commit that
 still hits MapFullError drops its blocks from the index (``write_failures``); the writer
-keeps running. Under writemap a full file system turns a page write into SIGBUS, so the
-folder needs room for the whole map; open() warns when it has not.
+keeps running. Under writemap a page a full file system cannot back would be SIGBUS: the
+writer reserves the file's room before each commit (``tiers.nvme_room``) and, where there is
+none, the tier degrades (writes refused and counted, reads go on) until room returns.
 
 Threads: every method may be called from any thread. One lock (a Condition the tier makes and
 shares with its writer) guards the index, the counts, the buffer pool, and the writer's queue
@@ -72,7 +70,7 @@ import lmdb
 import numpy as np
 import xxhash
 
-from tiers import nvme_folder
+from tiers import nvme_folder, nvme_room
 from tiers.base import (
     BlockHeader,
     BytesLike,
@@ -81,7 +79,6 @@ from tiers.base import (
     Tier,
     TierKey,
     TierUsage,
-    bound_checksum,
     check_fingerprint,
     check_key,
     check_meta,
@@ -142,7 +139,7 @@ class _Entry(NamedTuple):
     stored_len: int
     meta: bytes
     codec: Codec
-    checksum: int  # xxh3-64 of the stored bytes (unbound from the key: ``_index_add_locked``)
+    checksum: int
 
 
 @dataclass(frozen=True)
@@ -169,11 +166,15 @@ class NvmeTier(Tier):
         self._folder = Path(config.path)
         # Block bytes are other people's prompts: only this user may read them (0700 / 0600).
         self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self._folder, 0o700)
+        if not nvme_room.read_only(self._folder):
+            os.chmod(self._folder, 0o700)
         self._owner = nvme_folder.lock_folder(self._folder)
         opened = False
         try:
-            self._env, headers, self._payloads, found = open_env(self._folder, config)
+            env = open_env(self._folder, config)
+            self._env, headers, self._payloads, found = env.env, env.headers, env.payloads, env.found
+            # Counted where the server's metrics read it (``usage().damaged_moved``).
+            self._damaged_moved = 0 if env.damaged_to is None else 1
             opened = True
         finally:
             if not opened:
@@ -198,21 +199,14 @@ class NvmeTier(Tier):
             self._cond,
             self._pool,
             self._forget_locked,
+            env.no_room,
         )
-        dropped = 0
         with self._cond:
             for key, header in found:
-                if header is None:  # unreadable, or of an older format: gone, clear it from disk
+                if header is None:  # unreadable header: the block is gone, clear it from disk
                     self._writer.delete_locked(key)
-                    dropped += 1
                 else:
                     self._index_add_locked(key, header)
-        if dropped:
-            log.warning(
-                "nvme tier %s: dropped %d blocks whose header is unreadable or of an older format",
-                self._folder,
-                dropped,
-            )
         log.info(
             "nvme tier %s: %d blocks, %d bytes", self._folder, len(self._index), self._counts.stored_total
         )
@@ -250,11 +244,13 @@ class NvmeTier(Tier):
         # By payload, not stored size: whether a block can ever fit does not depend on its bytes.
         if payload_len > capacity:
             raise BlockTooLarge(f"block of {payload_len} bytes exceeds the nvme tier's {capacity}")
-        self._check_open()
-        if not wait:
-            with self._cond:  # before the copy: a refused block costs no memcpy
-                if self._writer.queue_full_locked(payload_len):
-                    raise self._busy()
+        with self._cond:  # before the copy: a refused block costs no memcpy
+            self._check_open_locked()
+            if self._writer.degraded is not None:
+                self._writer.refuse_locked()
+                raise TierFull(f"nvme tier degraded: {self._writer.degraded}")
+            if not wait and self._writer.queue_full_locked(payload_len):
+                raise self._busy()
         codec = self._config.codec
         stored: bytes | bytearray = b""
         if codec is not Codec.NONE:
@@ -270,8 +266,9 @@ class NvmeTier(Tier):
             stored = sealed
         elif codec is Codec.NONE:
             stored = payload if isinstance(payload, bytes) else self._copy(view)
-        checksum = bound_checksum(key, xxhash.xxh3_64_intdigest(stored))
-        header = BlockHeader(fingerprint, payload_len, len(stored), codec, checksum, meta=bytes(meta))
+        header = BlockHeader(
+            fingerprint, payload_len, len(stored), codec, xxhash.xxh3_64_intdigest(stored), meta=bytes(meta)
+        )
         with self._cond:
             try:
                 self._check_open_locked()
@@ -446,11 +443,21 @@ class NvmeTier(Tier):
                 blocks=len(self._index),
                 checksum_failures=self._counts.checksum_failures,
                 stored_bytes=self._counts.stored_total,
+                degraded=self._writer.degraded is not None,
+                write_failures=self._writer.write_failures + self._writer.refused_writes,
+                damaged_moved=self._damaged_moved,
             )
 
     @property
+    def degraded(self) -> str | None:
+        """Why the tier takes no writes now (a full or read-only file system); None while it does."""
+        with self._cond:
+            return self._writer.degraded
+
+    @property
     def write_failures(self) -> int:
-        """Blocks dropped because their commit failed (MapFullError or another LMDB error)."""
+        """Blocks dropped because their commit failed (MapFullError or another LMDB error, no
+        room on the file system); puts refused while degraded are ``usage().write_failures``."""
         with self._cond:
             return self._writer.write_failures
 
@@ -479,7 +486,10 @@ class NvmeTier(Tier):
         self._writer.join()
         self._env.close()
         if self._writer.failure is None:
-            nvme_folder.remove_marker(self._folder)
+            try:
+                nvme_folder.remove_marker(self._folder)
+            except OSError as exc:  # a read-only file system: the next open finds it unclean
+                log.warning("nvme tier %s: cannot remove its marker file: %s", self._folder, exc.strerror)
         self._owner.close()
 
     # ---- reading -------------------------------------------------------------------------
@@ -569,12 +579,8 @@ class NvmeTier(Tier):
 
     def _index_add_locked(self, key: TierKey, header: BlockHeader) -> None:
         fingerprint = self._counts.fingerprints.setdefault(header.fingerprint, header.fingerprint)
-        # The index keeps the xxh3-64 the stored bytes must have under *this* key (the header's
-        # is bound to the key it was written under), so every read path, C's included, compares
-        # the bytes' plain hash: a header and payload moved under another key fail it.
-        checksum = bound_checksum(key, header.checksum)
         self._index[key] = _Entry(
-            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, checksum
+            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, header.checksum
         )
         self._counts.stored_total += header.stored_len
         self._counts.payload_total += header.payload_len

@@ -1,9 +1,10 @@
 """Opening an ``nvme`` tier's LMDB environment: its flags, and the crash policy applied at open.
 
-    open_env(folder, config) -> OpenedEnv(env, headers, payloads, found)
+    open_env(folder, config) -> OpenedEnv(env, headers, payloads, found, no_room, damaged_to)
         ``found``: every key of the ``headers`` database with its parsed header (None where the
-        header does not parse); the tier rebuilds its index from it. Raises TierCorrupt when
-        the policy below says an operator should look first.
+        header does not parse); the tier rebuilds its index from it. ``no_room``: why writes
+        are off from the start (None: they are not). ``damaged_to``: where a damaged
+        environment was moved (None: none was). Raises MediumNoRoom or TierCorrupt.
 
 The caller holds the folder's lock (``nvme_folder.lock_folder``) and calls open_env once, before
 its writer thread starts; the environment is then the caller's to close. On return everything
@@ -32,28 +33,35 @@ What a crash loses:
         dirty marker from an earlier boot discards the environment and starts empty (the
         folder is a cache); a clean marker means the last sync covered every commit.
 
-After an unclean shutdown (the marker is present) an environment LMDB cannot open is
-discarded with a warning in "cache" mode; in "durable" mode, or after a clean close, it raises
-TierCorrupt: an operator should look before data is thrown away.
+A damaged environment (LMDB cannot open it, or its trees cannot be walked: pages scribbled
+between two starts, say) is moved aside to ``<folder>.damaged-<time>`` (kept for an operator to
+look at, named in one log line, ``damaged_to``) and the tier starts empty, in either mode.
+Blocks it does not detect as damage are still checked on every read (xxh3 of each block).
+
+A full or read-only file system is not damage (``tiers.nvme_room``): an existing environment is
+opened and served with writes off (``no_room`` says why; read-only when the file system is),
+and one that cannot even be created raises MediumNoRoom: the server then starts without the tier.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 
-from tiers import nvme_folder
+from tiers import nvme_folder, nvme_room
 from tiers.base import BlockHeader, TierKey
-from tiers.errors import TierCorrupt
+from tiers.errors import MediumNoRoom, TierCorrupt
 
 if TYPE_CHECKING:
     from tiers.nvme import NvmeConfig
 
 log = logging.getLogger("tiers.nvme")  # the tier's name: its logs stay under one logger
 
+MAX_READERS = 512  # reader slots of lock.mdb (64 B each: nvme_room.LOCK_BYTES holds them)
 Found = tuple[TierKey, BlockHeader | None]  # a key in the header database; None: unreadable
 
 
@@ -62,6 +70,8 @@ class OpenedEnv(NamedTuple):
     headers: lmdb._Database
     payloads: lmdb._Database
     found: list[Found]
+    no_room: str | None = None
+    damaged_to: Path | None = None
 
 
 def open_env(folder: Path, config: NvmeConfig) -> OpenedEnv:
@@ -74,21 +84,40 @@ def open_env(folder: Path, config: NvmeConfig) -> OpenedEnv:
         log.warning(
             "nvme tier %s: unsynced writes before a power loss or OS crash; discarding the cache", folder
         )
-        nvme_folder.wipe_environment(folder)
+        try:
+            nvme_folder.wipe_environment(folder)
+        except OSError as exc:
+            raise MediumNoRoom(f"nvme tier {folder}: cannot discard its torn cache: {exc.strerror}") from exc
     try:
         return _open_lmdb(folder, config)
     except lmdb.Error as exc:
-        if marker is None or not cache_mode:
-            raise TierCorrupt(f"nvme tier {folder} cannot be opened: {exc}") from exc
-        log.warning("nvme tier %s: unreadable after an unclean shutdown (%s); starting empty", folder, exc)
-        nvme_folder.wipe_environment(folder)
+        if nvme_room.is_no_room(exc) or nvme_room.read_only(folder):
+            raise MediumNoRoom(f"nvme tier {folder} cannot be opened: {exc}") from exc
+        damaged_to = nvme_folder.move_aside(folder)
+        log.warning(
+            "nvme tier %s: its LMDB environment is damaged (%s); moved it to %s for inspection "
+            "and starting with an empty nvme tier",
+            folder,
+            exc,
+            damaged_to,
+        )
     try:
-        return _open_lmdb(folder, config)
+        return _open_lmdb(folder, config)._replace(damaged_to=damaged_to)
     except lmdb.Error as exc:
+        if nvme_room.is_no_room(exc):
+            raise MediumNoRoom(f"nvme tier {folder} cannot be created: {exc}") from exc
         raise TierCorrupt(f"nvme tier {folder} cannot be opened: {exc}") from exc
 
 
 def _open_lmdb(folder: Path, config: NvmeConfig) -> OpenedEnv:
+    if nvme_room.read_only(folder):
+        return _open_read_only(folder, config)
+    try:
+        nvme_room.prepare_lock_file(folder)  # its reader table is written through a mapping
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return _open_read_only(folder, config)
+        raise MediumNoRoom(f"nvme tier {folder}: no room for lock.mdb: {exc.strerror}") from exc
     durable = config.durability == "durable"
     map_size = config.effective_map_size_bytes
     nvme_folder.warn_if_disk_short(folder, map_size)
@@ -100,25 +129,62 @@ def _open_lmdb(folder: Path, config: NvmeConfig) -> OpenedEnv:
         map_async=not durable,
         sync=durable,
         metasync=durable,
-        max_readers=512,
+        max_readers=MAX_READERS,
         max_spare_txns=16,
         mode=0o600,
     )
+    no_room: str | None = None
     try:
         headers = env.open_db(b"headers")
         payloads = env.open_db(b"payloads")
-        found = _scan_headers(env, headers)
+        found = _scan(env, headers, payloads)
         # A killed owner may have left its commits only in the page cache: sync them
         # before the marker calls the folder clean.
         env.sync(True)
-        nvme_folder.write_marker(folder, dirty=False)
+        try:
+            nvme_folder.write_marker(folder, dirty=False)
+        except OSError as exc:
+            if not nvme_room.is_no_room(exc):
+                raise
+            no_room = f"no room for its marker file: {exc.strerror}"
     except BaseException:
         env.close()
         raise
-    return OpenedEnv(env, headers, payloads, found)
+    return OpenedEnv(env, headers, payloads, found, no_room)
 
 
-def _scan_headers(env: lmdb.Environment, headers: lmdb._Database) -> list[Found]:
-    """Every key of the header database with its parsed header; payload pages stay cold."""
-    with env.begin(db=headers, buffers=True) as txn:
-        return [(TierKey(bytes(key)), BlockHeader.unpack(raw)) for key, raw in txn.cursor()]
+def _open_read_only(folder: Path, config: NvmeConfig) -> OpenedEnv:
+    """An environment on a read-only file system, for reads only (LMDB then keeps no lock
+    file). One that does not exist cannot be made: MediumNoRoom."""
+    if not (folder / "data.mdb").exists():
+        raise MediumNoRoom(f"nvme tier {folder}: read-only file system")
+    env = lmdb.open(
+        str(folder),
+        map_size=config.effective_map_size_bytes,
+        max_dbs=2,
+        readonly=True,
+        max_readers=MAX_READERS,
+        max_spare_txns=16,
+    )
+    try:
+        headers = env.open_db(b"headers", create=False)
+        payloads = env.open_db(b"payloads", create=False)
+        found = _scan(env, headers, payloads)
+    except lmdb.NotFoundError as exc:  # made but never written
+        env.close()
+        raise MediumNoRoom(f"nvme tier {folder}: read-only file system") from exc
+    except BaseException:
+        env.close()
+        raise
+    return OpenedEnv(env, headers, payloads, found, "read-only file system (restart once it is writable)")
+
+
+def _scan(env: lmdb.Environment, headers: lmdb._Database, payloads: lmdb._Database) -> list[Found]:
+    """Every key of the header database with its parsed header. The payload tree is walked
+    too, its keys only (no value page is touched): a damaged branch or leaf page in either
+    tree raises here, at open, rather than in a read."""
+    with env.begin(buffers=True) as txn:
+        found = [(TierKey(bytes(key)), BlockHeader.unpack(raw)) for key, raw in txn.cursor(db=headers)]
+        for _ in txn.cursor(db=payloads).iternext(keys=True, values=False):
+            pass
+    return found

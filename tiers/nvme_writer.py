@@ -33,7 +33,16 @@ once a flush() is covered by the commits, and before the thread exits. The uncle
 follows it in "cache" mode: dirty (fsynced) before the first commit after a sync, so before any
 page of that commit can reach the disk, and clean again after the sync.
 
-Failure: an ``lmdb.Error`` or ``OSError`` from a sync or a marker write means the medium is
+Room (``tiers.nvme_room``): before each commit the thread reserves the file's blocks as far as
+the commit can write (writemap writes pages through a mapping: a page a full file system cannot
+back would be SIGBUS). A commit that cannot have its room, or whose marker or sync fails for a
+full or read-only file system, makes the tier *degraded* (``degraded`` says why; one warning):
+its puts are dropped (``write_failures``), its deletes still commit within the room reserved,
+put() refuses new blocks (``refuse_locked``, counted in ``refused_writes``), reads go on. Every
+PROBE_S the thread tries the room of a few blocks (PROBE_BYTES) again, and the tier takes writes once it has it
+(one line). An environment opened read-only stays degraded.
+
+Failure: any other ``lmdb.Error`` or ``OSError`` from a sync or a marker write means the medium is
 unusable. The thread stops, ``failure`` says why, and the tier refuses its calls from then on.
 
 Threads: the tier's Condition, passed in, guards every field here; a ``_locked`` method expects
@@ -60,11 +69,19 @@ import lmdb
 
 from tiers import nvme_folder
 from tiers.base import BlockHeader, TierKey
+from tiers.nvme_room import DiskRoom, NoRoom, is_no_room
 
 if TYPE_CHECKING:
     from tiers.nvme import NvmeConfig
 
 log = logging.getLogger("tiers.nvme")  # the tier's name: its logs stay under one logger
+
+PROBE_S = 1.0  # how often a degraded writer looks for room again
+# Room a degraded writer asks for before it takes writes again: a few blocks' worth, not a
+# batch (32 MiB would keep a small disk degraded for good); a batch finding less commits what fits.
+PROBE_BYTES = 8 << 20
+# Reserved past what a put commit needs, so that deletes still commit once puts find no room.
+DELETE_ROOM_BYTES = 8 << 20
 
 
 class BufferPool:
@@ -129,8 +146,10 @@ class NvmeWriter:
         cond: threading.Condition,
         pool: BufferPool,
         forget: Callable[[TierKey], object],
+        no_room: str | None = None,
     ) -> None:
-        """``forget(key)`` is called with ``cond`` held for a pending put whose commit failed."""
+        """``forget(key)`` is called with ``cond`` held for a pending put whose commit failed;
+        ``no_room``: why the tier starts degraded (None: it does not)."""
         self._config = config
         self._folder = folder
         self._env = env
@@ -152,6 +171,14 @@ class NvmeWriter:
         self._stopping = False
         self._failure: str | None = None
         self._write_failures = 0
+        self._room = DiskRoom(folder, config.effective_map_size_bytes, env.stat()["psize"])
+        self._read_only = bool(env.flags()["readonly"])
+        self._degraded: str | None = None
+        self._refused = 0
+        self._next_probe = 0.0
+        if no_room is not None:
+            with cond:
+                self._degrade_locked(no_room)
         self._thread = threading.Thread(target=self._main, name="kvstore-nvme-writer", daemon=True)
 
     # ---- called by the tier (with the lock held, but for start and join) --------------------
@@ -176,6 +203,20 @@ class NvmeWriter:
     def write_failures(self) -> int:
         """Blocks dropped because their commit failed. Read with the lock held."""
         return self._write_failures
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the tier takes no writes now (a full or read-only file system); None while it
+        does. Read with the lock held."""
+        return self._degraded
+
+    @property
+    def refused_writes(self) -> int:
+        """Puts refused while degraded. Read with the lock held."""
+        return self._refused
+
+    def refuse_locked(self) -> None:
+        self._refused += 1
 
     def put_locked(self, key: TierKey, header: BlockHeader, stored: bytes | bytearray) -> None:
         op = PutOp(key, header, stored, self._take_seq_locked())
@@ -230,7 +271,9 @@ class NvmeWriter:
         return target
 
     def synced_locked(self, seq: int) -> bool:
-        return self._synced_seq >= seq
+        """Whether operations up to ``seq`` are synced, or, degraded, handled (committed or
+        dropped: a sync that cannot happen is not waited for)."""
+        return self._synced_seq >= seq or (self._degraded is not None and self._committed_seq >= seq)
 
     def _uncount_locked(self, op: PutOp) -> None:
         """The op's bytes stop counting against ``max_pending_bytes``."""
@@ -269,11 +312,19 @@ class NvmeWriter:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping and not self._sync_due_locked():
+                while (
+                    not self._queue
+                    and not self._stopping
+                    and not self._sync_due_locked()
+                    and not self._probe_due_locked()
+                ):
                     self._cond.wait(self._wait_timeout_locked())
+                probe = self._probe_due_locked()
                 batch = self._take_batch_locked()
                 last_seq = self._queue[0].seq - 1 if self._queue else self._next_seq - 1
                 done = self._stopping and not self._queue
+            if probe:
+                self._probe()
             if batch:
                 self._commit(batch)
             with self._cond:
@@ -306,23 +357,10 @@ class NvmeWriter:
         return batch
 
     def _commit(self, batch: _Batch) -> None:
-        if self._config.durability == "cache" and not self._marker_dirty:
-            # Dirty before any page of this commit can reach the disk.
-            nvme_folder.write_marker(self._folder, dirty=True)
-            self._marker_dirty = True
         try:
-            self._write_txn(batch)
-            failed: _Batch = []
-        except lmdb.MapFullError:
-            failed = []
-            for item in batch:  # commit one by one: only the blocks that do not fit are dropped
-                try:
-                    self._write_txn([item])
-                except lmdb.MapFullError:
-                    failed.append(item)
-        except lmdb.Error as exc:
-            log.error("nvme tier %s: commit of %d operations failed: %s", self._folder, len(batch), exc)
-            failed = batch
+            failed = self._write_within_room(batch)
+        except NoRoom:
+            failed = self._write_what_fits(batch)
         failed_ops = {id(op) for op, _ in failed}
         with self._cond:
             self._dirty = self._config.durability == "cache"
@@ -338,10 +376,120 @@ class NvmeWriter:
                     del self._pending[op.key]
                     self._uncount_locked(op)
                 self.release_locked(op)
-            if failed:
+            if failed and self._degraded is None:  # degraded: its one line said it
                 log.warning(
                     "nvme tier %s: %d operations dropped (map full or LMDB error)", self._folder, len(failed)
                 )
+
+    def _write_within_room(self, batch: _Batch) -> _Batch:
+        """Commit ``batch`` once its room is reserved and the marker says dirty; the items that
+        failed. Raises NoRoom, having written nothing, when the file system has no room."""
+        puts = any(isinstance(op, PutOp) for op, _ in batch)
+        self._reserve(sum(len(stored) for _, stored in batch), len(batch), DELETE_ROOM_BYTES if puts else 0)
+        try:
+            self._write_txn(batch)
+            return []
+        except lmdb.MapFullError:
+            failed = []
+            for item in batch:  # commit one by one: only the blocks that do not fit are dropped
+                try:
+                    self._write_txn([item])
+                except lmdb.MapFullError:
+                    failed.append(item)
+            return failed
+        except lmdb.Error as exc:
+            if is_no_room(exc):
+                raise NoRoom(str(exc)) from exc
+            log.error("nvme tier %s: commit of %d operations failed: %s", self._folder, len(batch), exc)
+            return batch
+
+    def _write_what_fits(self, batch: _Batch) -> _Batch:
+        """A batch without room: its operations one a commit until the first that finds none,
+        then the tier degrades, the puts left are dropped and the deletes go in the room
+        reserved for them; the items that failed."""
+        failed: _Batch = []
+        for i, item in enumerate(batch):
+            try:
+                failed += self._write_within_room([item])
+            except NoRoom as exc:
+                self._degrade(exc.reason)
+                rest = batch[i:]
+                deletes = [item for item in rest if not isinstance(item[0], PutOp)]
+                failed += [item for item in rest if isinstance(item[0], PutOp)]
+                try:
+                    failed += self._write_within_room(deletes) if deletes else []
+                except NoRoom:
+                    failed += deletes
+                break
+        return failed
+
+    def _reserve(self, stored_bytes: int, ops: int, spare_bytes: int) -> None:
+        """The room a commit of ``ops`` operations and ``stored_bytes`` needs, ``spare_bytes``
+        more, and the marker dirty before any page of it can reach the disk; NoRoom when the
+        medium cannot."""
+        if self._read_only:
+            raise NoRoom("read-only file system (restart once it is writable)")
+        self._room.ensure(self._room.commit_end(self._env, stored_bytes, ops) + spare_bytes)
+        if self._config.durability == "cache" and not self._marker_dirty:
+            try:
+                nvme_folder.write_marker(self._folder, dirty=True)
+            except OSError as exc:
+                if not is_no_room(exc):
+                    raise
+                raise NoRoom(f"cannot write its marker file: {exc.strerror}") from exc
+            self._marker_dirty = True
+
+    def _degrade(self, reason: str) -> None:
+        with self._cond:
+            self._degrade_locked(reason)
+
+    def _degrade_locked(self, reason: str) -> None:
+        if self._degraded is None:
+            log.warning(
+                "nvme tier %s degraded: %s; new blocks are not written to it (counted in "
+                "kvstore_tier_write_failures_total), stored ones are still served; "
+                "writes resume when room returns",
+                self._folder,
+                reason,
+            )
+        self._degraded = reason
+        self._next_probe = time.monotonic() + PROBE_S
+        self._cond.notify_all()  # flush() no longer waits for a sync
+
+    def _probe_due_locked(self) -> bool:
+        return (
+            self._degraded is not None
+            and not self._read_only
+            and not self._stopping
+            and time.monotonic() >= self._next_probe
+        )
+
+    def _probe(self) -> None:
+        """Whether the room of a full batch can be had again; the tier takes writes if so."""
+        try:
+            self._reserve(min(PROBE_BYTES, self._config.batch_max_bytes), 1, DELETE_ROOM_BYTES)
+            # A new marker file and a sync: what a read-only file system refuses.
+            nvme_folder.write_marker(self._folder, dirty=True)
+            self._marker_dirty = True
+            self._env.sync(True)
+        except (NoRoom, OSError, lmdb.Error) as exc:
+            if not isinstance(exc, NoRoom) and not is_no_room(exc):
+                raise
+            with self._cond:
+                self._next_probe = time.monotonic() + PROBE_S
+            return
+        with self._cond:
+            reason, self._degraded = self._degraded, None
+            self._dirty = self._dirty or self._marker_dirty  # a sync cleans the marker the probe set
+            refused, failed = self._refused, self._write_failures
+            self._cond.notify_all()
+        log.warning(
+            "nvme tier %s: writable again (degraded by: %s; %d puts refused and %d blocks dropped so far)",
+            self._folder,
+            reason,
+            refused,
+            failed,
+        )
 
     def _write_txn(self, batch: _Batch) -> None:
         with self._env.begin(write=True) as txn:
@@ -360,17 +508,31 @@ class NvmeWriter:
         return self._dirty and time.monotonic() - self._last_sync >= interval
 
     def _wait_timeout_locked(self) -> float | None:
+        now = time.monotonic()
+        probe = self._next_probe - now if self._degraded is not None and not self._read_only else None
         if not self._dirty:
-            return None
-        return max(0.0, self._last_sync + self._config.sync_interval_s - time.monotonic())
+            return None if probe is None else max(0.0, probe)
+        sync = self._last_sync + self._config.sync_interval_s - now
+        return max(0.0, sync if probe is None else min(sync, probe))
 
     def _sync(self) -> None:
         with self._cond:
             seq = self._committed_seq  # only this thread advances it
-        self._env.sync(True)
-        if self._marker_dirty:
-            nvme_folder.write_marker(self._folder, dirty=False)
-            self._marker_dirty = False
+        try:
+            if not self._read_only:
+                self._env.sync(True)
+            if self._marker_dirty:
+                nvme_folder.write_marker(self._folder, dirty=False)
+                self._marker_dirty = False
+        except (lmdb.Error, OSError) as exc:
+            if not is_no_room(exc):
+                raise
+            # Unsynced, the marker stays dirty (a reboot then discards the cache, the safe
+            # side); the next interval tries again.
+            with self._cond:
+                self._degrade_locked(f"sync failed: {exc}")
+                self._last_sync = time.monotonic()
+            return
         with self._cond:
             self._synced_seq = max(self._synced_seq, seq)
             self._dirty = False

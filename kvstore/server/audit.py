@@ -77,7 +77,7 @@ class AuditLog:
                 "and retry"
             ) from None
         outcome: list[int] = []
-        done = {"id": entry["id"], "tenant": tenant, "action": action, "phase": "done"}
+        done = {k: entry[k] for k in ("id", "tenant", "action", "namespace")} | {"phase": "done"}
         try:
             yield outcome.append
         except Exception as exc:

@@ -19,7 +19,8 @@ from kvstore.store.model import shared_key_name
 from tiers import Tier, TierError, TierKey, TierUnavailable
 from tiers.cipher import BlockCipher
 from tiers.dram import DramConfig, DramTier, salvage
-from tiers.errors import ArenaNoRoom
+from tiers.errors import ArenaNoRoom, MediumNoRoom
+from tiers.nvme_room import is_no_room
 from tiers.remote import RemoteTier
 from tiers.throttle import Throttled
 
@@ -60,10 +61,10 @@ def _build_tiers(
         absent.append("hbm: disabled in the configuration ([hbm] enabled = false)")
     # nvme before dram: a dead predecessor's arena is salvaged into it before the new arena
     # takes its room in /dev/shm.
-    nvme = _nvme(settings) if settings.nvme.enabled else None
+    nvme = _nvme(settings, absent) if settings.nvme.enabled else None
     if nvme is not None:
         built.append(nvme)
-    else:
+    elif not settings.nvme.enabled:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
     if data_dir is not None:
         for name in data_dir.leftovers:
@@ -104,7 +105,9 @@ def _cipher(keys_dir: str) -> BlockCipher | None:
         raise FailedPrecondition(f"nvme.encryption_keys_dir {keys_dir}: {exc.strerror or exc}") from None
 
 
-def _nvme(settings: Settings) -> Tier:
+def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
+    """The nvme tier; None, said in one line and in ``absent``, where its file system is full
+    or read-only and holds no environment to serve (one that opens there is served read-only)."""
     from tiers.nvme import NvmeConfig, NvmeTier
 
     n = settings.nvme
@@ -120,7 +123,13 @@ def _nvme(settings: Settings) -> Tier:
                 cipher=_cipher(n.encryption_keys_dir),
             )
         )
-    except (TierError, OSError) as exc:
+    except (MediumNoRoom, OSError) as exc:
+        if isinstance(exc, OSError) and not is_no_room(exc):
+            raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
+        log.warning("nvme tier off: %s; serving without it until a restart finds room", exc)
+        absent.append(f"nvme: off, {exc}")
+        return None
+    except TierError as exc:
         raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
 
 

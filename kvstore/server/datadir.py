@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,18 +78,20 @@ class DataDir:
                 + (f" (pid {holder})" if holder else "")
                 + "; stop it first, or give this one another --data-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        with contextlib.suppress(OSError):  # the pid is for the message above; a full disk has no room
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         folder_id = _folder_id(folder)
         data_dir = cls(folder, f"{ARENA_PREFIX}{folder_id}-{secrets.token_hex(4)}", _lock_fd=fd)
         data_dir._prefix = f"{ARENA_PREFIX}{folder_id}-"
         data_dir.leftovers = [n for n in _files_with(data_dir._prefix) if "." not in n]
         return data_dir
 
-    def remove_leftovers(self) -> None:
-        """Delete the dead predecessors' arenas and their journals."""
+    def remove_leftovers(self, keep: Sequence[str] = ()) -> None:
+        """Delete the dead predecessors' arenas and their journals, but those in ``keep`` (their
+        salvage is not done: the next start tries again)."""
         for name in _files_with(self._prefix):
-            if name.startswith(self.arena_name):
+            if name.startswith(self.arena_name) or name.split(".")[0] in keep:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
@@ -118,8 +122,15 @@ def _folder_id(folder: Path) -> str:
             return text
     folder_id = secrets.token_hex(8)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(folder_id + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(folder_id + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # a full or read-only disk: an id of the folder itself, kept by its inode
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        stat = folder.stat()
+        folder_id = hashlib.blake2b(f"{stat.st_dev}:{stat.st_ino}".encode(), digest_size=8).hexdigest()
+        log.warning("cannot write %s (%s); naming the arena after the folder instead", path, exc.strerror)
     return folder_id
 
 

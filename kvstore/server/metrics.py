@@ -71,12 +71,30 @@ class _StoreCollector(Collector):
         capacity = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
         blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held per tier", labels=["tier"])
         evictions = CounterMetricFamily("kvstore_evictions", "Blocks evicted from each tier", labels=["tier"])
+        degraded = GaugeMetricFamily(
+            "kvstore_tier_degraded",
+            "1 while a tier takes no writes (its file system is full or read-only); reads go on",
+            labels=["tier"],
+        )
+        write_failures = CounterMetricFamily(
+            "kvstore_tier_write_failures",
+            "Blocks a tier could not write (no room, read-only, a failed commit): dropped or refused",
+            labels=["tier"],
+        )
+        damaged = CounterMetricFamily(
+            "kvstore_tier_damaged_moved",
+            "Damaged environments a tier moved aside at start (kept for inspection) before starting empty",
+            labels=["tier"],
+        )
         for usage in stats.tiers:
             used.add_metric([usage.name], usage.used_bytes)
             capacity.add_metric([usage.name], usage.capacity_bytes)
             blocks.add_metric([usage.name], usage.blocks)
             evictions.add_metric([usage.name], stats.counters.get(f"evicted_{usage.name}_blocks", 0))
-        yield from (used, capacity, blocks, evictions)
+            degraded.add_metric([usage.name], int(usage.degraded))
+            write_failures.add_metric([usage.name], usage.write_failures)
+            damaged.add_metric([usage.name], usage.damaged_moved)
+        yield from (used, capacity, blocks, evictions, degraded, write_failures, damaged)
         for key, (name, doc) in _STORE_COUNTERS.items():
             family = CounterMetricFamily(name.removesuffix("_total"), doc)
             family.add_metric([], stats.counters.get(key, 0))
