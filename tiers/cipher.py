@@ -85,9 +85,9 @@ class BlockCipher:
 
     def vanished(self) -> list[str]:
         """The namespaces whose key file was deleted or replaced since the start (or since their
-        key was loaded or made), their keys forgotten now (a ``stat`` per loaded key: call it every second or so, not
-        per block). Deleting a key file while the server runs shreds like ``shred``. The stats
-        run outside the lock, which every seal and open takes."""
+        key was loaded or made), their keys forgotten now: a ``stat`` per key file, so call it
+        every second or so, not per block. Deleting a key file while the server runs shreds like
+        ``shred``. The stats run outside the lock, which every seal and open takes."""
         with self._lock:
             loaded = list(self._files.items())
         gone = [(ns, entry) for ns, entry in loaded if _file_id(entry[0]) != entry[1]]
