@@ -5,6 +5,7 @@
     dataplane.py   batching, leases, reservations and size checks under both transports
     dataport.py    the raw data port (TCP and its Unix twin) over the data plane
     auth.py        tenants from tokens, their scopes and limits;  audit.py  the audit log
+    shredding.py   a tenant's key and copies dropped: on Shred, or when its key file goes
     models.py      the model registry;  metrics.py  Prometheus
     config.py      settings parsed once into frozen dataclasses
     builder.py     tiers built in order into a TieredStore;  datadir.py  the data folder
