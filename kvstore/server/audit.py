@@ -20,6 +20,7 @@ Thread-safe: one lock around each record's write, fsync and repair.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -102,7 +103,7 @@ class AuditLog:
             try:
                 written = os.write(self._fd, line)
                 if written != len(line):
-                    raise OSError(28, f"wrote {written} of {len(line)} bytes", self.path)
+                    raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes", self.path)
                 if sync:
                     os.fsync(self._fd)
             except OSError:
