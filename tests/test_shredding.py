@@ -148,3 +148,38 @@ def test_a_key_file_there_at_start_is_watched_before_its_key_is_used(tmp_path: P
     assert restarted.vanished() == ["t/w"]
     assert restarted.vanished() == []  # once
     assert restarted.open_into(b"t/x", sealed, memoryview(bytearray(16))) == 16
+
+
+def test_a_shred_drops_the_copies_a_shared_remote_node_holds() -> None:
+    # A sidecar over a shared kvstore node: its tenant "local" stores there as tenant-a. The
+    # shred reaches the node's copies too, so no sidecar of the fleet restores them from there.
+    from kvstore.server.config import load_settings
+    from kvstore.server.serve import start_server
+    from tests.service_fixtures import settings_for
+
+    folders = [tempfile.mkdtemp(prefix="kvs-", dir="/tmp") for _ in range(2)]
+    shared = start_server(load_settings(env={}, overrides=settings_for(folders[0])))
+    try:
+        assert shared.tcp_address is not None
+        remote = {"remote.backend": "kvstore", "remote.nodes": shared.tcp_address}
+        remote["remote.tokens"] = "t/local=tok-a"
+        sidecar = start_server(load_settings(env={}, overrides=settings_for(folders[1], **remote)))
+        try:
+            keys = chain(6, salt="shred-remote")
+            with connect(sidecar.unix_address) as kv, connect(shared.tcp_address, token="tok-a") as node:
+                fp = Fingerprint(kv.register(MODEL))
+                assert kv.write(fp, keys, blocks_for(keys)) == 6
+                deadline = time.monotonic() + 10
+                while node.lookup(fp, keys) < 6:
+                    assert time.monotonic() < deadline, "never reached the shared node"
+                    time.sleep(0.05)
+                assert kv.shred("local") == (6, False)  # no nvme copy was sealed: no key file
+                assert node.lookup(fp, keys) == 0
+                assert kv.lookup(fp, keys) == 0  # nor found through the remote tier
+        finally:
+            sidecar.stop()
+    finally:
+        shared.stop()
+        for folder in folders:
+            remove_shm_files(folder)
+            shutil.rmtree(folder, ignore_errors=True)
