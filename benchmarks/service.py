@@ -12,6 +12,9 @@
   socket (48 of 64 present), p50 and p99 (target p99 <= 2 ms);
 - same-host writes into a full arena, a pause between them, against the same writes into the
   empty arena (target >= 0.7x), with the cleaner and without it (``store.clean_ahead=0``);
+- one tenant's 64-key lookup p99 over TCP, the Unix socket and gRPC while another holds 250
+  data-port connections pipelining 500-key lookups (``benchmarks.fairness``; target <= 5 ms;
+  ``--fairness`` runs this row alone);
 - the pause a full garbage collection would impose with 100k blocks indexed (400k without
   ``--quick``), against what is left of it after the freeze ``kvstore serve`` makes
   (``benchmarks.gc_pause``; the server runs no full collection after start);
@@ -39,6 +42,7 @@ import numpy as np
 from rich.console import Console
 
 from benchmarks.common import Result, interleaved, print_results, write_json
+from benchmarks.fairness import bench_fairness, fairness_settings
 from benchmarks.gc_pause import bench_gc_pause
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, ResolvedBlocks, connect
@@ -855,10 +859,28 @@ def _full_arena_writes(
         server.stop()
 
 
-def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = True) -> int:
+def fairness_rows(runs: int) -> list[Result]:
+    """The fairness rows (``benchmarks.fairness``), on a server of their own."""
+    server = bench_server(arena_bytes=64 * MiB, settings=fairness_settings())
+    try:
+        return bench_fairness(server, runs)
+    finally:
+        server.stop()
+
+
+def run_service_bench(
+    quick: bool, json_path: str | None, with_peers: bool = True, fairness_only: bool = False
+) -> int:
     count = 64 if quick else 256
     rounds = 5 if quick else 9
     console = Console(stderr=True)
+    if fairness_only:
+        console.print("[dim]lookup latency beside a noisy tenant …[/]")
+        rows = fairness_rows(runs=3)
+        print_results("kvstore bench service --fairness", rows)
+        if json_path:
+            write_json(json_path, rows, {"command": "kvstore bench service --fairness"})
+        return 0
     server = bench_server(arena_bytes=(3 * count + 64) * BLOCK)
     results: list[Result] = []
     try:
@@ -884,6 +906,8 @@ def run_service_bench(quick: bool, json_path: str | None, with_peers: bool = Tru
         results += bench_lookup_under_writes(count)
         console.print("[dim]writes into a full arena, with and without the cleaner …[/]")
         results += bench_full_arena(count)
+        console.print("[dim]lookup latency beside a noisy tenant …[/]")
+        results += fairness_rows(runs=1 if quick else 3)
         console.print("[dim]a full garbage collection's pause …[/]")
         results += bench_gc_pause(100_000 if quick else 400_000)
     finally:

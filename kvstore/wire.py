@@ -204,17 +204,26 @@ class Stream:
         """The bytes read and not consumed yet (valid until the next read)."""
         return self._view[self._start : self._end]
 
+    @property
+    def capacity_bytes(self) -> int:
+        """The most a message may hold to be buffered whole."""
+        return len(self._buf)
+
     def fill_nowait(self) -> int | None:
-        """Read what a non-blocking socket holds into the empty buffer, without waiting: how
-        many bytes (0: the peer closed), None when it held none."""
-        if self._end > self._start:
-            raise RuntimeError("fill_nowait with bytes still buffered")
-        self._start = self._end = 0
+        """Read what a non-blocking socket holds into the buffer, after the bytes still buffered
+        (moved to its front: the start of a message whose rest comes now), without waiting: how
+        many bytes (0: the peer closed), None when it held none (or the buffer is full)."""
+        left = bytes(self._view[self._start : self._end])
+        self._buf[: len(left)] = left
+        self._start, self._end = 0, len(left)
+        if self._end == len(self._buf):
+            return None
         try:
-            self._end = self.sock.recv_into(self._view)
+            got = self.sock.recv_into(self._view[self._end :])
         except BlockingIOError:
             return None
-        return self._end
+        self._end += got
+        return got
 
     def forget_timeout(self) -> None:
         """Someone else set the socket's timeout (or made it non-blocking): set ours again."""

@@ -277,7 +277,9 @@ def _cmd_bench_device(args: argparse.Namespace) -> int:
 def _cmd_bench_service(args: argparse.Namespace) -> int:
     from benchmarks.service import run_service_bench
 
-    return run_service_bench(quick=args.quick, json_path=args.json, with_peers=not args.no_peers)
+    return run_service_bench(
+        quick=args.quick, json_path=args.json, with_peers=not args.no_peers, fairness_only=args.fairness
+    )
 
 
 def _cmd_bench_crash(args: argparse.Namespace) -> int:
@@ -472,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--quick", action="store_true", help="fewer blocks and rounds; under three minutes")
     service.add_argument("--json", metavar="PATH", help="write results as JSON")
     service.add_argument("--no-peers", action="store_true", help="skip Redis, Mooncake Store and LMCache")
+    service.add_argument(
+        "--fairness", action="store_true", help="only the row of a tenant's lookups beside a noisy tenant"
+    )
     service.set_defaults(func=_cmd_bench_service)
     crash = bench_sub.add_parser(
         "crash", parents=[common], help="kill -9 under load: acknowledged blocks served after restart"

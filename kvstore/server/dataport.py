@@ -36,6 +36,7 @@ from kvstore.keys import BlockKey, Fingerprint
 from kvstore.server.answering import AnsweringLoop, Outcome, Parked
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
+from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
 from kvstore.store import Scope
 from kvstore.wire import (
     END,
@@ -94,12 +95,16 @@ class DataPort:
         plane: DataPlane,
         ssl_context: ssl.SSLContext | None = None,
         spin_s: float = 0.0,
+        shares: TenantShares | None = None,
     ) -> None:
         """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600);
         ``ssl_context``: TLS on every connection (TCP only), the handshake within HELLO_S.
         ``spin_s``: how long a connection in the middle of a same-host write polls for its
-        next request before it sleeps (one connection at a time; never on a single CPU)."""
+        next request before it sleeps (one connection at a time; never on a single CPU).
+        ``shares``: the server's places per tenant, which its connection threads take to serve
+        a request (the server's gRPC workers take the same ones); else a set of its own."""
         self._ssl_context = ssl_context
+        self.shares = shares or TenantShares(SERVED_AT_ONCE_PER_TENANT)
         # Between two chunks of a pipelined write (kvstore.client.inplace) the client copies for
         # a millisecond or so. A thread asleep meanwhile must be woken for the next request:
         # measured here, each send into a sleeping thread cost the client 22-31 us against 7 us,
@@ -215,7 +220,8 @@ class DataPort:
             session = self._hello(stream, peer)
             self._admit(session)
             if not isinstance(conn, ssl.SSLSocket):
-                parked = Parked(conn, stream, functools.partial(self._serve_one, stream, session))
+                answer = functools.partial(self._serve_one, stream, session)
+                parked = Parked(conn, stream, answer, session.caller.tenant)
             op = -1  # none yet: parked after the hello
             while not self._closing.is_set():
                 # A write with a reservation still open here sends its next commit a chunk's
@@ -233,7 +239,8 @@ class DataPort:
                         continue
                 elif not self._next_request(stream, spin_s):
                     return
-                op = self._serve_one(stream, session)
+                with self.shares.place(session.caller.tenant, REQUEST_S):  # asleep till its turn
+                    op = self._serve_one(stream, session)
         except KvStoreError as exc:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread

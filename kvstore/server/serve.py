@@ -305,7 +305,9 @@ def _data_port(
 ) -> DataPort:
     context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
     try:
-        port = DataPort(auth, address, service.plane, context, spin_s=spin_s)
+        # One set of places per tenant across both data ports and gRPC: a tenant's flood on one
+        # transport waits its turn there, not everyone's on another.
+        port = DataPort(auth, address, service.plane, context, spin_s=spin_s, shares=service.shares)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot listen on {address} for the data port ({_reason(exc)}): change {setting}"

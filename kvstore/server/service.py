@@ -41,6 +41,7 @@ from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.server.audit import AuditLog
 from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.dataplane import BATCH_BLOCKS, DataPlane
+from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
 from kvstore.server.handlers import abort, register
 from kvstore.server.metrics import Metrics
 from kvstore.server.models import ModelRegistry
@@ -94,6 +95,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         self._max_in_flight = max_requests_per_tenant
         self._stream_timeout_s = stream_timeout_s
         self._in_flight: Counter[str] = Counter()  # per tenant
+        # Of those in flight, the ones a worker runs at once (the data ports take the same places)
+        self.shares = TenantShares(SERVED_AT_ONCE_PER_TENANT)
         self.plane = DataPlane(store, self.check_sizes, self.record_hits)  # both transports' bytes
 
     # ----------------------------------------------------------------- plumbing
@@ -117,7 +120,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     @contextlib.contextmanager
     def _slot(self, tenant: str) -> Iterator[None]:
         """One of the tenant's ``max_requests_per_tenant`` in-flight places: the workers are
-        shared, so one tenant's stalled calls must not take them all."""
+        shared, so one tenant's stalled calls must not take them all; then one of its places in
+        ``shares`` (asleep until then), so that its calls in flight want the GIL no more than
+        SERVED_AT_ONCE_PER_TENANT at a time."""
         with self._in_flight_lock:
             if self._in_flight[tenant] >= self._max_in_flight:
                 raise ResourceExhausted(
@@ -126,7 +131,8 @@ class KvStoreService(pb_grpc.KvStoreServicer):
                 )
             self._in_flight[tenant] += 1
         try:
-            yield
+            with self.shares.place(tenant, self._stream_timeout_s):
+                yield
         finally:
             with self._in_flight_lock:
                 self._in_flight[tenant] -= 1
