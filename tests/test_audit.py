@@ -74,8 +74,9 @@ def test_admin_actions_are_refused_and_not_done_while_the_audit_log_cannot_be_wr
         "server.audit_log": str(log_path),
         "store.write_through": "true",  # sealed into nvme as stored: a key file, and nothing audited yet
     }
-    server = ServerProcess(settings, folder)
+    server = None
     try:
+        server = ServerProcess(settings, folder)
         with connect(server.unix) as kv:  # the Unix socket's tenant "local", an admin
             fp = Fingerprint(kv.register(MODEL))
             keys = chain(40, salt="audited-full-disk")
@@ -112,7 +113,8 @@ def test_admin_actions_are_refused_and_not_done_while_the_audit_log_cannot_be_wr
         ]
         assert read.actions[0]["key_hashes"] == [keys[39].hex()]
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         remove_shm_files(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
