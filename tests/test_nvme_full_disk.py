@@ -37,7 +37,7 @@ MiB = 1 << 20
 class SmallFs:
     """A 64 MiB ext4 file system on a loop device, mounted at ``path``."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: str = "loop") -> None:
         self.image = Path(tempfile.mkstemp(prefix="kvfs-", suffix=".ext4", dir="/tmp")[1])
         self.path = Path(tempfile.mkdtemp(prefix="kvmnt-", dir="/tmp"))
         os.truncate(self.image, 64 * MiB)
@@ -47,7 +47,7 @@ class SmallFs:
             capture_output=True,
         )
         subprocess.run(
-            ["mount", "-o", "loop", str(self.image), str(self.path)], check=True, capture_output=True
+            ["mount", "-o", options, str(self.image), str(self.path)], check=True, capture_output=True
         )
 
     def free_bytes(self) -> int:
@@ -71,6 +71,15 @@ class SmallFs:
             os.fsync(f.fileno())
         return filler
 
+    def fail(self) -> None:
+        """An ext4 error, as a failing disk raises: mounted errors=remount-ro, the file system
+        turns read-only under the running server (open files and mappings and all)."""
+        device = subprocess.run(["findmnt", "-no", "SOURCE", str(self.path)], capture_output=True, text=True)
+        trigger = Path("/sys/fs/ext4") / os.path.basename(device.stdout.strip()) / "trigger_fs_error"
+        if not trigger.exists():
+            pytest.skip(f"{trigger} is missing: this kernel cannot raise an ext4 error on demand")
+        trigger.write_text("kvstore test: a failing disk\n")
+
     def remount(self, mode: str) -> None:
         subprocess.run(["mount", "-o", f"remount,{mode}", str(self.path)], check=True, capture_output=True)
 
@@ -89,12 +98,12 @@ def _mount_refusal() -> str | None:
 
 
 @pytest.fixture
-def small_fs() -> Iterator[SmallFs]:
+def small_fs(request: pytest.FixtureRequest) -> Iterator[SmallFs]:
     refusal = _mount_refusal()
     if refusal:
         pytest.skip(refusal)
     try:
-        fs = SmallFs()
+        fs = SmallFs(getattr(request, "param", "loop"))
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"cannot loop-mount an ext4 image here: {exc.stderr.decode(errors='replace').strip()}")
     try:
@@ -254,6 +263,38 @@ def test_a_read_only_nvme_file_system_is_served_read_only_and_a_fresh_one_is_off
         assert no_arena_left(data_dir)
     finally:
         small_fs.remount("rw")
+        remove_shm_files(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("small_fs", ["loop,errors=remount-ro"], indirect=True)
+def test_a_file_system_turned_read_only_under_a_running_server_degrades_nvme_and_serving_goes_on(
+    small_fs: SmallFs, log_dir: Path
+) -> None:
+    data_dir = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+    try:
+        server, port = start(data_dir, log_dir, **{"nvme.path": str(small_fs.path / "nvme")})
+        try:
+            with connect(server.unix) as kv:
+                fp = kv.register(MODEL)
+                for n in range(3):  # 12 MiB through a 4 MiB dram: most of it into nvme
+                    kv.write(fp, chain(fp, n), [payload(n, i) for i in range(CHAIN)])
+                time.sleep(1.5)  # synced (nvme.sync_interval_s = 1 s)
+                small_fs.fail()
+                for n in range(3, 8):
+                    kv.write(fp, chain(fp, n), [payload(n, i) for i in range(CHAIN)])
+                assert wait_for(lambda: metric(port, "kvstore_tier_degraded") == 1), "no degraded nvme"
+                assert server.proc.poll() is None, "the server died on a read-only file system"
+                assert kv.lookup(fp, chain(fp, 7)) == CHAIN  # in dram
+                got = kv.get(fp, chain(fp, 0))  # out of nvme, whose pages the kernel still holds
+                assert got and all(bytes(v) == payload(0, i) for i, v in enumerate(got))
+            log = (data_dir / "serve.log").read_text()
+            assert len([line for line in log.splitlines() if "degraded:" in line]) == 1, log[-3000:]
+            assert "Read-only file system" in log
+        finally:
+            assert server.stop() == 0
+        assert no_arena_left(data_dir)
+    finally:
         remove_shm_files(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
 

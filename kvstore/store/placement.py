@@ -133,8 +133,8 @@ class Placement:
                 self.place(block, data, lowest=t + 1, highest=len(self.tiers) - 1)
                 if len(block.tiers) > 1:
                     self._counters["demotions"] += 1
-                elif self._index.children(block.ident):
-                    return False
+                elif self._index.children(block.ident) and not _degraded(self.tiers[t + 1 :]):
+                    return False  # a disk behind takes it soon; a degraded one not: drop it, as the last tier does
         self._counters[f"evicted_{self.tiers[t].name}_blocks"] += 1
         self.forget_tier(block, t)
         return True
@@ -283,6 +283,14 @@ class Placement:
         log.info(
             "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
         )
+
+
+def _degraded(below: Sequence[Tier]) -> bool:
+    """Whether the tiers below take no writes for now (nvme on a full or read-only disk): a
+    victim is then dropped, children or not, as from the last tier, or a full arena of chains
+    would refuse every write until the disk has room again."""
+    disks = [tier for tier in below if tier.persistent]
+    return bool(disks) and all(tier.usage().degraded for tier in disks)
 
 
 def _free_bytes(tier: Tier) -> int:
