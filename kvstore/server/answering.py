@@ -7,12 +7,14 @@ clients looking up at once, a lookup waited for the others' requests piece by pi
 p99 went past 2 ms on two CPUs. Here one thread sleeps in ``epoll`` on every parked connection,
 answers each complete small request it finds buffered (several in a row without sleeping, their
 answers joined into one send: a turn), and hands the connection back to its own thread for
-anything else: a request of another kind, one whose bytes have not all come (the thread then reads the
-rest under the request's deadline), an answer the socket would not take at once (the thread
-sends the rest under the deadline), an error (the thread sends the error frame and closes), the
-peer gone, the connection idle past IDLE_S, or the port closing. A thread that served a request
-of another kind waits for its connection's next request itself (``answers`` says which kinds
-are the loop's): a write's next one comes soon, and a hand-over each time cost it.
+anything else: a request of another kind, one whose bytes have not all come (the thread then
+reads the rest under the request's deadline; the rest of one that came behind others answered
+in the same turn, a client pipelining, is awaited here, PARTIAL_S at most), an answer the
+socket would not take at once (the thread sends the rest under the deadline), an error (the
+thread sends the error frame and closes), the peer gone, the connection idle past IDLE_S, or
+the port closing. A thread that served a request of another kind waits for its connection's
+next request itself (``answers`` says which kinds are the loop's): a write's next one comes
+soon, and a hand-over each time cost it.
 
 Turns are shared per tenant first, then per connection within a tenant: each round gives every
 tenant with requests ready one turn, of its connection whose turn is next, and the loop looks
@@ -166,6 +168,7 @@ class AnsweringLoop:
                 events = self._epoll.poll(0 if self._ready or self._again else IDLE_CHECK_S)
                 if self._closed:  # set before the waker's byte is sent
                     return
+                backlogged = list(dict.fromkeys([*self._ready, *(t for t, _ in self._again)]))
                 for fd, _ in events:
                     if fd not in self._queued and (parked := self._parked.get(fd)) is not None:
                         self._ready.setdefault(parked.tenant, deque()).append(fd)
@@ -173,7 +176,9 @@ class AnsweringLoop:
                 for tenant, fd in self._again:
                     self._ready.setdefault(tenant, deque()).append(fd)
                 self._again = []
-                self._round()
+                # Tenants that had nothing waiting go first (as in fair queuing, where a flow
+                # that starts anew is next): a quiet tenant's lookup skips the flood's turn.
+                self._round([t for t in self._ready if t not in backlogged] + backlogged)
                 if (now := time.monotonic()) >= next_idle_check:
                     next_idle_check = now + IDLE_CHECK_S
                     self._hand_back_idle(now)
@@ -187,10 +192,12 @@ class AnsweringLoop:
             self._waker.close()
             self._wake_end.close()
 
-    def _round(self) -> None:
-        """One turn for each tenant with requests ready, of its connection next in turn."""
-        for tenant in list(self._ready):
-            waiting = self._ready[tenant]
+    def _round(self, tenants: list[str]) -> None:
+        """One turn for each tenant with requests ready, in the order of ``tenants``, of its
+        connection next in turn."""
+        for tenant in tenants:
+            if (waiting := self._ready.get(tenant)) is None:
+                continue
             fd = waiting.popleft()
             if (parked := self._parked.get(fd)) is not None and self._answer(fd, parked):
                 self._again.append((tenant, fd))
