@@ -26,4 +26,6 @@ python proto/generate.py --check
 ruff check .
 ruff format --check .
 mypy
+# a plain `pip install .` (no torch) and one beside torch, each in a clean venv (~2-3 min)
+./scripts/check_installs.sh
 pytest "$@"

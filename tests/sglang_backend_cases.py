@@ -31,6 +31,7 @@ from kvstore.client import Client, connect
 from tests.sglang_hicache.engine import PAGE as ENGINE_PAGE
 from tests.sglang_hicache.env import ROOT, sglang_env
 from tests.sglang_hicache.harness import PAGE, RadixKey, Rank, model_folder
+from tests.shm_leftovers import SHM, in_use, listing
 
 TOKEN = "tok-a"
 PAGES = 6
@@ -343,9 +344,33 @@ def test_pages_gone_between_lookup_and_read_are_misses(sidecar: ServerProcess, m
 # ----------------------------------------------------------------- end to end on the engine
 
 
+ENGINE_SHM = ("sglang_loads_", "sgl_shm_")  # what an SGLang engine makes in /dev/shm
+
+
 def _engine(model: Path, address: str, prompt: Path) -> dict[str, Any]:
+    """One engine process's result; the files it made in /dev/shm are gone once it exits."""
     argv = [sys.executable, "-m", "tests.sglang_hicache.engine", str(model), address, str(prompt)]
-    done = subprocess.run(argv, cwd=ROOT, env=sglang_env(), capture_output=True, text=True, timeout=300)
+    before = listing(ENGINE_SHM)
+    stdout = ""
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=sglang_env(), capture_output=True, text=True, timeout=300)
+        stdout = done.stdout
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        raise
+    finally:
+        loads = [
+            Path(line.removeprefix("LOADS ")) for line in stdout.splitlines() if line.startswith("LOADS ")
+        ]
+        left = [path for path in loads if path.exists()]  # what the engine should have removed
+        # A killed engine removed nothing, and may have died before saying where its file is:
+        # what appeared meanwhile that no live process uses (another run's live engine keeps its
+        # own mapped) goes too.
+        strays = [SHM / name for name in listing(ENGINE_SHM) - before - in_use()]
+        for path in {*left, *strays}:
+            path.unlink(missing_ok=True)
+    assert loads, f"the engine did not say where its load snapshot lives:\n{stdout[-3000:]}"
+    assert not left, f"the engine left {left} in /dev/shm"
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"the engine failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))

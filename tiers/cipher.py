@@ -22,9 +22,10 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+if TYPE_CHECKING:  # cryptography is the encryption extra: imported when a cipher is made
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -33,6 +34,12 @@ OVERHEAD_BYTES = NONCE_BYTES + TAG_BYTES
 
 class BlockCipher:
     def __init__(self, keys_dir: str | Path, namespace_of: Callable[[bytes], str]) -> None:
+        """Raises ModuleNotFoundError without cryptography (pip install 'kvstore[encryption]')."""
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aesgcm = AESGCM
+        self._invalid_tag = InvalidTag
         self._dir = Path(keys_dir)
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self._dir, 0o700)
@@ -63,7 +70,7 @@ class BlockCipher:
                     f.write(raw)
                     f.flush()
                     os.fsync(f.fileno())
-            aead = AESGCM(raw) if len(raw) == 32 else None
+            aead = self._aesgcm(raw) if len(raw) == 32 else None
             self._keys[namespace] = aead
             file_id = _file_id(str(path))
             if aead is not None and file_id is not None:
@@ -117,7 +124,7 @@ class BlockCipher:
             return None
         try:
             aead.decrypt_into(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], key, out[:n])
-        except InvalidTag:
+        except self._invalid_tag:
             return None
         return n
 

@@ -33,9 +33,13 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import zstandard
 
 from tiers.base import BytesLike, Codec
+
+try:
+    import zstandard
+except ModuleNotFoundError:  # the zstd extra; without it only Codec.NONE encodes and decodes
+    zstandard = None  # type: ignore[assignment]
 
 DEFAULT_ZSTD_LEVEL = 1
 
@@ -65,7 +69,15 @@ class _Contexts(threading.local):
         return found
 
 
-_contexts = _Contexts()
+_contexts = _Contexts() if zstandard is not None else None
+
+
+def _zstd_contexts() -> _Contexts:
+    """This thread's contexts; CodecError without zstandard (the server refuses to start with a
+    zstd codec then, so only a block stored before it was uninstalled meets this: a miss)."""
+    if _contexts is None:
+        raise CodecError("a zstd block needs zstandard, not installed: pip install 'kvstore[zstd]'")
+    return _contexts
 
 
 def encode(codec: Codec, payload: BytesLike, level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
@@ -79,7 +91,7 @@ def encode(codec: Codec, payload: BytesLike, level: int = DEFAULT_ZSTD_LEVEL) ->
     if codec is Codec.NONE:
         return payload if isinstance(payload, bytes) else bytes(view)
     if codec is Codec.ZSTD:
-        return _contexts.compressor(level).compress(view)
+        return _zstd_contexts().compressor(level).compress(view)
     if codec is Codec.ZSTD_BYTEPLANE:
         return _encode_byteplane(view, level)
     raise ValueError(f"unknown codec {codec!r}")
@@ -127,7 +139,7 @@ def _encode_byteplane(view: memoryview, level: int) -> bytes:
     high = np.empty(half, dtype=np.uint8)
     np.bitwise_and(words, 0xFF, out=low, casting="unsafe")
     np.right_shift(words, 8, out=high, casting="unsafe")
-    compressed_high = _contexts.compressor(level).compress(high.data)
+    compressed_high = _zstd_contexts().compressor(level).compress(high.data)
     return b"".join((low.data, view[2 * half :], compressed_high))
 
 
@@ -146,8 +158,9 @@ def _decode_byteplane(src: memoryview, dst: memoryview) -> None:
 
 
 def _zstd_bytes(src: memoryview, expected_len: int) -> bytes:
+    decompressor = _zstd_contexts().decompressor
     try:
-        plain = _contexts.decompressor.decompress(src, max_output_size=max(expected_len, 1))
+        plain = decompressor.decompress(src, max_output_size=max(expected_len, 1))
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd frame does not decode: {exc}") from exc
     if len(plain) != expected_len:
@@ -159,8 +172,9 @@ def _zstd_into(src: memoryview, dst: memoryview) -> None:
     """Decompress one zstd frame straight into ``dst``, which it must fill exactly."""
     expected = len(dst)
     got = 0
+    decompressor = _zstd_contexts().decompressor
     try:
-        with _contexts.decompressor.stream_reader(src) as reader:
+        with decompressor.stream_reader(src) as reader:
             while got < expected:
                 n = reader.readinto(dst[got:])
                 if not n:

@@ -1,6 +1,7 @@
 """The CUDA-only pieces of the tiers, isolated so that CPU machines never import CUDA state.
 
-Every function here answers "not available" rather than failing when torch has no CUDA.
+Every function here answers "not available" rather than failing when torch has no CUDA or is
+not installed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ log = logging.getLogger(__name__)
 
 
 def cuda_available() -> bool:
-    import torch
-
+    """False without torch too: the server runs without it (torch is the engine extra)."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return False
     return bool(torch.cuda.is_available())
 
 

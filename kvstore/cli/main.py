@@ -37,6 +37,7 @@ from typing import Any
 
 from kvstore import __version__
 from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
+from kvstore.extras import install_hint
 from kvstore.server.config import Settings, load_settings
 
 log = logging.getLogger("kvstore.cli")
@@ -187,7 +188,12 @@ def _cmd_invalidate(args: argparse.Namespace) -> int:
         whose = (
             "EVERY tenant's" if args.tenant == "*" else f"tenant {args.tenant!r}'s" if args.tenant else "your"
         )
-        answer = input(f"Remove all of {whose} cached blocks? Type 'yes' to confirm: ")
+        try:  # an answer piped in is an answer; no answer at all (no terminal, </dev/null) is a refusal
+            answer = input(f"Remove all of {whose} cached blocks? Type 'yes' to confirm: ")
+        except EOFError:
+            raise InvalidArgument(
+                "--everything asks for confirmation and standard input gave no answer: add --yes"
+            ) from None
         if answer.strip().lower() != "yes":
             print("nothing removed")
             return 1
@@ -567,6 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, exc, str(exc))
     except KvStoreError as exc:
         return _fail(args, exc, str(exc))
+    except ModuleNotFoundError as exc:  # an optional feature's library: the extra to install
+        hint = install_hint(exc.name or "")
+        if hint is None:
+            raise
+        return _fail(args, exc, hint)
     except KeyboardInterrupt:
         return 130
     return code

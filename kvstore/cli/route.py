@@ -92,16 +92,29 @@ def serve_router(
         raise ValueError(
             f"one --sidecar per --backend: {len(sidecars)} sidecars for {len(backends)} backends"
         )
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(
+            f"--model {model_dir}: no config.json there (give the model's local folder, with its tokenizer)"
+        )
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen {listen!r} is not HOST:PORT with a port from 0 to 65535")
     names = list(backends)
-    policy = build_policy(policy_name, names, model_dir, block_size, calibration, slack, queue_penalty_s)
+    try:
+        policy = build_policy(policy_name, names, model_dir, block_size, calibration, slack, queue_penalty_s)
+    except KeyError as exc:
+        raise ValueError(
+            f"{model_dir / 'config.json'} has no {exc} (not a Hugging Face model config?)"
+        ) from None
     probe = SidecarProbe(sidecars, token=token) if sidecars else None
     router = Router(
         names, policy, _Discovered(probe, model_id), block_size, probe=probe, prefix_tokens=prefix_tokens
     )
     app = build_app(backends, router, tokenizer_for(model_dir))
-    host, _, port = listen.rpartition(":")
     try:
         web.run_app(app, host=host or "127.0.0.1", port=int(port), print=None, handle_signals=True)
+    except OSError as exc:  # the port in use, or not an address of this machine
+        raise ValueError(f"cannot listen on {listen} ({exc.strerror or exc}): change --listen") from None
     finally:
         if probe is not None:
             probe.close()

@@ -12,12 +12,13 @@ import logging
 import os
 
 from kvstore.errors import FailedPrecondition
+from kvstore.extras import require
 from kvstore.server.config import CODECS, RemoteSettings, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
 from kvstore.store.model import shared_key_name
 from tiers import Tier, TierError, TierKey, TierUnavailable
-from tiers.cipher import BlockCipher
+from tiers.cipher import BlockCipher  # cryptography itself is imported when one is made
 from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom, MediumNoRoom
 from tiers.nvme_room import is_no_room
@@ -32,6 +33,7 @@ def build_tiers(settings: Settings, data_dir: DataDir | None = None) -> tuple[li
     With ``data_dir``, the arena takes its name and keeps a journal, and the blocks of a dead
     predecessor's arena are salvaged into `nvme` first. On an error, the tiers built so far are
     closed before it propagates."""
+    require_extras(settings)
     built: list[Tier] = []
     try:
         return _build_tiers(settings, data_dir, built)
@@ -40,6 +42,19 @@ def build_tiers(settings: Settings, data_dir: DataDir | None = None) -> tuple[li
             with contextlib.suppress(Exception):
                 tier.close()
         raise
+
+
+def require_extras(settings: Settings) -> None:
+    """The library of each configured optional feature is installed (``kvstore.extras``):
+    checked before anything is opened, so a missing one is one line at start, nothing made."""
+    if settings.hbm.enabled:
+        require("torch", "hbm.enabled = true")
+    if settings.nvme.enabled and settings.nvme.encryption_keys_dir:
+        require("cryptography", "nvme.encryption_keys_dir")
+    if settings.nvme.enabled and settings.nvme.codec != "none":
+        require("zstandard", f"nvme.codec = {settings.nvme.codec}")
+    if settings.remote.backend == "redis":
+        require("redis", "remote.backend = redis")
 
 
 def _build_tiers(
@@ -219,7 +234,7 @@ def _mooncake(r: RemoteSettings) -> RemoteTier:
         import mooncake.store  # noqa: F401 - only whether it is there
     except ImportError:
         raise FailedPrecondition(
-            "remote.backend = mooncake needs the mooncake extra: pip install '.[mooncake]'"
+            "remote.backend = mooncake needs the mooncake extra: pip install 'kvstore[mooncake]'"
         ) from None
     from tiers.mooncake import MooncakeConfig, MooncakeTier
 
@@ -255,6 +270,7 @@ def _secret(path: str, setting: str) -> str:
 def open_store(settings: Settings) -> TieredStore:
     """A store over the configured tiers; the persistent ones are indexed from disk. The data
     folder stays locked until the store closes."""
+    require_extras(settings)
     data_dir = DataDir.open(settings.data_dir)
     try:
         tiers, absent = build_tiers(settings, data_dir)

@@ -208,7 +208,41 @@ def load_settings(
     _merge(raw, from_env)
     for dotted, value in (overrides or {}).items():
         _merge(raw, _nest(dotted, value))
-    return _build(Settings, raw, "")
+    settings = _build(Settings, raw, "")
+    _check(settings)
+    return settings
+
+
+def _check(settings: Settings) -> None:
+    """What one field cannot say alone: an arena holds at least one page, listeners and nodes are
+    host:port with a port that exists. Here, at parse time, so a mistake is one line at start
+    rather than a traceback from the component that meets it."""
+    for name, pool in (("dram", settings.dram), ("hbm", settings.hbm)):
+        if pool.page_bytes <= 0:
+            raise InvalidArgument(f"{name}.page_bytes must be positive, got {pool.page_bytes}")
+        if pool.capacity_bytes < pool.page_bytes and (name == "dram" or settings.hbm.enabled):
+            raise InvalidArgument(
+                f"{name}.capacity_bytes ({pool.capacity_bytes} B) is smaller than one page "
+                f"({name}.page_bytes = {pool.page_bytes} B): raise it or lower {name}.page_bytes"
+            )
+    s = settings.server
+    listeners = {"server.tcp_address": s.tcp_address, "server.metrics_address": s.metrics_address}
+    listeners["server.data_address"] = "" if s.data_address == "auto" else s.data_address
+    for setting, address in listeners.items():
+        if address:
+            _check_address(address, setting, lowest_port=0)
+    for node in settings.remote.nodes if settings.remote.backend else ():
+        _check_address(node, "remote.nodes", lowest_port=1)
+
+
+def _check_address(address: str, setting: str, lowest_port: int) -> None:
+    if address.startswith("unix:"):
+        return
+    _, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not lowest_port <= int(port) <= 65535:
+        raise InvalidArgument(
+            f"{setting}: {address!r} is not HOST:PORT with a port from {lowest_port} to 65535"
+        )
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -244,6 +278,10 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
             ignored.append(name)
             continue
         dotted = f"{section}.{rest[len(section) + 1 :]}" if section else rest
+        try:  # alone first, so a bad value is reported under the variable that holds it
+            _build(Settings, _nest(dotted, value), "")
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{name}: {exc}") from None
         _merge(out, _nest(dotted, value))
     return out, ignored
 
@@ -300,7 +338,13 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         return value
     if origin in (Mapping, dict) or hint in (Mapping, dict) or origin is typing.Mapping:
         if isinstance(value, str):
-            value = dict(item.split("=", 1) for item in value.split(",") if item)
+            items = [item for item in value.split(",") if item]
+            bad = next((i for i, item in enumerate(items, 1) if "=" not in item), None)
+            if bad is not None:  # by position: the item may be a token, not to be echoed
+                raise InvalidArgument(
+                    f"{where}: item {bad} has no '=' (a comma-separated list of NAME=VALUE)"
+                )
+            value = dict(item.split("=", 1) for item in items)
         if not isinstance(value, Mapping):
             raise InvalidArgument(f"{where} must be a table of name = value")
         value_type = typing.get_args(hint)[1] if typing.get_args(hint) else str
@@ -321,10 +365,16 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if hint is int:
         if isinstance(value, bool):
             raise InvalidArgument(f"{where} must be an integer")
-        return parse_size(value, where) if "_bytes" in where else _int(value, where)
+        number = parse_size(value, where) if "_bytes" in where else _int(value, where)
+        if number < 0 and "_bytes" in where:
+            raise InvalidArgument(f"{where} must not be negative, got {value!r}")
+        return number
     if hint is float:
         if where.endswith("_s") or "_s." in where:  # a duration, or a table of them
-            return parse_duration(value, where)
+            seconds = parse_duration(value, where)
+            if seconds < 0:
+                raise InvalidArgument(f"{where} must not be negative, got {value!r}")
+            return seconds
         try:
             return float(value)
         except (TypeError, ValueError) as exc:

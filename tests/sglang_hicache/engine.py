@@ -7,6 +7,10 @@ the shims apply):
 It generates greedily for the prompt, waits until the sidecar holds the prompt's full pages
 (SGLang's backup thread writes them after the request), and prints one line: ``RESULT {json}``
 with the output ids and SGLang's cached-token counts (where the prompt's KV came from).
+
+SGLang leaves its load-snapshot file (``/dev/shm/sglang_loads_<instance>_<digest>.shm``) behind
+at shutdown: the engine removes it, and prints its path first (``LOADS <path>``) so that the
+test removes it too should this process be killed before it could.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ MAX_NEW_TOKENS = 8
 
 def main() -> None:
     import sglang
+    from sglang.srt.managers.load_snapshot import shm_path_for
 
     from kvstore.client import connect
 
@@ -48,6 +53,8 @@ def main() -> None:
         hicache_storage_backend_extra_config=json.dumps(extra),
         enable_cache_report=True,
     )
+    loads = Path(shm_path_for(engine.port_args.instance_id))
+    print(f"LOADS {loads}", flush=True)
     try:
         out = engine.generate(
             Path(prompt_file).read_text(), {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
@@ -68,6 +75,7 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         engine.shutdown()
+        loads.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
