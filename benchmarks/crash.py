@@ -1,16 +1,19 @@
-"""``kvstore bench crash``: what a ``kill -9`` under load costs, with the default settings.
+"""``kvstore bench crash``: what a ``kill -9`` under load costs, in a cache's everyday states.
 
-A writer stores chains of blocks into a ``kvstore serve`` child process the way the vLLM
-connector does on the same host (reserve, write the arena in place, commit) and records every
-block whose commit returned: acknowledged. After a random time under load the server is killed
-with SIGKILL and started again on the same data folder; every block acknowledged so far is then
-read back one by one and compared byte for byte (its bytes are a function of its key). Repeated
-``cycles`` times. Figures: acknowledged blocks served after the restarts (target >= 99%) and
-corrupt blocks served (target 0).
+Writers store chains of blocks into a ``kvstore serve`` child process the way the vLLM connector
+does on the same host (reserve, write the arena in place, commit) and record every block whose
+commit returned: acknowledged. After a random time under load the server is killed with SIGKILL
+and started again on the same data folder; every block acknowledged in that cycle is then read
+back one by one and compared byte for byte (its bytes are a function of its key). Repeated for
+each ``State``: from an empty store (the default arena, nvme with room for everything), with nvme
+full at the kill (filled first: the salvage must make room by eviction, as a clean stop's spill
+does), and with the arena overflowing into nvme (three unpaced writers into a 64 MiB arena: the
+kill comes among demotions). Figures per state: acknowledged blocks served after the restarts
+(target >= 99%) and corrupt blocks served (target 0).
 
 The price is measured in the same run: the writer's put throughput with the default settings
-(write-behind to nvme on) against the same writer with ``store.write_behind=false`` (today's
-behaviour before write-behind: a crash lost everything in dram), no kills, same blocks.
+against the same writer with ``dram.journal=false`` (no crash recovery) and with
+``store.write_behind=true``, no kills, same blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from benchmarks.common import Result, print_results, write_json
+from benchmarks.server_process import ServerProcess
 from benchmarks.service import bench_server
 from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
@@ -116,82 +120,149 @@ def put_throughput(settings: Mapping[str, str], blocks: int) -> float:
         server.stop()
 
 
+@dataclass(frozen=True)
+class State:
+    """The state of the store the kills come in; a writer's blocks a cycle are its
+    ``blocks_per_writer`` at most (its chains of CHAIN_BLOCKS, so a few more)."""
+
+    name: str
+    arena_bytes: int
+    writers: int = 1
+    blocks_per_writer: int = CYCLE_BLOCKS
+    pace_bytes_per_s: float = 0.0  # each writer's; 0: as fast as it can
+    max_load_s: float = 1.8  # a kill comes 0.3 s to this long into a cycle's load
+    nvme_bytes: int = 4 << 30
+    fill_nvme: bool = False  # fill nvme (a clean stop's spill) before the first kill
+
+    @property
+    def keeps_every_cycle(self) -> bool:
+        """Whether nvme holds every cycle's blocks (else, full, each salvage evicts older ones)."""
+        return not self.fill_nvme
+
+
 @dataclass
 class Cycles:
     acked: int = 0
     served: int = 0
     corrupt: int = 0
     served_at_end: int = 0
+    nvme_full_at_kills: int = 0  # kills that came with nvme at least 99% full
     per_cycle: list[dict[str, float]] = field(default_factory=list)
 
 
 def kill_cycles(
+    state: State,
     cycles: int,
-    arena_bytes: int,
-    max_load_s: float,
     rng: random.Random,
     progress: Progress | None = None,
-    max_blocks: int = 1 << 30,
     settings: Mapping[str, str] | None = None,
-    pace_bytes_per_s: float = 0.0,
 ) -> Cycles:
-    """``cycles`` rounds of load (at most ``max_blocks`` per round), SIGKILL, restart and
-    read-back on one data folder."""
-    server = bench_server(arena_bytes, settings)
+    """``cycles`` rounds of load, SIGKILL, restart and read-back on one data folder, in
+    ``state``; then every cycle's blocks read back once more (where nvme keeps them all)."""
+    server = bench_server(
+        state.arena_bytes, {"nvme.capacity_bytes": str(state.nvme_bytes), **(settings or {})}
+    )
     out = Cycles()
     acked: list[BlockKey] = []
-    task = (
-        progress.add_task(f"kill -9 cycles, {arena_bytes >> 20} MiB arena", total=cycles)
-        if progress
-        else None
-    )
+    task = progress.add_task(f"kill -9 cycles, {state.name}", total=cycles) if progress else None
     try:
+        if state.fill_nvme:
+            fill(server, state)
         for cycle in range(cycles):
-            load = Load(server.unix, salt=f"cycle-{cycle}-{rng.random()}", pace_bytes_per_s=pace_bytes_per_s)
-            writer = threading.Thread(target=load.run, args=(max_blocks,))
-            writer.start()
-            time.sleep(rng.uniform(0.3, max_load_s))
+            loads = [
+                Load(
+                    server.unix,
+                    salt=f"cycle-{cycle}-{w}-{rng.random()}",
+                    pace_bytes_per_s=state.pace_bytes_per_s,
+                )
+                for w in range(state.writers)
+            ]
+            writers = [threading.Thread(target=load.run, args=(state.blocks_per_writer,)) for load in loads]
+            for writer in writers:
+                writer.start()
+            time.sleep(rng.uniform(0.3, state.max_load_s))
+            nvme_used = _nvme_used(server.unix) if state.fill_nvme else 0.0
             server.kill()
-            load.stop()
-            writer.join(30)
-            acked.extend(load.acked)
+            for load in loads:
+                load.stop()
+            for writer in writers:
+                writer.join(30)
+            cycle_acked = [key for load in loads for key in load.acked]
+            acked.extend(cycle_acked)
             server.start()
-            got, bad = verify(server.unix, load.acked)
+            got, bad = verify(server.unix, cycle_acked)
+            out.acked += len(cycle_acked)
             out.served += got
             out.corrupt += bad
+            out.nvme_full_at_kills += nvme_used >= 0.99
             out.per_cycle.append(
-                {"acknowledged": len(load.acked), "served": got, "corrupt": bad, "load_s": load.seconds}
+                {
+                    "acknowledged": len(cycle_acked),
+                    "served": got,
+                    "corrupt": bad,
+                    "load_s": max(load.seconds for load in loads),
+                    "nvme_used_at_kill": nvme_used,
+                }
             )
             if progress is not None and task is not None:
                 progress.advance(task)
-        # Blocks of earlier cycles must survive the later kills too.
-        out.served_at_end, bad = verify(server.unix, acked)
-        out.corrupt += bad
-        out.acked = len(acked)
+        if state.keeps_every_cycle:  # blocks of earlier cycles must survive the later kills too
+            out.served_at_end, bad = verify(server.unix, acked)
+            out.corrupt += bad
     finally:
         server.stop()
     return out
 
 
+def fill(server: ServerProcess, state: State) -> None:
+    """Fill nvme the way a cache fills it: more blocks written than it holds (the arena's
+    overflow demoted into it), then a clean stop (the arena's blocks spilled into it)."""
+    load = Load(server.unix, salt=f"fill-{random.random()}")
+    load.run(max_blocks=(state.nvme_bytes + state.arena_bytes // 2) // MODEL.block_bytes)
+    server.restart()
+
+
+def _nvme_used(address: str) -> float:
+    """The share of nvme's capacity in use now."""
+    with connect(address, timeout_s=5) as kv:
+        tiers = kv.stats()["tiers"]
+    nvme = next(t for t in tiers if t["name"] == "nvme")
+    return float(nvme["used_bytes"]) / float(nvme["capacity_bytes"])
+
+
+EMPTY = State(
+    "from an empty store",
+    DramSettings().capacity_bytes,
+    blocks_per_writer=CYCLE_BLOCKS,
+    pace_bytes_per_s=PACE_BYTES_PER_S,
+)
+NVME_FULL = State(
+    "nvme full at the kill",
+    256 * MiB,
+    # 100 MiB: in the arena at the kill, with the last cycle's read back (promoted) and no
+    # eviction from it before the kill: what is measured is the salvage into a full nvme, not
+    # which blocks eviction keeps
+    blocks_per_writer=400,
+    pace_bytes_per_s=PACE_BYTES_PER_S,
+    nvme_bytes=256 * MiB,
+    fill_nvme=True,
+)
+OVERFLOW = State(
+    "arena overflowing into nvme",
+    OVERFLOW_ARENA_BYTES,
+    writers=3,
+    blocks_per_writer=4 * CYCLE_BLOCKS // 3,
+    max_load_s=2.0,
+)
+
+
 def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int = 0) -> int:
     console = Console(stderr=True)
     rng = random.Random(seed)
-    default_arena = DramSettings().capacity_bytes
+    states = (EMPTY, NVME_FULL, OVERFLOW)
+    runs = {EMPTY: cycles, NVME_FULL: max(3, cycles // 2), OVERFLOW: max(3, cycles // 4)}
     with Progress(console=console, transient=True) as progress:
-        # Paced so that the kill lands while blocks are still being written, and capped so that
-        # every cycle's blocks fit the 4 GiB nvme tier the salvage copies them into.
-        fits = kill_cycles(
-            cycles,
-            default_arena,
-            1.8,
-            rng,
-            progress,
-            max_blocks=CYCLE_BLOCKS,
-            pace_bytes_per_s=PACE_BYTES_PER_S,
-        )
-        overflow = kill_cycles(
-            max(3, cycles // 4), OVERFLOW_ARENA_BYTES, 2.0, rng, progress, max_blocks=4 * CYCLE_BLOCKS
-        )
+        found = {state: kill_cycles(state, runs[state], rng, progress) for state in states}
     blocks = 400 if quick else 2000
     rounds = 3 if quick else 5
     variants: dict[str, dict[str, str]] = {
@@ -204,36 +275,40 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
         for name, settings in variants.items():
             speeds[name].append(put_throughput(settings, blocks))
     default_speed = statistics.median(speeds["default"])
-    note = "256 KiB blocks, same-host reserve/commit at 100 MB/s, killed while writing"
-    results = [
-        Result(
-            "acknowledged blocks served after kill -9 + restart (default settings)",
-            fits.served,
-            "blocks",
-            "acknowledged",
-            fits.acked,
-            ">= 0.99",
-            f"{cycles} cycles, {default_arena >> 20} MiB arena (the default), {note}",
-        ),
-        Result(
-            "... still served after all cycles",
-            fits.served_at_end,
-            "blocks",
-            "acknowledged",
-            fits.acked,
-            ">= 0.99",
-            "every block of every cycle read back at the end",
-        ),
-        Result(
-            "acknowledged blocks served, load overflowing the arena into nvme",
-            overflow.served,
-            "blocks",
-            "acknowledged",
-            overflow.acked,
-            note=f"{len(overflow.per_cycle)} cycles, {OVERFLOW_ARENA_BYTES >> 20} MiB arena, writer unpaced: "
-            "blocks being demoted to nvme when the kill comes (nvme's write queue) are lost",
-        ),
-        Result("corrupt blocks served", fits.corrupt + overflow.corrupt, "blocks", note="target 0"),
+    results = []
+    for state in states:
+        c = found[state]
+        how = (
+            f"{runs[state]} cycles, {state.arena_bytes >> 20} MiB arena, {state.nvme_bytes >> 20} MiB nvme, {state.writers} writer(s) "
+            + (f"at {state.pace_bytes_per_s / 1e6:.0f} MB/s each" if state.pace_bytes_per_s else "unpaced")
+        )
+        if state.fill_nvme:
+            how += f"; nvme filled first, >= 99% full at {c.nvme_full_at_kills} of {runs[state]} kills"
+        results.append(
+            Result(
+                f"acknowledged blocks served after kill -9 + restart, {state.name}",
+                c.served,
+                "blocks",
+                "acknowledged",
+                c.acked,
+                ">= 0.99",
+                how,
+            )
+        )
+        if state.keeps_every_cycle:
+            results.append(
+                Result(
+                    f"... {state.name}: still served after all cycles",
+                    c.served_at_end,
+                    "blocks",
+                    "acknowledged",
+                    c.acked,
+                    ">= 0.99",
+                    "every block of every cycle read back at the end",
+                )
+            )
+        results.append(Result(f"corrupt blocks served, {state.name}", c.corrupt, "blocks", note="target 0"))
+    results += [
         Result(
             "same-host put, default (arena journal on)",
             default_speed / 1e9,
@@ -254,6 +329,12 @@ def run_crash_bench(cycles: int, quick: bool, json_path: str | None, seed: int =
     ]
     print_results("kvstore bench crash", results)
     if json_path:
-        write_json(json_path, results, {"cycles": fits.per_cycle, "overflow_cycles": overflow.per_cycle})
-    ok = fits.acked > 0 and fits.served >= 0.99 * fits.acked and fits.corrupt + overflow.corrupt == 0
+        write_json(json_path, results, {state.name: found[state].per_cycle for state in states})
+    ok = all(
+        c.acked > 0
+        and c.served >= 0.99 * c.acked
+        and c.corrupt == 0
+        and (not state.keeps_every_cycle or c.served_at_end >= 0.99 * c.acked)
+        for state, c in found.items()
+    )
     return 0 if ok else 1

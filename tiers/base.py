@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -182,6 +183,21 @@ class Tier(ABC):
         tier that does not queue its writes."""
         return None
 
+    def unwritten_mark(self, key: TierKey) -> int:
+        """Where ``key``'s put stands in the write queue: a mark that ``written_mark`` passes
+        once the medium holds it (a crash of the process can no longer lose it); 0 when no put
+        of the key is queued. A tier that does not queue its writes always answers 0."""
+        return 0
+
+    def written_mark(self) -> int:
+        """Every put whose ``unwritten_mark`` is at most this is on the medium (or failed, and
+        is gone from the tier); a tier that will write nothing more answers ``sys.maxsize``."""
+        return sys.maxsize
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
+        """Wait, up to ``timeout_s``, until ``written_mark() >= mark``; whether it is."""
+        return True
+
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
 
@@ -245,6 +261,12 @@ class InPlaceTier(Protocol):
     ``commit`` (publishes it; ``commit_many`` several at once, all or none) or ``abort`` (gives
     it back). ``locate`` finds a committed block's
     slot; its view stays valid while the caller keeps the block from being deleted.
+
+    Retired slots: ``retire(key, mark)`` takes a block out of the tier as ``delete`` does, but
+    its slot (and the arena journal's record of it) stays taken until ``settle(m)`` with
+    ``m >= mark``: the block's copy below is still in a write queue, and a crash meanwhile must
+    find its bytes here. ``retiring_mark(n)``: the smallest mark whose settling frees ``n``
+    bytes of retired slots (all of them if fewer retire; 0 when none do).
     """
 
     @property
@@ -273,6 +295,12 @@ class InPlaceTier(Protocol):
     def locate_many(self, keys: Sequence[TierKey]) -> list[Slot | None]: ...
 
     def slot_view(self, slot: Slot) -> memoryview: ...
+
+    def retire(self, key: TierKey, mark: int) -> bool: ...
+
+    def settle(self, mark: int) -> int: ...
+
+    def retiring_mark(self, nbytes: int) -> int: ...
 
 
 def check_key(key: bytes) -> None:

@@ -358,7 +358,11 @@ class DramTier(SlabTier):
         if self._journal.needs_compaction:
             self._journal.rewrite(
                 JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
-                for k, e in (*published, *self._entries.items())
+                for k, e in (
+                    *published,
+                    *self._entries.items(),
+                    *((k, e) for k, e, _ in self._retired.values()),
+                )
             )
 
     def _freeing(self, slot: Slot, batched: bool) -> None:

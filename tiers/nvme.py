@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -297,6 +298,26 @@ class NvmeTier(Tier):
             while self._writer.queue_full_locked(nbytes):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed or self._writer.failure is not None:
+                    return False
+                self._cond.wait(left)  # the writer notifies after each commit
+            return True
+
+    def unwritten_mark(self, key: TierKey) -> int:
+        with self._cond:
+            return self._writer.pending_seq_locked(key)
+
+    def written_mark(self) -> int:
+        with self._cond:
+            if self._writer.failure is not None:
+                return sys.maxsize  # nothing more will be written: nobody may wait for it
+            return self._writer.committed_seq
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._writer.committed_seq < mark and self._writer.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
                     return False
                 self._cond.wait(left)  # the writer notifies after each commit
             return True

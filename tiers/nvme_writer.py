@@ -235,6 +235,18 @@ class NvmeWriter:
     def is_pending_locked(self, key: TierKey) -> bool:
         return key in self._pending
 
+    def pending_seq_locked(self, key: TierKey) -> int:
+        """The sequence number of ``key``'s pending put (``committed_seq`` passes it once it is
+        committed); 0 when none is pending."""
+        op = self._pending.get(key)
+        return 0 if op is None else op.seq
+
+    @property
+    def committed_seq(self) -> int:
+        """Every operation up to this sequence number is committed (or failed). Read with the
+        lock held."""
+        return self._committed_seq
+
     def any_pending_locked(self) -> bool:
         """Whether any put waits for the writer (none: a batched read pins nothing)."""
         return bool(self._pending)

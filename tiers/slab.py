@@ -26,6 +26,7 @@ Threads: one lock guards the allocator and the index; byte copies run outside it
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import threading
 from abc import abstractmethod
@@ -237,6 +238,12 @@ class SlabTier(Tier):
         self._used_bytes = 0
         self._closed = False
         self._batching = 0  # frees_batched() contexts open
+        # Retired slots (``retire``): by offset, the key, entry and mark of the block that left,
+        # and a heap of (mark, offset) that ``settle`` frees them in (an entry whose slot was
+        # freed otherwise since, and perhaps retired again under another mark, is skipped).
+        self._retired: dict[int, tuple[TierKey, SlabEntry, int]] = {}
+        self._retiring: list[tuple[int, int]] = []
+        self._retired_keys: dict[TierKey, int] = {}  # how many slots each key has retired
         self._checksum_failures = 0
 
     # Subclasses: move bytes in and out of the region. Called without the lock held.
@@ -490,12 +497,68 @@ class SlabTier(Tier):
         return None if slot is None else slot.size_bytes
 
     def delete(self, key: TierKey) -> bool:
+        """The block goes; so does a slot retired under ``key`` (the block deleted everywhere:
+        a crash must not bring it back by salvage)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return key in self._retired_keys and self._unretire_locked(key)
+            self._forget(entry)
+            return True
+
+    def _unretire_locked(self, key: TierKey) -> bool:
+        offsets = [offset for offset, (k, _, _) in self._retired.items() if k == key]
+        for offset in offsets:  # its heap entry is skipped by ``settle``
+            self._free_retired_locked(offset, self._batching > 0)
+        return bool(offsets)
+
+    def _free_retired_locked(self, offset: int, batched: bool) -> None:
+        key, entry, _ = self._retired.pop(offset)
+        left = self._retired_keys.pop(key) - 1
+        if left:
+            self._retired_keys[key] = left
+        self._freeing(entry.slot, batched)
+        self._alloc.free(entry.slot)
+
+    def retire(self, key: TierKey, mark: int) -> bool:
+        """``delete``, but the slot stays taken, and recorded as holding the block, until
+        ``settle`` reaches ``mark``: the block's copy in the tier below is still queued there,
+        and until it is written a crash must find the bytes here (see ``InPlaceTier``)."""
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
-            self._forget(entry)
+            self._used_bytes -= entry.slot.size_bytes
+            self._retired[entry.slot.offset] = (key, entry, mark)
+            self._retired_keys[key] = self._retired_keys.get(key, 0) + 1
+            heapq.heappush(self._retiring, (mark, entry.slot.offset))
             return True
+
+    def settle(self, mark: int) -> int:
+        """Free the retired slots whose mark is at most ``mark``; how many. Their free records
+        wait for the next slot handed out, as an eviction pass's do."""
+        with self._lock:
+            freed = 0
+            retiring = self._retiring
+            while retiring and retiring[0][0] <= mark:
+                due, offset = heapq.heappop(retiring)
+                retired = self._retired.get(offset)
+                if retired is not None and retired[2] == due:  # else deleted since (``delete``)
+                    self._free_retired_locked(offset, True)
+                    freed += 1
+            return freed
+
+    def retiring_mark(self, nbytes: int) -> int:
+        """The smallest mark whose ``settle`` frees ``nbytes`` of retired slots, or all of
+        them if fewer retire; 0 when none do."""
+        with self._lock:
+            for mark, offset in sorted(self._retiring):
+                retired = self._retired.get(offset)
+                if retired is not None and retired[2] == mark:
+                    nbytes -= retired[1].slot.size_bytes
+                if nbytes <= 0:
+                    return mark
+            return max(self._retiring)[0] if self._retiring else 0
 
     def _forget(self, entry: SlabEntry) -> None:
         self._used_bytes -= entry.slot.size_bytes
@@ -527,4 +590,7 @@ class SlabTier(Tier):
             self._closed = True
             self._entries.clear()
             self._pending.clear()
+            self._retired.clear()
+            self._retiring.clear()
+            self._retired_keys.clear()
         self._release_region()

@@ -44,6 +44,15 @@ class Throttled(Tier):
     def queue_capacity_bytes(self) -> int | None:
         return self.inner.queue_capacity_bytes
 
+    def unwritten_mark(self, key: TierKey) -> int:
+        return self.inner.unwritten_mark(key)
+
+    def written_mark(self) -> int:
+        return self.inner.written_mark()
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
+        return self.inner.wait_written(mark, timeout_s)
+
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         n = self.inner.get_into(key, out)
         if n:

@@ -1,8 +1,9 @@
 """Assemble a tiered store from ``Settings``: the one place that knows the tier order.
 
 ``open_store`` locks the data folder (``kvstore.server.datadir``: one process per folder), salvages a
-dead predecessor's arena into `nvme` and removes it, builds the tiers and hands the store the
-lock to release when it closes. A failure part way closes what was already built, arena included.
+dead predecessor's arena into `nvme` (``kvstore.store.salvage``) and removes it unless `nvme`
+refused some of its blocks, builds the tiers and hands the store the lock to release when it
+closes. A failure part way closes what was already built, arena included.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from kvstore.extras import require
 from kvstore.server.config import CODECS, RemoteSettings, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
-from kvstore.store.model import shared_key_name
-from tiers import Tier, TierError, TierKey, TierUnavailable
+from kvstore.store.model import StoreConfig, shared_key_name
+from kvstore.store.salvage import salvage_into
+from tiers import Tier, TierError, TierUnavailable
 from tiers.cipher import BlockCipher  # cryptography itself is imported when one is made
 from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom, MediumNoRoom
@@ -82,9 +84,8 @@ def _build_tiers(
     elif not settings.nvme.enabled:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
     if data_dir is not None:
-        for name in data_dir.leftovers:
-            _salvage(name, nvme)
-        data_dir.remove_leftovers()
+        kept = [name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store)]
+        data_dir.remove_leftovers(keep=kept)
     d = settings.dram
     arena_name = data_dir.arena_name if data_dir is not None else None
     config = DramConfig(
@@ -148,38 +149,47 @@ def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
         raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
 
 
-def _salvage(arena_name: str, nvme: Tier | None) -> None:
-    """Copy the committed blocks of a dead server's arena into `nvme` (by its journal)."""
+def _salvage(arena_name: str, nvme: Tier | None, config: StoreConfig) -> bool:
+    """Copy the committed blocks of a dead server's arena into `nvme` (by its journal), room
+    made there as the spill on close makes it (``kvstore.store.salvage``); whether the arena may
+    go. One it must keep still holds acknowledged blocks found nowhere else."""
     with salvage(arena_name) as blocks:
+        if not blocks:
+            return True
         if nvme is None:
-            if blocks:
-                log.warning(
-                    "a killed server left %d blocks in arena %s; without an nvme tier they are dropped",
-                    len(blocks),
-                    arena_name,
-                )
-            return
-        copied = present = 0
-        for record, view in blocks:
-            key = TierKey(record.key)
-            if nvme.size_of(key) is not None:
-                present += 1
-                continue
-            try:
-                nvme.put(key, view, record.fingerprint, record.meta)
-                copied += 1
-            except TierError as exc:  # full: the rest is lost like any block nvme cannot take
-                log.warning("salvage of arena %s stopped after %d blocks: %s", arena_name, copied, exc)
-                break
-        nvme.flush()
-    if blocks:
+            log.warning(
+                "a killed server left %d blocks in arena %s; without an nvme tier they are dropped",
+                len(blocks),
+                arena_name,
+            )
+            return True
+        try:
+            result = salvage_into(nvme, blocks, config)
+        except TierError as exc:
+            log.warning(
+                "salvage of arena %s failed (%s): arena kept with its %d blocks; the next start tries again",
+                arena_name,
+                exc,
+                len(blocks),
+            )
+            return False
+    log.warning(
+        "a killed server left %d blocks in arena %s: %d copied to nvme (%d of its blocks evicted for "
+        "room), %d were there already, %d unnamed dropped",
+        result.blocks,
+        arena_name,
+        result.copied,
+        result.evicted,
+        result.present,
+        result.unnamed,
+    )
+    if not result.complete:
         log.warning(
-            "a killed server left %d blocks in arena %s: %d copied to nvme, %d were there already",
-            len(blocks),
+            "arena %s kept: nvme refused %d of its blocks, found nowhere else; the next start tries again",
             arena_name,
-            copied,
-            present,
+            result.refused,
         )
+    return result.complete
 
 
 def build_remote(settings: Settings) -> RemoteTier | None:

@@ -58,6 +58,11 @@ _STORE_COUNTERS = {
         "kvstore_nvme_busy_skipped_blocks_total",
         "Blocks not demoted into nvme because its write queue was full: dropped from the tier above",
     ),
+    "retired_slots_freed_unwritten": (
+        "kvstore_arena_slots_freed_unwritten_total",
+        "Arena slots let go before nvme had written their blocks (a disk behind past the pace): "
+        "a kill -9 then would lose those blocks",
+    ),
 }
 
 

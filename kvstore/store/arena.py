@@ -18,6 +18,7 @@ this one's own copies are done (two resolves never wait on each other).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,8 +98,10 @@ class ArenaCalls:
             scope = p.index.intern(scope)
             p.expire()
         done = False
+        deadline = time.monotonic() + PACE_S  # for room in the arena that waits on the disk
         while not done:
             promotions: list[_Promotion] = []
+            room_coming = 0  # bytes of arena room a promotion waits for (retired slots)
             with p.locked():
                 while len(held) < len(keys):
                     block = p.index.visible((scope, keys[len(held)]))
@@ -116,7 +119,10 @@ class ArenaCalls:
                         promotion = self._start_promotion(block, a, arena)
                         if promotion is None:
                             p.pins.unhold(block)
-                            done = True
+                            # Room on its way (victims waiting for the disk): wait outside the
+                            # lock, then go on from this block; else the prefix ends here.
+                            room_coming = block.size_bytes if time.monotonic() < deadline else 0
+                            done = not room_coming
                             break
                         promotions.append(promotion)
                     else:
@@ -134,6 +140,8 @@ class ArenaCalls:
                             p.pins.unhold(block)
                     del held[cut:], sources[cut:]
                     done = True
+            if room_coming and not done:
+                done = not p.placement.wait_retired(a, room_coming, deadline - time.monotonic())
         with p.locked():
             # The lease first, then the transient holds go: a block deleted while this call
             # copied outside the lock is doomed, and must stay until the lease ends.
@@ -262,7 +270,7 @@ class ArenaCalls:
             while run < len(items) and items[run][1] == size:
                 run += 1
             # As far as eviction gets (pinned blocks may stop it short): what fits is reserved.
-            self._p.placement.make_room(a, size, _room_for(arena, size, run - first))
+            self._p.placement.make_room(a, size, _room_for(arena, size, run - first), size * (run - first))
             slots += arena.reserve_many(items[first:], fingerprint) or [None]
         return slots
 

@@ -5,7 +5,8 @@ Calls (store lock held, but pace):
                                                 that has room or (``evict``) can make it
     make_room(t, size)     evict from tier t until size fits; whether it does
     pace(t, size, timeout) (lock NOT held) before a write: wait for the write queue of the tier
-                           below t that room in t will demote into, when it is full
+                           below t that room in t will demote into, when it is full, and for
+                           the disk to write what the victims' retired slots wait for
     demote(block, t)       move a block's only copy out of t into the next tier with free room
                            (nothing evicted for it); whether it left t
     forget_tier(block, t)  the copy in t goes; a block left with no copy leaves the index
@@ -14,6 +15,12 @@ Calls (store lock held, but pace):
                            copy read from a slower medium
     read(block, t, out)    a verified read, or None (a failed checksum or a dead medium)
     spill(target)          copy every volatile-only block to ``target``, parents first
+    copy_down(blocks, target, data_of)   what spill does, for any blocks (salvage uses it)
+    settle(t)              free arena tier t's retired slots whose copies below are written
+
+Retired slots: an arena block evicted while its copy below is still in the disk's write queue
+keeps its slot (and its journal record) until the disk has written that copy, so a kill -9
+never loses it with the queue; the write that wanted the room waits for the disk in ``pace``.
 
 Eviction demotes a block to the next tier while there is one and drops it from the last; a
 block whose only copy cannot move and whose removal would strand a resident child stays.
@@ -27,6 +34,7 @@ of a tier that is not an arena, which the default tiers never need.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -65,22 +73,39 @@ class Placement:
         self._pins = pins
         self._counters = counters
         self._before_evicting = before_evicting  # expired leases and reservations go first
+        # Each arena tier's first tier below it that queues its writes: a slot whose block's
+        # copy there is still queued retires instead of being freed (``_let_go``).
+        self._queued_below: dict[int, int] = {}
+        for t, tier in enumerate(tiers):
+            below = [u for u in range(t + 1, len(tiers)) if tiers[u].queue_capacity_bytes is not None]
+            if tier.as_arena() is not None and below:
+                self._queued_below[t] = below[0]
+        self.retired_bytes = 0  # bytes of arena slots retired so far, all told
 
-    def make_room(self, t: int, size_bytes: int, room: Callable[[], bool] | None = None) -> bool:
+    def make_room(
+        self, t: int, size_bytes: int, room: Callable[[], bool] | None = None, room_bytes: int = 0
+    ) -> bool:
         """Evict from tier ``t`` until it can take a block of ``size_bytes``, or until ``room()``
-        when given (room for a whole chunk of a write: one pass of eviction, not one a block);
-        whether it got there."""
+        when given (room for a whole chunk of a write of ``room_bytes``: one pass of eviction,
+        not one a block); whether it got there. In an arena, victims whose copy below is still
+        queued leave their slots retired (``_let_go``): once they add up to what is wanted the
+        pass stops short, the room on its way (``pace`` waits for it outside the lock)."""
         tier = self.tiers[t]
         enough = room or (lambda: tier.can_store(size_bytes))
         if enough():  # the usual case: nothing to collect or evict
             return True
         if size_bytes > tier.usage().capacity_bytes:
             return False  # it would not fit an empty tier: evicting everything would not help
+        if self.settle(t) and enough():
+            return True
         self._before_evicting()
         stuck: list[Block] = []  # could neither move down nor go: back in the heap afterwards
+        coming_until = self.retired_bytes + max(size_bytes, room_bytes)
         try:
             with tier.frees_batched():  # the victims' frees recorded in one write at the end
                 while not enough():
+                    if self.retired_bytes >= coming_until:
+                        return False  # enough retired: the room comes when the disk has written it
                     victim = self._eviction.pop_victim(t)
                     if victim is None:
                         return False
@@ -90,6 +115,40 @@ class Placement:
         finally:
             for block in stuck:
                 self._eviction.push(block)
+
+    def settle(self, t: int) -> int:
+        """Free the retired slots of arena tier ``t`` whose copies below are written; how many."""
+        d = self._queued_below.get(t)
+        if d is None:
+            return 0
+        arena = self.tiers[t].as_arena()
+        assert arena is not None
+        return arena.settle(self.tiers[d].written_mark())
+
+    def _unretire(self, block: Block) -> None:
+        """A block leaving the store (dropped, deleted) takes any arena slot it retired with it:
+        salvage after a crash must not bring back what was deleted."""
+        if self.retired_bytes:
+            for t in self._queued_below:
+                self.tiers[t].delete(block.tkey)
+
+    def _let_go(self, block: Block, t: int) -> None:
+        """Tier ``t``'s copy of ``block`` goes. An arena slot whose block keeps a copy below
+        that is still in a write queue is retired, not freed: its bytes and its journal record
+        stay until the disk has written that copy (``settle``), so a kill -9 meanwhile finds the
+        block in the arena and salvage copies it, where a freed slot would have lost it with
+        the queue. A copy written already (the cleaner's, long since) frees the slot at once."""
+        d = self._queued_below.get(t)
+        if d is not None and d in block.tiers:
+            mark = self.tiers[d].unwritten_mark(block.tkey)
+            if mark:
+                arena = self.tiers[t].as_arena()
+                assert arena is not None
+                if arena.retire(block.tkey, mark):
+                    self.retired_bytes += block.size_bytes
+                    self._counters["retired_slots"] += 1
+                    return
+        self.tiers[t].delete(block.tkey)
 
     def pace(self, t: int, size_bytes: int, timeout_s: float) -> None:
         """Outside the lock, before a write that will need ``size_bytes`` of room in tier ``t``:
@@ -101,15 +160,49 @@ class Placement:
         busy disk at all. Advisory: it reads the tiers without the store lock (the victims under
         it, briefly, and only when the queue is full now), and the placements under it never
         wait whatever it found."""
-        short = size_bytes - _free_bytes(self.tiers[t])
-        if short <= 0 or self.wait_below(t, short, 0.0):
-            return  # room, or a queue that takes the victims now: the usual cases
+        tier = self.tiers[t]
+        short = size_bytes - _free_bytes(tier)
+        if short <= 0:
+            return  # room: the usual case
+        deadline = time.monotonic() + timeout_s
+        if not self.wait_below(t, short, 0.0):
+            with self._lock:
+                victims = self._eviction.coldest(t, PACE_LOOK_BLOCKS, short)
+            looked = sum(b.size_bytes for b in victims)
+            dirty = sum(b.size_bytes for b in victims if len(b.tiers) == 1) + max(0, short - looked)
+            if dirty > 0 and not self.wait_below(t, dirty, timeout_s):
+                self._timed_out(t, size_bytes)
+                return
+        if t not in self._queued_below:
+            return
+        # The victims' slots come free only once the disk has written their copies (retired,
+        # ``_let_go``): evict now, briefly under the lock, and wait for the disk here, so that
+        # the write finds its room instead of stopping short.
         with self._lock:
-            victims = self._eviction.coldest(t, PACE_LOOK_BLOCKS, short)
-        looked = sum(b.size_bytes for b in victims)
-        dirty = sum(b.size_bytes for b in victims if len(b.tiers) == 1) + max(0, short - looked)
-        if dirty > 0 and not self.wait_below(t, dirty, timeout_s):
-            self._counters["pace_timeouts"] += 1
+            if self.make_room(t, size_bytes, lambda: _free_bytes(tier) >= size_bytes, size_bytes):
+                return
+        if not self.wait_retired(t, size_bytes, deadline - time.monotonic()):
+            self._timed_out(t, size_bytes)
+
+    def _timed_out(self, t: int, size_bytes: int) -> None:
+        """A disk behind past the pace stalls nobody: victims are dropped rather than demoted,
+        and retired slots go unwritten, as they went before slots retired (a kill -9 now would
+        lose those blocks with the write queue)."""
+        self._counters["pace_timeouts"] += 1
+        arena = self.tiers[t].as_arena()
+        if arena is not None and t in self._queued_below:
+            self._counters["retired_slots_freed_unwritten"] += arena.settle(arena.retiring_mark(size_bytes))
+
+    def wait_retired(self, t: int, size_bytes: int, timeout_s: float) -> bool:
+        """Outside the lock: wait (at most ``timeout_s``) until the disk has written the copies
+        that ``size_bytes`` of arena tier ``t``'s retired slots wait for; False when the time
+        ran out first, or when none retire (no room is on its way)."""
+        d = self._queued_below.get(t)
+        arena = self.tiers[t].as_arena()
+        if d is None or arena is None:
+            return False
+        mark = arena.retiring_mark(size_bytes)
+        return bool(mark) and self.tiers[d].wait_written(mark, max(0.0, timeout_s))
 
     def wait_below(self, t: int, size_bytes: int, timeout_s: float) -> bool:
         """Outside the lock: wait (at most ``timeout_s``) until the tiers below ``t`` can take
@@ -162,9 +255,11 @@ class Placement:
                 self._counters[f"{tier.name}_busy_skipped_blocks"] += 1
                 continue
             except TierFull:
+                self._counters[f"{tier.name}_refused_blocks"] += 1  # room made, then not there
                 continue
             except TierError as exc:
                 log.warning("tier %s refused a %d B block: %s", self.tiers[t].name, block.size_bytes, exc)
+                self._counters[f"{tier.name}_refused_blocks"] += 1
                 continue
             self.added(block, t)
             return
@@ -246,10 +341,11 @@ class Placement:
     def forget_tier(self, block: Block, t: int) -> None:
         if t in block.tiers:
             block.tiers.discard(t)
-            self.tiers[t].delete(block.tkey)
+            self._let_go(block, t)
             block.version += 1
             self._eviction.push(block)
         if not block.tiers:
+            self._unretire(block)
             self._index.remove(block)
         self._eviction.push_parent(block)
 
@@ -257,6 +353,7 @@ class Placement:
         for t in sorted(block.tiers):
             self.tiers[t].delete(block.tkey)
         block.tiers.clear()
+        self._unretire(block)
         self._index.remove(block)
         self._eviction.push_parent(block)
 
@@ -266,10 +363,28 @@ class Placement:
         todo = [
             b for b in self._index.blocks.values() if not b.doomed and not any(persistent[t] for t in b.tiers)
         ]
-        todo.sort(key=lambda b: (b.depth, -b.priority))
-        spilled = 0
-        for block in todo:
-            data = self.bytes_of(block, block.fastest)
+        spilled = self.copy_down(todo, target, lambda b: self.bytes_of(b, b.fastest))
+        for tier in self.tiers:
+            tier.flush()
+        log.info(
+            "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
+        )
+
+    def copy_down(
+        self,
+        blocks: Sequence[Block],
+        target: int,
+        data_of: Callable[[Block], BytesLike | None],
+        fresh: bool = False,
+    ) -> int:
+        """Copy each block (its bytes ``data_of(block)``; None: skipped) into tier ``target``,
+        waiting for its write queue, room made there by eviction under the usual rules; parents
+        first, so that if the tier fills up, what it keeps is prefixes. How many it copied. The
+        spill on close, and the salvage of a dead server's arena (``kvstore.store.salvage``),
+        whose blocks are ``fresh``: each copied one is touched as a new put is."""
+        copied = 0
+        for block in sorted(blocks, key=lambda b: (b.depth, -b.priority)):
+            data = data_of(block)
             if data is None:
                 continue
             self._pins.hold(block)  # keep it from being chosen to make room for itself
@@ -277,12 +392,11 @@ class Placement:
                 self.place(block, data, lowest=target, highest=target, wait=True)
             finally:
                 self._pins.unhold(block)
-            spilled += target in block.tiers
-        for tier in self.tiers:
-            tier.flush()
-        log.info(
-            "spilled %d of %d volatile blocks to %s on close", spilled, len(todo), self.tiers[target].name
-        )
+            if target in block.tiers:
+                copied += 1
+                if fresh:
+                    self._eviction.touch(block)
+        return copied
 
 
 def _degraded(below: Sequence[Tier]) -> bool:
