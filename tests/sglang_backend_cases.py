@@ -11,6 +11,7 @@ plain ``pytest`` run (the file name), so SGLang's imports never reach the vLLM t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,33 @@ def test_mla_ranks_share_pages_and_other_salts_do_not(sidecar: ServerProcess, mo
         rank1.close()
 
 
+def test_the_same_weights_at_another_path_and_name_share_pages(sidecar: ServerProcess, models: Path) -> None:
+    """Replicas mount the same weights at other paths and serve them under other names: neither
+    is in the fingerprint. Other weights at that same path find nothing."""
+    copy = Path(shutil.copytree(models / "tiny", models / "elsewhere" / "tiny"))
+    key = _key("moved")
+    writer = Rank(sidecar.unix, models / "tiny")
+    reader = Rank(sidecar.unix, Path("llama-prod"), model_path=str(copy))  # SGLang's model name
+    try:
+        assert reader.backend.identity.model_id == "llama-prod"  # a label for operators
+        assert reader.backend.identity.fingerprint() == writer.backend.identity.fingerprint()
+        stored, pages = writer.store(key)
+        assert stored == PAGES * PAGE
+        read, restored = reader.restore(key)
+        assert read == PAGES and _same(pages, restored)
+    finally:
+        writer.close()
+        reader.close()
+    weights = copy / "model.safetensors"
+    weights.write_bytes(bytes([weights.read_bytes()[0] ^ 1]) + weights.read_bytes()[1:])
+    changed = Rank(sidecar.unix, Path("llama-prod"), model_path=str(copy))
+    try:
+        read, restored = changed.restore(key)
+        assert (changed.hit_tokens(key), read) == (0, 0) and _zero(restored)
+    finally:
+        changed.close()
+
+
 @pytest.mark.parametrize(
     "reader_key",
     [
@@ -351,12 +379,13 @@ def _engine(model: Path, address: str, prompt: Path) -> dict[str, Any]:
     """One engine process's result; the files it made in /dev/shm are gone once it exits."""
     argv = [sys.executable, "-m", "tests.sglang_hicache.engine", str(model), address, str(prompt)]
     before = listing(ENGINE_SHM)
-    stdout = ""
+    stdout, killed = "", False
     try:
         done = subprocess.run(argv, cwd=ROOT, env=sglang_env(), capture_output=True, text=True, timeout=300)
         stdout = done.stdout
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        killed = True
         raise
     finally:
         loads = [
@@ -365,8 +394,15 @@ def _engine(model: Path, address: str, prompt: Path) -> dict[str, Any]:
         left = [path for path in loads if path.exists()]  # what the engine should have removed
         # A killed engine removed nothing, and may have died before saying where its file is:
         # what appeared meanwhile that no live process uses (another run's live engine keeps its
-        # own mapped) goes too.
-        strays = [SHM / name for name in listing(ENGINE_SHM) - before - in_use()]
+        # own mapped) goes too, once the engine's children have followed it (up to 10 s).
+        deadline = time.monotonic() + (10 if killed else 0)
+        while True:
+            new = listing(ENGINE_SHM) - before
+            unused = new - in_use()
+            if unused == new or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        strays = [SHM / name for name in unused]
         for path in {*left, *strays}:
             path.unlink(missing_ok=True)
     assert loads, f"the engine did not say where its load snapshot lives:\n{stdout[-3000:]}"
