@@ -13,6 +13,7 @@ import pytest
 
 from kvstore.client import connect
 from kvstore.cost_model import PrefillModel, TierCost
+from kvstore.errors import Unavailable
 from kvstore.routing import (
     BoundedRendezvous,
     ConsistentHash,
@@ -44,6 +45,18 @@ def request(prefix: int, hits: list[tuple[str, ...]] | None = None, tokens: int 
 
 def cost_aware(queue_penalty_s: float = 0.05) -> CostAware:
     return CostAware(REPLICAS, TIERS, PREFILL, BLOCK_BYTES, TPB, queue_penalty_s=queue_penalty_s)
+
+
+def test_no_policy_chooses_a_replica_that_is_down() -> None:
+    down = frozenset({1, 2})
+    # replica 1 holds the prompt, and is down all the same
+    held: list[tuple[str, ...]] = [("dram",) * 64 if i == 1 else () for i in range(4)]
+    for policy in (RoundRobin(REPLICAS), ConsistentHash(REPLICAS), BoundedRendezvous(REPLICAS), cost_aware()):
+        chosen = Counter(policy.choose(request(p, held), [0, 0, 0, 0], down).replica for p in range(200))
+        assert set(chosen) == {0, 3}, type(policy).__name__  # the load spreads over those up
+    router = Router(REPLICAS, BoundedRendezvous(REPLICAS), lambda: None, TPB)
+    with pytest.raises(Unavailable):
+        router.admit(request(1), frozenset(range(4)))
 
 
 def test_round_robin_takes_turns() -> None:

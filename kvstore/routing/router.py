@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Protocol
 import xxhash
 
 from kvstore.client import Client, connect
-from kvstore.errors import KvStoreError
+from kvstore.errors import KvStoreError, Unavailable
 from kvstore.keys import Fingerprint, block_keys
 from kvstore.routing.policies import Choice, RouteRequest
 
@@ -41,7 +42,7 @@ _ROUTING_ROOT = Fingerprint(b"kvstore-routing-prefix-key-root!")  # 32 bytes; an
 
 
 class Policy(Protocol):
-    def choose(self, request: RouteRequest, loads: Sequence[int]) -> Choice: ...
+    def choose(self, request: RouteRequest, loads: Sequence[int], down: AbstractSet[int] = ...) -> Choice: ...
 
 
 @dataclass(frozen=True)
@@ -168,10 +169,14 @@ class Router:
         finally:
             self.finish(routed)
 
-    def admit(self, request: RouteRequest) -> Routed:
-        """Choose a replica for ``request`` and count it in flight there until ``finish``."""
+    def admit(self, request: RouteRequest, down: AbstractSet[int] = frozenset()) -> Routed:
+        """Choose a replica for ``request``, none of ``down`` (replicas not answering, or already
+        tried), and count it in flight there until ``finish``. Raises ``Unavailable`` when every
+        replica is in ``down``."""
+        if len(set(down) & set(range(len(self.replicas)))) == len(self.replicas):
+            raise Unavailable("no replica is up")
         with self._lock:
-            choice = self.policy.choose(request, self._loads)
+            choice = self.policy.choose(request, self._loads, down)
             self._loads[choice.replica] += 1
             hits = request.hits[choice.replica] if choice.replica < len(request.hits) else ()
             cached = len(hits) * self._tokens_per_block

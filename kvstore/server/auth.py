@@ -37,18 +37,19 @@ def scope_namespace(scope: str) -> str:
     return f"s/{scope}"
 
 
-def read_tokens_file(path: str) -> dict[str, str]:
+def read_tokens_file(path: str, setting: str = "server.tokens_file") -> dict[str, str]:
     """``TOKEN=TENANT`` per line (``#`` comments, blank lines); refused unless only its owner
-    can read it: a token file others can read is a leaked token."""
+    can read it: a token file others can read is a leaked token. ``setting`` names the file in
+    errors (``kvstore route --keys-file`` reads its API keys here too)."""
     try:
         mode = os.stat(path).st_mode
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as exc:
-        raise FailedPrecondition(f"server.tokens_file {path}: {exc.strerror or exc}") from None
+        raise FailedPrecondition(f"{setting} {path}: {exc.strerror or exc}") from None
     if mode & 0o077:
         raise FailedPrecondition(
-            f"server.tokens_file {path} is readable by group or others (mode {mode & 0o777:o}): chmod 600 it"
+            f"{setting} {path} is readable by group or others (mode {mode & 0o777:o}): chmod 600 it"
         )
     tokens: dict[str, str] = {}
     for number, raw in enumerate(text.splitlines(), 1):
@@ -57,7 +58,7 @@ def read_tokens_file(path: str) -> dict[str, str]:
             continue
         token, sep, tenant = line.partition("=")
         if not sep or not token.strip() or not tenant.strip():
-            raise FailedPrecondition(f"server.tokens_file {path}, line {number}: expected TOKEN=TENANT")
+            raise FailedPrecondition(f"{setting} {path}, line {number}: expected TOKEN=TENANT")
         tokens[token.strip()] = tenant.strip()
     return tokens
 
