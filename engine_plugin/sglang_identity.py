@@ -10,10 +10,13 @@ the tensor-parallel rank is in them. So the backend builds kvstore's fingerprint
 - the host pool handed to ``register_mem_pool_host``: page size, KV dtype, layers, heads, head
   sizes, the pool's class and layout (which order a page's bytes are in) and its storage format
   tag;
-- the model's local folder: a digest of its weight files and tokenizer files
-  (``engine_plugin.digests``, cached by path, size and mtime) and its RoPE settings.
+- the model's local folder: a digest of its weight files and ``config.json``, one of its
+  tokenizer files (``engine_plugin.digests``: every byte, cached per file) and its RoPE settings.
 
-Same configuration with other weights, another dtype, page size or rank: other keys.
+Same configuration with other weights, another dtype, page size or rank: other keys. The
+folder's path and the model name SGLang was given are not in the fingerprint: the name is the
+identity's ``model_id``, a label for operators, so replicas that mount the same weights at other
+paths share pages.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine_plugin.digests import TOKENIZER_PATTERNS, WEIGHT_PATTERNS, DigestCache
+from engine_plugin.digests import TOKENIZER_PATTERNS, DigestCache
 from kvstore.keys import DTYPE_BYTES, ModelIdentity
 
 _DTYPES = {
@@ -72,7 +75,7 @@ def identity_from_sglang(
     if getattr(storage_config, "should_split_heads", False):
         raise ValueError("kvstore does not store split-head pages (heterogeneous TP) yet")
     digests = digests or DigestCache()
-    weights = digests.folder_digest(folder, WEIGHT_PATTERNS)
+    weights = digests.model_digest(folder)
     if not weights:
         raise ValueError(f"no weight files under {folder}: kvstore needs local weights to fingerprint them")
     tokenizer = digests.folder_digest(folder, TOKENIZER_PATTERNS)

@@ -1,10 +1,16 @@
 """The model fingerprint of a vLLM engine, from its configuration and its files.
 
-Everything that changes KV contents goes in (see ``kvstore.keys.ModelIdentity``): the model id,
-a digest of the weight files (cached by path, size and mtime, so start-up stays fast), the
-tokenizer files (the chat template lives in ``tokenizer_config.json``), dtype and KV-cache
-dtype, the layout (layers, KV heads, head size, block size, memory layout), RoPE settings and
-the tensor-parallel rank and size. Same configuration with other weights: other keys.
+Everything that changes KV contents goes in (see ``kvstore.keys.ModelIdentity``): a digest of
+the weight files and ``config.json`` (``engine_plugin.digests``: every byte, cached per file so
+start-up stays fast), the tokenizer files (the chat template lives in
+``tokenizer_config.json``), dtype and KV-cache dtype, the layout (layers, KV heads, head size,
+block size, memory layout), RoPE settings and the tensor-parallel rank and size. Same
+configuration with other weights: other keys.
+
+What the engine was given is not in it: neither the model's path (replicas mount the same
+weights at other paths, across pods and hosts) nor the served model name. The served name is
+the identity's ``model_id``, a label for operators that the weights digest keeps out of the
+fingerprint.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine_plugin.digests import TOKENIZER_PATTERNS, WEIGHT_PATTERNS, DigestCache
+from engine_plugin.digests import TOKENIZER_PATTERNS, DigestCache
 from kvstore.keys import DTYPE_BYTES, ModelIdentity
 
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
@@ -47,7 +53,7 @@ def identity_from_vllm(
     digests = digests or DigestCache()
     model_path = Path(model.model)
     tokenizer_path = Path(model.tokenizer or model.model)
-    weights = digests.folder_digest(model_path, WEIGHT_PATTERNS) if model_path.is_dir() else ""
+    weights = digests.model_digest(model_path) if model_path.is_dir() else ""
     if not weights:
         raise ValueError(
             f"no weight files under {model_path}: kvstore needs local weights to fingerprint them"
@@ -58,7 +64,7 @@ def identity_from_vllm(
     kv_dtype = _dtype_name(model.dtype) if cache.cache_dtype in ("auto", None) else str(cache.cache_dtype)
     rope_scaling = getattr(hf, "rope_scaling", None)
     return ModelIdentity(
-        model_id=str(model.model),
+        model_id=str(model.served_model_name or model.model),  # vLLM made it one name, the first
         weights_digest=weights,
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),

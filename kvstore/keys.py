@@ -45,6 +45,12 @@ class ModelIdentity:
 
     Digests are hex strings of the files they cover (weights, adapter, tokenizer); ``""`` means
     "none" (no adapter). ``rope_scaling`` is the canonical JSON of the scaling config, or "".
+
+    ``model_id`` names the model for operators (stats, ``kvstore invalidate --model``, the
+    router). With a weights digest it is a label only, left out of the fingerprint: the weights
+    identify the model, so replicas that mount the same weights at other paths or serve them under
+    other names share keys. Without one (a client that cannot digest its weights) the name is all
+    that tells two models apart, and it counts.
     """
 
     model_id: str
@@ -77,6 +83,8 @@ class ModelIdentity:
     def canonical(self) -> bytes:
         """The canonical serialization the fingerprint digests (sorted JSON, tagged)."""
         body = {"domain": _FINGERPRINT_DOMAIN, **asdict(self)}
+        if self.weights_digest:
+            del body["model_id"]
         return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     def fingerprint(self) -> Fingerprint:

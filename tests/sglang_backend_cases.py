@@ -11,6 +11,7 @@ plain ``pytest`` run (the file name), so SGLang's imports never reach the vLLM t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -203,6 +204,33 @@ def test_mla_ranks_share_pages_and_other_salts_do_not(sidecar: ServerProcess, mo
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_the_same_weights_at_another_path_and_name_share_pages(sidecar: ServerProcess, models: Path) -> None:
+    """Replicas mount the same weights at other paths and serve them under other names: neither
+    is in the fingerprint. Other weights at that same path find nothing."""
+    copy = Path(shutil.copytree(models / "tiny", models / "elsewhere" / "tiny"))
+    key = _key("moved")
+    writer = Rank(sidecar.unix, models / "tiny")
+    reader = Rank(sidecar.unix, Path("llama-prod"), model_path=str(copy))  # SGLang's model name
+    try:
+        assert reader.backend.identity.model_id == "llama-prod"  # a label for operators
+        assert reader.backend.identity.fingerprint() == writer.backend.identity.fingerprint()
+        stored, pages = writer.store(key)
+        assert stored == PAGES * PAGE
+        read, restored = reader.restore(key)
+        assert read == PAGES and _same(pages, restored)
+    finally:
+        writer.close()
+        reader.close()
+    weights = copy / "model.safetensors"
+    weights.write_bytes(bytes([weights.read_bytes()[0] ^ 1]) + weights.read_bytes()[1:])
+    changed = Rank(sidecar.unix, Path("llama-prod"), model_path=str(copy))
+    try:
+        read, restored = changed.restore(key)
+        assert (changed.hit_tokens(key), read) == (0, 0) and _zero(restored)
+    finally:
+        changed.close()
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,6 @@ BASE = ModelIdentity(
 )
 
 CHANGED = {
-    "model_id": "tiny-llama-2",
     "weights_digest": "cc" * 32,
     "num_layers": 5,
     "num_kv_heads": 4,
@@ -52,7 +51,18 @@ CHANGED = {
 
 
 def test_every_field_is_covered_by_a_change() -> None:
-    assert set(CHANGED) == set(ModelIdentity.field_names())
+    assert set(CHANGED) | {"model_id"} == set(ModelIdentity.field_names())
+
+
+def test_the_weights_not_the_name_identify_a_model() -> None:
+    # The engines give the served name (vLLM's default: the model's path) as model_id: the same
+    # weights under another path or name share keys, other weights under the same name do not.
+    renamed = dataclasses.replace(BASE, model_id="/mnt/other-pod/tiny-llama")
+    assert renamed.fingerprint() == BASE.fingerprint()
+    assert dataclasses.replace(BASE, weights_digest="cc" * 32).fingerprint() != BASE.fingerprint()
+    # Without a weights digest the name is all that tells two models apart: it counts.
+    anonymous = dataclasses.replace(BASE, weights_digest="")
+    assert dataclasses.replace(anonymous, model_id="other").fingerprint() != anonymous.fingerprint()
 
 
 @pytest.mark.parametrize("field", sorted(CHANGED))

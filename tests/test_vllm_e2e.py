@@ -1,7 +1,8 @@
 """End to end on the real vLLM CPU engine: two engine processes share one kvstore sidecar.
 
-The second engine restores the shared prefix the first one computed and produces logprobs
-identical to the cold run; other weights or another cache salt find nothing; with the sidecar
+The second engine, on a copy of the first's weights at another path, restores the shared prefix
+the first one computed and produces logprobs identical to the cold run; weights that differ in
+one byte (at that same path) or another cache salt find nothing; with the sidecar
 gone the engine recomputes, with correct output and no crash; with the sidecar hung (a
 ``kvstore serve`` process under SIGSTOP) a request costs at most a deadline more and the next
 ones nothing (the circuit breaker), and restores return once it runs again. Each engine is a
@@ -12,6 +13,7 @@ to show that what vLLM holds itself is neither looked up nor counted as restored
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -35,8 +37,10 @@ PROMPT = [(i * 7) % 500 + 3 for i in range(1000)]  # 1000 tokens: 31 full blocks
 
 @pytest.fixture(scope="module")
 def models() -> Iterator[tuple[Path, Path]]:
+    """A tiny model, and a copy of it at another path (as another pod or host mounts it)."""
     folder = Path(tempfile.mkdtemp(prefix="kvm-"))
-    yield build_tiny_llama(folder / "a", seed=0), build_tiny_llama(folder / "b", seed=1)
+    model = build_tiny_llama(folder / "a", seed=0)
+    yield model, Path(shutil.copytree(model, folder / "elsewhere" / "a"))
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -73,9 +77,10 @@ def changed(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
 @pytest.fixture(scope="module")
 def engines(models: tuple[Path, Path], sidecar: RunningServer) -> Iterator[tuple[Engine, Engine]]:
     first = Engine(models[0], sidecar.unix_address)
-    # The second loads layer-wise (copies during the forward pass, each attention layer waiting
+    # The second runs on the copy at another path: the path is no part of the fingerprint.
+    # It loads layer-wise (copies during the forward pass, each attention layer waiting
     # for its own); the whole-load path is the other engines' (tensor-parallel, restarts, ...).
-    second = Engine(models[0], sidecar.unix_address, connector_config={"layerwise_load": True})
+    second = Engine(models[1], sidecar.unix_address, connector_config={"layerwise_load": True})
     yield first, second
     first.close()
     second.close()
@@ -172,13 +177,32 @@ def test_another_cache_salt_finds_nothing(engines: tuple[Engine, Engine]) -> Non
     assert second.generate(PROMPT, salt="tenant-x")["cached"] == 31 * 32  # its own now
 
 
-def test_other_weights_find_nothing(models: tuple[Path, Path], sidecar: RunningServer) -> None:
-    other = Engine(models[1], sidecar.unix_address)
+def test_other_weights_find_nothing(
+    models: tuple[Path, Path], engines: tuple[Engine, Engine], sidecar: RunningServer
+) -> None:
+    """Weights that differ in one bit, at the very path the second engine stored from."""
+    engines[1].generate(PROMPT)  # stored from this path (again a no-op if already there)
+    assert engines[1].generate(PROMPT, policy="restore")["cached"] == 31 * 32  # and found there
+    shard = models[1] / "model.safetensors"
+    original = shard.read_bytes()
+    changed = bytearray(original)
+    data_start = 8 + int.from_bytes(original[:8], "little")  # after the safetensors header
+    changed[data_start + 2 * ((len(original) - data_start) // 4)] ^= 1  # a bf16 mantissa's low bit
+    _replace(shard, bytes(changed))  # a new file: the running engine's mapping keeps the old one
     try:
-        result = other.generate(PROMPT)
-        assert result["cached"] == 0
+        other = Engine(models[1], sidecar.unix_address)
+        try:
+            assert other.generate(PROMPT)["cached"] == 0
+        finally:
+            other.close()
     finally:
-        other.close()
+        _replace(shard, original)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def test_recompute_policy_loads_nothing(models: tuple[Path, Path], sidecar: RunningServer) -> None:
