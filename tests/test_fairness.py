@@ -5,9 +5,9 @@ of its own (``benchmarks.fairness``); meanwhile the quiet tenant looks up 64 key
 Unix data socket (the default tenant there) and gRPC, one call at a time.
 
 Before the loop shared its turns per tenant, kept a pipelined request's rest to itself and the
-request threads took places per tenant, the quiet tenant's lookup took, p50: over TCP 0.5-0.9 s,
-over the Unix socket 1.1-2.4 ms, over gRPC 5.0-8.6 ms (idle: 0.1-0.2, 0.1-0.3, 0.7-0.9 ms); the
-places' own test below runs without a server."""
+request threads took places per tenant, the quiet tenant's lookup took, p50: over TCP 0.5-1.4 s,
+over gRPC 5.0-8.7 ms (idle 0.1-0.2, 0.7-0.9 ms); over the Unix socket p90 4.1-8.3 ms (idle
+0.3). The places' own test below runs without a server."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from kvstore.errors import ResourceExhausted
 from kvstore.server.fairness import TenantShares
 
 CALLS = 100
-# Each about 3x what this code gives on two busy CPUs (TCP: 20x its idle 0.1 ms), and about half
-# what the old code gave (TCP 0.5-0.9 s, Unix 1.1-2.4 ms, gRPC 5.0-8.6 ms).
-P50_BOUNDS_MS = {"TCP": 20.0, "Unix": 0.8, "gRPC": 3.5}
+# (percentile, bound): each bound about 2-3x what this code gives on two busy CPUs (TCP: 20x its
+# idle 0.1 ms), and about half what the old code gave: p50 over TCP 0.5-1.4 s, over gRPC 5.0-8.7
+# ms; over the Unix socket, whose p50 the old code sometimes kept (0.2 ms), p90 4.1-8.3 ms.
+BOUNDS_MS = {"TCP": (0.5, 20.0), "Unix": (0.9, 2.5), "gRPC": (0.5, 3.5)}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,9 @@ def test_a_tenant_flooding_the_data_port_slows_itself_not_the_others(server: Ser
         transport: f"p50 {percentile(ms, 0.5):.2f} p90 {percentile(ms, 0.9):.2f} ms of {len(ms)} calls"
         for transport, ms in latencies.items()
     }
-    too_slow = {t: summary[t] for t, bound in P50_BOUNDS_MS.items() if percentile(latencies[t], 0.5) >= bound}
+    too_slow = {
+        t: summary[t] for t, (at, bound) in BOUNDS_MS.items() if percentile(latencies[t], at) >= bound
+    }
     assert not too_slow, f"the quiet tenant's lookups waited for the noisy one: {too_slow}"
 
 
