@@ -27,7 +27,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.frames import encode_frame
-from kvstore.keys import BlockKey, Fingerprint, block_keys
+from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 from kvstore.store import TieredStore
 from tests.service_fixtures import BLOCK, MODEL, Served, served
 
@@ -964,18 +964,24 @@ def test_removals_and_admin_actions_are_audited_without_secrets(served: Served) 
 
 def test_one_tenant_cannot_fill_the_model_registry(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
+    import hashlib
 
     import kvstore.server.models as models
     from kvstore.errors import ResourceExhausted
 
+    def model(name: str) -> ModelIdentity:  # other weights: the name alone is no new model
+        return dataclasses.replace(
+            MODEL, model_id=name, weights_digest=hashlib.sha256(name.encode()).hexdigest()
+        )
+
     monkeypatch.setattr(models, "MAX_MODELS_PER_TENANT", 3)
     with connect(served.tcp, token="tok-b") as b, connect(served.tcp, token="tok-a") as a:
         for i in range(3):
-            b.register(dataclasses.replace(MODEL, model_id=f"flood/{i}"))
+            b.register(model(f"flood/{i}"))
         with pytest.raises(ResourceExhausted, match="registered 3 new model"):
-            b.register(dataclasses.replace(MODEL, model_id="flood/3"))
-        b.register(dataclasses.replace(MODEL, model_id="flood/0"))  # known already: fine
-        a.register(dataclasses.replace(MODEL, model_id="a/own"))  # others still can
+            b.register(model("flood/3"))
+        b.register(model("flood/0"))  # known already: fine
+        a.register(model("a/own"))  # others still can
 
 
 @pytest.mark.parametrize("data_plane", ["auto", "grpc"])
