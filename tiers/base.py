@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType, Protocol
 
+import xxhash
+
 TierKey = NewType("TierKey", bytes)
 """A tier's storage key: opaque bytes chosen by the store."""
 
@@ -76,8 +78,14 @@ class BlockHeader:
     """The small header stored in front of every block on a persistent or remote medium.
 
     ``payload_len`` is the logical (decoded) length; ``stored_len`` is what follows the header
-    on the medium; ``checksum`` is xxh3-64 of the stored bytes; ``meta`` is the caller's
+    on the medium; ``checksum`` is ``bound_checksum(key, xxh3-64 of the stored bytes)``, which
+    ties the value to the tier key it was stored under (namespace, fingerprint and block key):
+    the same header and bytes under another key fail their check. ``meta`` is the caller's
     metadata, packed after the fixed fields.
+
+    Version 2 binds the key; a version-1 header (checksum of the bytes alone) does not parse, so
+    a block written before is a miss (the nvme tier drops it at open, a remote tier deletes it
+    when read).
     """
 
     fingerprint: bytes
@@ -85,7 +93,7 @@ class BlockHeader:
     stored_len: int
     codec: Codec
     checksum: int
-    version: int = 1
+    version: int = 2
     meta: bytes = b""
 
     _FORMAT = struct.Struct("<4sHB32sQQQ")
@@ -112,12 +120,28 @@ class BlockHeader:
         if len(raw) < cls.SIZE:
             return None
         magic, version, codec, fingerprint, payload_len, stored_len, checksum = cls._FORMAT.unpack_from(raw)
-        if magic != cls._MAGIC or version != 1 or codec not in Codec._value2member_map_:
+        if magic != cls._MAGIC or version != 2 or codec not in Codec._value2member_map_:
             return None
         meta = bytes(raw[cls.SIZE :])
         if len(meta) > MAX_META_BYTES:
             return None
         return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta)
+
+
+def key_digest(key: BytesLike) -> int:
+    """xxh3-64 of a tier key: what binds a block's checksum to its key (``bound_checksum``)."""
+    return xxhash.xxh3_64_intdigest(key)
+
+
+def bound_checksum(key: BytesLike, bytes_checksum: int) -> int:
+    """The checksum a header or slot keeps for bytes whose xxh3-64 is ``bytes_checksum``, stored
+    under ``key``: the two xor-ed. Checking it is ``bound_checksum(key, stored) == xxh3-64 of
+    the bytes read`` (xor is its own inverse), so the readers' hash of the bytes, C's fused
+    copy-and-hash included, is unchanged and the binding costs one hash of a ~70-byte key. A value
+    moved under another key matches only if the two keys' digests collide (2**-64). Like the
+    checksum itself this catches mistakes, stale copies and moves, not a forger who can write
+    the medium (xxh3 has no key): against that, the AEAD of ``tiers.cipher``."""
+    return bytes_checksum ^ key_digest(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +291,10 @@ class InPlaceTier(Protocol):
     ``m >= mark``: the block's copy below is still in a write queue, and a crash meanwhile must
     find its bytes here. ``retiring_mark(n)``: the smallest mark whose settling frees ``n``
     bytes of retired slots (all of them if fewer retire; 0 when none do).
+
+    Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
+    there; ``intact`` checks a committed block's bytes against it before they leave the process
+    (and takes the checksum then for a block that has none: ``tiers.slab``).
     """
 
     @property
@@ -289,6 +317,10 @@ class InPlaceTier(Protocol):
     def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None: ...
 
     def abort(self, key: TierKey) -> bool: ...
+
+    def note_checksum(self, key: TierKey, checksum: int) -> None: ...
+
+    def intact(self, key: TierKey, slot: Slot, view: memoryview) -> bool: ...
 
     def locate(self, key: TierKey) -> Slot | None: ...
 

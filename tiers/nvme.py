@@ -30,8 +30,11 @@ of each (measured), what a crash loses in each and what an open does after one: 
 
 No torn block is ever readable: a transaction is atomic (header and payload appear together;
 a transaction killed half-way never becomes visible), and every read verifies the xxh3-64
-checksum of the stored bytes named in the header; a mismatch deletes the block, counts it in
-``usage().checksum_failures`` and is a miss.
+checksum of the stored bytes named in the header, bound to the block's key
+(``tiers.base.bound_checksum``); a mismatch (a torn or altered block, or one moved under another
+key, namespace or model) deletes the block, counts it in ``usage().checksum_failures`` and is a
+miss. Headers of the previous format (version 1, not bound) do not parse: such blocks are
+dropped at open, and the count logged (a cache refills; nothing is misread).
 
 Capacity: ``capacity_bytes`` bounds the sum of stored (post-codec) bytes, queued puts
 included, counted in memory; a payload longer than the capacity is BlockTooLarge whatever it
@@ -80,6 +83,7 @@ from tiers.base import (
     Tier,
     TierKey,
     TierUsage,
+    bound_checksum,
     check_fingerprint,
     check_key,
     check_meta,
@@ -140,7 +144,7 @@ class _Entry(NamedTuple):
     stored_len: int
     meta: bytes
     codec: Codec
-    checksum: int
+    checksum: int  # xxh3-64 of the stored bytes (unbound from the key: ``_index_add_locked``)
 
 
 @dataclass(frozen=True)
@@ -202,12 +206,20 @@ class NvmeTier(Tier):
             self._forget_locked,
             env.no_room,
         )
+        dropped = 0
         with self._cond:
             for key, header in found:
-                if header is None:  # unreadable header: the block is gone, clear it from disk
+                if header is None:  # unreadable, or of an older format: gone, clear it from disk
                     self._writer.delete_locked(key)
+                    dropped += 1
                 else:
                     self._index_add_locked(key, header)
+        if dropped:
+            log.warning(
+                "nvme tier %s: dropped %d blocks whose header is unreadable or of an older format",
+                self._folder,
+                dropped,
+            )
         log.info(
             "nvme tier %s: %d blocks, %d bytes", self._folder, len(self._index), self._counts.stored_total
         )
@@ -267,9 +279,8 @@ class NvmeTier(Tier):
             stored = sealed
         elif codec is Codec.NONE:
             stored = payload if isinstance(payload, bytes) else self._copy(view)
-        header = BlockHeader(
-            fingerprint, payload_len, len(stored), codec, xxhash.xxh3_64_intdigest(stored), meta=bytes(meta)
-        )
+        checksum = bound_checksum(key, xxhash.xxh3_64_intdigest(stored))
+        header = BlockHeader(fingerprint, payload_len, len(stored), codec, checksum, meta=bytes(meta))
         with self._cond:
             try:
                 self._check_open_locked()
@@ -600,8 +611,12 @@ class NvmeTier(Tier):
 
     def _index_add_locked(self, key: TierKey, header: BlockHeader) -> None:
         fingerprint = self._counts.fingerprints.setdefault(header.fingerprint, header.fingerprint)
+        # The index keeps the xxh3-64 the stored bytes must have under *this* key (the header's
+        # is bound to the key it was written under), so every read path, C's included, compares
+        # the bytes' plain hash: a header and payload moved under another key fail it.
+        checksum = bound_checksum(key, header.checksum)
         self._index[key] = _Entry(
-            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, header.checksum
+            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, checksum
         )
         self._counts.stored_total += header.stored_len
         self._counts.payload_total += header.payload_len

@@ -418,18 +418,22 @@ class SlabTier(Tier):
             if entry is not None:
                 entry.checksum = checksum
 
-    def intact(self, key: TierKey, view: memoryview) -> bool:
-        """Before ``view`` (the committed slot of ``key``, kept from deletion by the caller)
-        leaves the process: whether its bytes are the block's. A block without a checksum yet
-        takes it now, from these bytes. False (counted) when they differ: the caller deletes the
-        block through its store, which owns the index."""
+    def intact(self, key: TierKey, slot: Slot, view: memoryview) -> bool:
+        """Before ``view`` (the bytes of ``slot``, where the caller found the committed block of
+        ``key`` and keeps it from being freed) leaves the process: whether they are the block's.
+        A block without a checksum yet takes it now, from these bytes. False (counted) when they
+        differ: the caller deletes the block through its store, which owns the index. A block
+        that is no longer ``key``'s current one (deleted, or replaced, while the caller held
+        it) is not judged: True."""
         with self._lock:
             entry = self._entries.get(key)
-            expected = None if entry is None else entry.checksum
+            if entry is None or entry.slot != slot:
+                return True
+            expected = entry.checksum
         digest = xxhash.xxh3_64_intdigest(view)
         if expected is None:
             with self._lock:
-                if entry is not None and entry.checksum is None:
+                if entry.checksum is None:
                     entry.checksum = digest
             return True
         if digest == expected:

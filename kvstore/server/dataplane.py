@@ -139,7 +139,7 @@ class DataPlane:
                             check_live(resolved.lease.expires_at_s, "lease")
                         view = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
                         # the bytes leave the process: they must be the block's (tiers.slab)
-                        if not arena.intact(tier_key(scope, key), view):
+                        if not arena.intact(tier_key(scope, key), slot, view):
                             changed = key
                             break
                         results.append(each(key, view))
