@@ -128,6 +128,28 @@ def test_a_lookup_whose_bytes_trickle_is_answered(served: Served, monkeypatch: p
     sock.close()
 
 
+def test_the_rest_of_a_pipelined_lookup_is_awaited_by_the_loop_then_by_its_thread(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup begun behind another in the same send: the loop keeps its start and answers it
+    when the rest comes (no thread woken for it); one whose rest takes past PARTIAL_S goes to
+    its thread, which reads it under the request's deadline."""
+    keys = stored(served, 2, "pipelined-rest")
+    sock = unix_hello(served)
+    names = recording_threads(served, monkeypatch)
+    request = lookup_request(keys)
+    for pause_s in (0.05, answering.PARTIAL_S + answering.IDLE_CHECK_S + 0.3):
+        sock.sendall(request + request[:20])
+        assert read_lookup(sock) == 2
+        time.sleep(pause_s)
+        sock.sendall(request[20:])
+        assert read_lookup(sock) == 2
+    assert settled(names, 4)
+    assert names[:3] == ["kvstore-answering"] * 3  # the first rest awaited in the loop
+    assert names[3] != "kvstore-answering"  # the late one: its own thread
+    sock.close()
+
+
 def test_after_a_request_of_another_kind_its_thread_waits_for_the_next_one_itself(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
