@@ -15,9 +15,9 @@ frees the slot of any older block under the same key; ``abort`` gives the slot b
 Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
 touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
 or, for a block filled in place by a same-host client, the first copy that leaves the process
-(``intact``: hashing every in-place write at commit would cost the same-host write half a
-memcpy more, README "Every copy knows what it is"). ``intact`` checks a block against it
-before its bytes leave; a mismatch is counted in ``usage().checksum_failures``.
+(``intact``: hashing every in-place write at commit halved the same-host writes, SECURITY.md
+"Known gaps"). ``intact`` checks a block against it before its bytes leave; a mismatch is
+counted in ``usage().checksum_failures``.
 
 Threads: one lock guards the allocator and the index; byte copies run outside it. The caller
 (the tiered store) guarantees that a key is not deleted while a copy out of its slot runs.
