@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import struct
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from benchmarks.ports import free_port
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
 from kvstore.keys import BlockKey, Fingerprint
@@ -139,6 +141,7 @@ def node() -> Iterator[ServerProcess]:
             "dram.prefault": "false",
             "nvme.capacity_bytes": "64MiB",
             "server.tokens": "tok-l=local",
+            "server.metrics_address": f"127.0.0.1:{free_port()}",
         },
         tcp=True,
     )
@@ -171,6 +174,14 @@ def dram_checksum_failures(kv: Client) -> int:
     return int(next(t["checksum_failures"] for t in kv.stats()["tiers"] if t["name"] == "dram"))
 
 
+def scraped_dram_checksum_failures(node: ServerProcess) -> float:
+    address = node.settings["server.metrics_address"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    line = 'kvstore_tier_checksum_failures_total{tier="dram"} '
+    return float(next(x for x in text.splitlines() if x.startswith(line)).removeprefix(line))
+
+
 @pytest.mark.parametrize("written", ["by-a-sidecar-over-tcp", "in-place-by-a-same-host-client"])
 def test_a_shared_nodes_arena_copy_altered_in_place_is_a_counted_miss(
     node: ServerProcess, written: str
@@ -197,5 +208,6 @@ def test_a_shared_nodes_arena_copy_altered_in_place_is_a_counted_miss(
             assert fresh.get_many(keys, FP) == [blocks[0], None, None]
         finally:
             fresh.close()
-        assert dram_checksum_failures(kv) == failures + 1  # counted
+        assert dram_checksum_failures(kv) == failures + 1  # counted, in stats and the metrics
+        assert scraped_dram_checksum_failures(node) == failures + 1
         assert kv.exists(FP, [BlockKey(k[-32:]) for k in keys]) == [True, False, True]  # deleted

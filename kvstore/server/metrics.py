@@ -91,6 +91,12 @@ class _StoreCollector(Collector):
             "Damaged environments a tier moved aside at start (kept for inspection) before starting empty",
             labels=["tier"],
         )
+        checksum_failures = CounterMetricFamily(
+            "kvstore_tier_checksum_failures",
+            "Blocks a tier found changed, torn or under another key (a miss, deleted); dram counts "
+            "those it checks before serving them to another server",
+            labels=["tier"],
+        )
         for usage in stats.tiers:
             used.add_metric([usage.name], usage.used_bytes)
             capacity.add_metric([usage.name], usage.capacity_bytes)
@@ -99,7 +105,8 @@ class _StoreCollector(Collector):
             degraded.add_metric([usage.name], int(usage.degraded))
             write_failures.add_metric([usage.name], usage.write_failures)
             damaged.add_metric([usage.name], usage.damaged_moved)
-        yield from (used, capacity, blocks, evictions, degraded, write_failures, damaged)
+            checksum_failures.add_metric([usage.name], usage.checksum_failures)
+        yield from (used, capacity, blocks, evictions, degraded, write_failures, damaged, checksum_failures)
         for key, (name, doc) in _STORE_COUNTERS.items():
             family = CounterMetricFamily(name.removesuffix("_total"), doc)
             family.add_metric([], stats.counters.get(key, 0))
