@@ -4,7 +4,7 @@ and write them under a deadline.
 
 Framing (little-endian), one request at a time per connection:
 
-    hello    client: b"KVD1" u16 len + bearer token, u16 len + scope   server: status
+    hello    client: b"KVD2" u16 len + bearer token, u16 len + scope   server: status
     resolve  client: u8 4, fingerprint[32], u32 n, n x key[32], f64 ttl_s      (Unix socket only)
              server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
                      u64 lease id
@@ -25,7 +25,9 @@ Framing (little-endian), one request at a time per connection:
                      (size 0: none; the reader copies the rest through resolve)
     lease held  client: u8 11, u64 lease id             server: status, u8 1 held / 0 not
     get      client: u8 1, fingerprint[32], u32 n, n x key[32]
-             server: status; per block of the present prefix: u64 size + bytes; u64 END; status
+             server: status; per block of the present prefix: u64 size, u64 xxh3-64 of the
+                     bytes (checked by the server before it sends them, by the client after it
+                     receives them), the bytes; u64 END; status
     put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
                      then the n payloads back to back
              server: status, u32 stored
@@ -54,7 +56,7 @@ import time
 from kvstore.errors import KvStoreError
 from kvstore.status import Status, error_for, status_of
 
-MAGIC = b"KVD1"
+MAGIC = b"KVD2"  # 2: a get's blocks carry their checksum
 OK_FRAME = struct.pack("<BI", Status.OK, 0)  # a status frame: OK, no message
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9

@@ -164,7 +164,7 @@ def test_after_a_request_of_another_kind_its_thread_waits_for_the_next_one_itsel
     assert read_lookup(sock) == 1
     sock.sendall(struct.pack("<B32sI", OP_GET, MODEL.fingerprint(), 1) + keys[0])
     assert read_status(sock)[0] == Status.OK
-    (size,) = struct.unpack("<Q", recv_exact(sock, 8))
+    size, _checksum = struct.unpack("<QQ", recv_exact(sock, 16))
     recv_exact(sock, size)
     assert struct.unpack("<Q", recv_exact(sock, 8))[0] == END and read_status(sock)[0] == Status.OK
     for _ in range(2):

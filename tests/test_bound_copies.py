@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 import struct
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +24,11 @@ import xxhash
 from benchmarks.ports import free_port
 from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
+from kvstore.client.dataport import DataPortClient
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
 from kvstore.store import Scope, tier_key
+from kvstore.wire import END, OK_FRAME, recv_exact
 from tiers import Codec, TierKey
 from tiers.dram import Arena
 from tiers.nvme import NvmeConfig, NvmeTier
@@ -211,3 +215,48 @@ def test_a_shared_nodes_arena_copy_altered_in_place_is_a_counted_miss(
         assert dram_checksum_failures(kv) == failures + 1  # counted, in stats and the metrics
         assert scraped_dram_checksum_failures(node) == failures + 1
         assert kv.exists(FP, [BlockKey(k[-32:]) for k in keys]) == [True, False, True]  # deleted
+
+
+def test_a_block_changed_on_its_way_from_a_node_is_a_counted_miss_for_the_receiver() -> None:
+    """The client end checks what the node sends: here a data port whose second block arrives
+    with bytes that are not the ones checksummed (as a flip on the wire would leave it). The
+    get ends its prefix there, reads the rest of the answer (the connection stays usable),
+    and counts the failure."""
+    blocks = [np.random.default_rng(30 + i).bytes(8192) for i in range(3)]
+    keys = [bytes([i]) * 32 for i in range(3)]
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket, flip: bool) -> None:
+        recv_exact(conn, 1 + 32 + 4 + 32 * len(keys))  # the get: op, fingerprint, n, keys
+        parts = [OK_FRAME]
+        for i, block in enumerate(blocks):
+            sent = bytearray(block)
+            if flip and i == 1:
+                sent[100] ^= 0xFF
+            parts += [struct.pack("<QQ", len(block), xxhash.xxh3_64_intdigest(block)), bytes(sent)]
+        conn.sendall(b"".join([*parts, struct.pack("<Q", END), OK_FRAME]))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            recv_exact(conn, 4)  # magic
+            for _ in range(2):  # token, scope
+                (n,) = struct.unpack("<H", recv_exact(conn, 2))
+                recv_exact(conn, n)
+            conn.sendall(OK_FRAME)
+            answer(conn, flip=True)
+            answer(conn, flip=False)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    client = DataPortClient("127.0.0.1", listener.getsockname()[1], "tok")
+    try:
+        take = lambda size: memoryview(bytearray(size))  # noqa: E731
+        assert [bytes(b) for b in client.get(FP, keys, take)] == blocks[:1]  # a miss from block 1
+        assert client.checksum_failures == 1
+        assert [bytes(b) for b in client.get(FP, keys, take)] == blocks  # the stream stayed whole
+        assert client.checksum_failures == 1
+    finally:
+        client.close()
+        listener.close()
+        server.join(timeout=5)

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import xxhash
 
 import kvstore.server.dataport as dataport
 from kvstore.client import connect
@@ -82,10 +83,11 @@ def test_a_slow_reader_gets_its_own_bytes_or_nothing(served: Served, monkeypatch
         received += chunk
         time.sleep(0.05)
     sock.close()
-    # Whatever arrived is a prefix of beta's own stream: the status, then size + bytes of its blocks.
+    # Whatever arrived is a prefix of beta's own stream: the status, then size, checksum and bytes
+    # of its blocks.
     expected = bytearray(struct.pack("<BI", 0, 0))
     for block in blocks:
-        expected += struct.pack("<Q", len(block)) + block
+        expected += struct.pack("<QQ", len(block), xxhash.xxh3_64_intdigest(block)) + block
     assert len(received) < len(expected), "a reader that slow cannot have finished: it was cut"
     assert received == expected[: len(received)]
     with connect(served.tcp, token="tok-a") as a:  # meanwhile others are served

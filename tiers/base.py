@@ -293,8 +293,8 @@ class InPlaceTier(Protocol):
     bytes of retired slots (all of them if fewer retire; 0 when none do).
 
     Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
-    there; ``intact`` checks a committed block's bytes against it before they leave the process
-    (and takes the checksum then for a block that has none: ``tiers.slab``).
+    there; ``verified_checksum`` checks a committed block's bytes against it before they leave
+    the process (and takes the checksum then for a block that has none: ``tiers.slab``).
     """
 
     @property
@@ -320,7 +320,7 @@ class InPlaceTier(Protocol):
 
     def note_checksum(self, key: TierKey, checksum: int) -> None: ...
 
-    def intact(self, key: TierKey, slot: Slot, view: memoryview) -> bool: ...
+    def verified_checksum(self, key: TierKey, slot: Slot, view: memoryview) -> int | None: ...
 
     def locate(self, key: TierKey) -> Slot | None: ...
 

@@ -15,9 +15,9 @@ frees the slot of any older block under the same key; ``abort`` gives the slot b
 Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
 touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
 or, for a block filled in place by a same-host client, the first copy that leaves the process
-(``intact``: hashing every in-place write at commit halved the same-host writes, SECURITY.md
-"Known gaps"). ``intact`` checks a block against it before its bytes leave; a mismatch is
-counted in ``usage().checksum_failures``.
+(``verified_checksum``: hashing every in-place write at commit halved the same-host writes,
+SECURITY.md "Known gaps"). ``verified_checksum`` checks a block against it before its bytes
+leave; a mismatch is counted in ``usage().checksum_failures``.
 
 Threads: one lock guards the allocator and the index; byte copies run outside it. The caller
 (the tiered store) guarantees that a key is not deleted while a copy out of its slot runs.
@@ -418,30 +418,25 @@ class SlabTier(Tier):
             if entry is not None:
                 entry.checksum = checksum
 
-    def intact(self, key: TierKey, slot: Slot, view: memoryview) -> bool:
+    def verified_checksum(self, key: TierKey, slot: Slot, view: memoryview) -> int | None:
         """Before ``view`` (the bytes of ``slot``, where the caller found the committed block of
-        ``key`` and keeps it from being freed) leaves the process: whether they are the block's.
-        A block without a checksum yet takes it now, from these bytes. False (counted) when they
-        differ: the caller deletes the block through its store, which owns the index. A block
-        that is no longer ``key``'s current one (deleted, or replaced, while the caller held
-        it) is not judged: True."""
+        ``key`` and keeps it from being freed) leaves the process: their xxh3-64 when they are
+        the block's (sent with them, for the receiver to check). A block without a checksum yet
+        takes it now, from these bytes. None (counted) when they differ: the caller deletes the
+        block through its store, which owns the index. A block that is no longer ``key``'s
+        current one (deleted, or replaced, while the caller held it) is not judged."""
+        digest = xxhash.xxh3_64_intdigest(view)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.slot != slot:
-                return True
-            expected = entry.checksum
-        digest = xxhash.xxh3_64_intdigest(view)
-        if expected is None:
-            with self._lock:
-                if entry.checksum is None:
-                    entry.checksum = digest
-            return True
-        if digest == expected:
-            return True
-        with self._lock:
+                return digest
+            if entry.checksum is None:
+                entry.checksum = digest
+            if entry.checksum == digest:
+                return digest
             self._checksum_failures += 1
         log.warning("%s tier: block %s changed since it was checksummed", self.name, key.hex())
-        return False
+        return None
 
     def locate(self, key: TierKey) -> Slot | None:
         """Where the committed block of ``key`` lives, or None for a miss."""

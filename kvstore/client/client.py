@@ -268,6 +268,12 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return stats_dict(self._call(self._stub.Stats, pb.StatsRequest()))
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks this client received over the data port that failed the checksum the server
+        sent with them: each ended its get's prefix (a miss)."""
+        return 0 if self._data is None else self._data.checksum_failures
+
     def server_info(self) -> dict[str, Any]:
         r: pb.ServerInfoResponse = self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
         return {"data_port": r.data_port, "data_socket": r.data_socket, "tiers": list(r.tiers)}

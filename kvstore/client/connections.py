@@ -72,6 +72,12 @@ class DataConnections:
             conn.close()
             raise
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks a get received that failed the checksum the server sent with them."""
+        with self._lock:
+            return sum(conn.checksum_failures for conn in self._all)
+
     def close(self) -> None:
         with self._lock:
             for conn in self._all:

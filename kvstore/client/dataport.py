@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
+import xxhash
+
 from kvstore.errors import InvalidArgument
 from kvstore.status import Status
 from kvstore.wire import (
@@ -48,6 +50,10 @@ class DataPortClient:
 
     Each request goes out in one send; replies are read through one reused buffer
     (``kvstore.wire.Stream``), so a lookup's status and answer cost one recv.
+
+    A get checks each block it receives against the checksum the server sent with it: a block
+    that fails (changed on the way) ends the prefix there, the rest of the answer is read and
+    dropped, and ``checksum_failures`` counts it.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class DataPortClient:
         timeout_s = IO_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         hello_deadline = time.monotonic() + timeout_s
         self.last_used = time.monotonic()  # the owner's note, against the server's IDLE_S
+        self.checksum_failures = 0
         if unix_path:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(timeout_s)
@@ -295,12 +302,21 @@ class DataPortClient:
         """Request the blocks; per block of the present prefix, receive it into ``take(size)``
         and yield that view. The stream is whole again once the iterator is exhausted."""
         self._request(OP_GET, fingerprint, keys)
+        failed = False
         while True:
             (size,) = struct.unpack("<Q", self._stream.read(8))
             if size == END:
                 break
+            (checksum,) = struct.unpack("<Q", self._stream.read(8))
+            if failed:  # past a block that failed: read to the end of the answer, keep nothing
+                self._stream.read_into(memoryview(bytearray(size)))
+                continue
             view = take(size)
             self._stream.read_into(view)
+            if xxhash.xxh3_64_intdigest(view) != checksum:
+                self.checksum_failures += 1
+                failed = True
+                continue
             yield view
         self._check()
 

@@ -7,7 +7,7 @@ adapters over this, so a request has the same outcome, status and metrics whiche
     reserve(caller, scope, keys, sizes, parent, ttl_s) -> Reservation (same host: slots to fill)
     commit(caller, reservation_id) -> blocks stored;  abort(caller, reservation_id)
     read(caller, scope, keys, each)            -> yields, per batch of BATCH_BLOCKS, the results
-                                                  of ``each(key, slot view)`` for the present
+                                                  of ``each(key, slot view, its xxh3-64)`` for the present
                                                   prefix; the batch is pinned while ``each`` runs
                                                   and released before the list is yielded, so a
                                                   slow consumer never holds a pin; a block
@@ -123,7 +123,7 @@ class DataPlane:
         caller: Caller,
         scope: Scope,
         keys: Sequence[BlockKey],
-        each: Callable[[BlockKey, memoryview], T],
+        each: Callable[[BlockKey, memoryview, int], T],
     ) -> Iterator[list[T]]:
         arena = self.arena()
         served: list[str] = []
@@ -139,10 +139,11 @@ class DataPlane:
                             check_live(resolved.lease.expires_at_s, "lease")
                         view = arena.arena.view[slot.offset : slot.offset + slot.size_bytes]
                         # the bytes leave the process: they must be the block's (tiers.slab)
-                        if not arena.intact(tier_key(scope, key), slot, view):
+                        checksum = arena.verified_checksum(tier_key(scope, key), slot, view)
+                        if checksum is None:
                             changed = key
                             break
-                        results.append(each(key, view))
+                        results.append(each(key, view, checksum))
                 finally:
                     if resolved.lease is not None:
                         with contextlib.suppress(LeaseExpired):  # expired: nothing is held

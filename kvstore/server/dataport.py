@@ -470,8 +470,8 @@ class DataPort:
         self.plane.arena()
         stream.send(_OK)  # from here on a failure can only close the connection
 
-        def send(key: BlockKey, payload: memoryview) -> None:  # straight out of the pinned slot
-            stream.send_parts(struct.pack("<Q", len(payload)), payload)
+        def send(key: BlockKey, payload: memoryview, checksum: int) -> None:  # out of the pinned slot
+            stream.send_parts(struct.pack("<QQ", len(payload), checksum), payload)
 
         for _ in self.plane.read(session.caller, scope, keys, send):
             pass
