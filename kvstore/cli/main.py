@@ -476,7 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-tokens", type=int, default=256, help="the head a prompt is keyed by, in tokens (256)"
     )
     route.add_argument(
-        "--keys-file", metavar="FILE", help="API keys, KEY=TENANT lines, mode 0600 (none: one anonymous tenant)"
+        "--keys-file",
+        metavar="FILE",
+        help="API keys, KEY=TENANT lines, mode 0600 (none: one anonymous tenant)",
     )
     route.add_argument(
         "--ops-tenant", metavar="TENANT", action="append", default=[], help="its keys open /metrics, /health"
