@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ from benchmarks.fairness import (
 from benchmarks.server_process import ServerProcess
 from kvstore.errors import ResourceExhausted
 from kvstore.server.fairness import TenantShares
+from tests.test_store_arena import A, _gated_store, chain, data
 
 CALLS = 100
 # (percentile, bound): each bound about 2-3x what this code gives on two busy CPUs (TCP: 20x its
@@ -90,3 +92,40 @@ def test_a_tenants_places_go_to_its_waiters_in_turn_and_hold_up_no_other_tenant(
     assert shares.waiting("beta") == 0
     with shares.place("beta", 0.01):  # the place came back: free again at once
         pass
+
+
+def test_a_request_asleep_on_the_disk_lends_its_place_to_its_tenants_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar's engine is one tenant with two places: two saves paced by a disk that is
+    behind (up to 2 s each) held both, and the engine's restore waited behind them. Asleep on
+    the disk, each lends its place; once the disk goes on, each takes one again in line."""
+    shares = TenantShares(per_tenant=2)
+    s, gate = _gated_store(tmp_path, monkeypatch)
+    try:
+        s.put(A, chain(4, salt="1"), [data(k) for k in chain(4, salt="1")])  # the arena is full
+        s.put(A, chain(2, salt="2"), [data(k) for k in chain(2, salt="2")])  # the disk's queue too
+
+        def save(salt: str) -> None:
+            with shares.place("local", 30.0):
+                s.put(A, chain(1, salt=salt), [data(chain(1, salt=salt)[0])])
+
+        saves = [threading.Thread(target=save, args=(salt,)) for salt in ("3", "4")]
+        for thread in saves:
+            thread.start()
+        time.sleep(0.3)
+        assert all(thread.is_alive() for thread in saves)  # both asleep on the disk
+        started = time.monotonic()
+        with shares.place("local", 1.0):  # the restore: not behind the saves
+            assert s.lookup(A, chain(2, salt="2")).hit_blocks == 2
+        assert time.monotonic() - started < 0.5
+        gate.set()
+        for thread in saves:
+            thread.join(10)
+            assert not thread.is_alive()
+        assert shares.waiting("local") == 0
+        with shares.place("local", 0.01), shares.place("local", 0.01):  # both places came back
+            pass
+    finally:
+        gate.set()
+        s.close()

@@ -10,7 +10,10 @@ threads then slow each other, not the others' (each tenant has its own ``per_ten
 
 A place freed is handed to the tenant's first waiter directly (the releasing thread cannot take
 it back at once, as it could from a ``threading.Semaphore``, and starve one connection of its
-tenant). Thread rules: ``place`` from any thread; a place is held by the ``with`` block.
+tenant). A thread that sleeps on a disk inside the block (``kvstore.asleep``) gives its place to
+the next of its tenant meanwhile and waits in line for one after: it wants no GIL while it
+sleeps, and its tenant's other requests (an engine's restores behind its paced saves) go on.
+Thread rules: ``place`` from any thread; a place is held by the ``with`` block.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvstore.asleep import lending
 from kvstore.errors import ResourceExhausted
 
 # A tenant's requests served by threads at once. Two: one can wait on its socket or a disk while
@@ -50,10 +54,25 @@ class TenantShares:
         """One of ``tenant``'s places for the block; waits up to ``timeout_s`` for one, then
         raises ResourceExhausted."""
         self._acquire(tenant, timeout_s)
-        try:
-            yield
-        finally:
+        held = True
+
+        @contextlib.contextmanager
+        def give_back() -> Iterator[None]:  # while the thread sleeps on a disk (kvstore.asleep)
+            nonlocal held
             self._release(tenant)
+            held = False
+            try:
+                yield
+            finally:
+                self._acquire(tenant, timeout_s)  # in line again; raises if it waits too long
+                held = True
+
+        try:
+            with lending(give_back):
+                yield
+        finally:
+            if held:
+                self._release(tenant)
 
     def waiting(self, tenant: str) -> int:
         """How many of ``tenant``'s requests wait for a place now."""

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 
+from kvstore.asleep import asleep
 from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block
@@ -164,6 +165,11 @@ class Placement:
         short = size_bytes - _free_bytes(tier)
         if short <= 0:
             return  # room: the usual case
+        with asleep():  # on the disk: the caller's request place serves another meanwhile
+            self._pace_short(t, size_bytes, short, timeout_s)
+
+    def _pace_short(self, t: int, size_bytes: int, short: int, timeout_s: float) -> None:
+        tier = self.tiers[t]
         deadline = time.monotonic() + timeout_s
         if not self.wait_below(t, short, 0.0):
             with self._lock:
