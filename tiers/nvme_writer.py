@@ -70,6 +70,7 @@ import lmdb
 from tiers import nvme_folder
 from tiers.base import BlockHeader, TierKey
 from tiers.nvme_room import DiskRoom, NoRoom, is_no_room
+from tiers.nvme_wipe import Span, Wiper, span, zero
 
 if TYPE_CHECKING:
     from tiers.nvme import NvmeConfig
@@ -168,6 +169,7 @@ class NvmeWriter:
         self._dirty = False  # commits since the last sync (cache mode)
         self._marker_dirty = False
         self._last_sync = time.monotonic()
+        self._wiper = Wiper(env)  # clears what each commit frees (tiers.nvme_wipe)
         self._stopping = False
         self._failure: str | None = None
         self._write_failures = 0
@@ -375,7 +377,7 @@ class NvmeWriter:
             failed = self._write_what_fits(batch)
         failed_ops = {id(op) for op, _ in failed}
         with self._cond:
-            self._dirty = self._config.durability == "cache"
+            self._dirty = self._dirty or self._config.durability == "cache"  # or cleared pages to sync
             self._write_failures += len(failed)
             for op, _ in batch:
                 if not isinstance(op, PutOp):
@@ -504,14 +506,30 @@ class NvmeWriter:
         )
 
     def _write_txn(self, batch: _Batch) -> None:
-        with self._env.begin(write=True) as txn:
+        # Values this commit deletes or replaces are cleared where they lie (tiers.nvme_wipe);
+        # buffers=True makes get() a view of the map. Sealed values need no clearing: shredding
+        # their key is what makes them unreadable.
+        plain = self._config.cipher is None
+        freed: list[Span] = []
+        written: set[bytes] = set()
+        with self._env.begin(write=True, buffers=True) as txn:
+            snapshot = txn.id() - 1
             for op, stored in batch:
+                where = span(txn, op.key, self._payloads) if plain else None
+                if where is not None and op.key in written:
+                    zero([where])  # written by this transaction: no reader sees these pages
+                elif where is not None:
+                    freed.append(where)
                 if isinstance(op, PutOp):
                     txn.put(op.key, op.header.pack(), db=self._headers)
                     txn.put(op.key, stored, db=self._payloads)
+                    written.add(op.key)
                 else:
                     txn.delete(op.key, db=self._headers)
                     txn.delete(op.key, db=self._payloads)
+        if freed and self._wiper.freed(snapshot, freed):
+            with self._cond:
+                self._dirty = True  # the zeros reach the disk with the next sync, in either mode
 
     def _sync_due_locked(self) -> bool:
         if self._synced_seq < self._sync_target <= self._committed_seq:
