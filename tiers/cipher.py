@@ -3,7 +3,8 @@
 Stored form of a block: nonce (12 random bytes) ‖ ciphertext ‖ tag (16 bytes), the block's tier
 key as associated data, so a sealed block cannot be moved under another key. Keys live in a
 folder of their own, one file per namespace (``<hex of the namespace>.key``, 32 random bytes,
-mode 0600), made the first time a namespace stores a block. Deleting a namespace's key file
+mode 0600), made the first time a namespace stores a block (atomically: sidecars of a fleet may
+share the folder, see ``tiers.sealed_remote``). Deleting a namespace's key file
 shreds every block of it on disk: they no longer open, and the tier treats each as corrupt (a
 miss, deleted, counted) when it is next read. While a server runs, ``vanished`` (called every
 second by ``kvstore.server.shredding``) notices a deleted key file and forgets the key, and
@@ -64,12 +65,7 @@ class BlockCipher:
                 if not create:
                     self._keys[namespace] = None  # shredded, or never had a block: nothing opens
                     return None
-                raw = secrets.token_bytes(32)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(raw)
-                    f.flush()
-                    os.fsync(f.fileno())
+                raw = _make_key_file(path)
             aead = self._aesgcm(raw) if len(raw) == 32 else None
             self._keys[namespace] = aead
             file_id = _file_id(str(path))
@@ -127,6 +123,28 @@ class BlockCipher:
         except self._invalid_tag:
             return None
         return n
+
+
+def _make_key_file(path: Path) -> bytes:
+    """A new key at ``path``, or the one another sidecar sharing the folder made first: the
+    key is written whole to a file of its own, then linked in place (atomic, and refused when
+    the name exists), so no sidecar ever reads a half-written key or replaces another's."""
+    raw = secrets.token_bytes(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return path.read_bytes()
+        _fsync_dir(path.parent)
+        return raw
+    finally:
+        tmp.unlink()
 
 
 def _key_files(folder: Path) -> Iterator[tuple[str, tuple[str, tuple[int, int]]]]:
