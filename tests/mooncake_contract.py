@@ -15,7 +15,14 @@ import pytest
 
 from benchmarks.mooncake_store import MooncakeStoreProcess, in_private_netns
 from kvstore.store.model import shared_key_name
-from tests.test_remote_contract import FP, OTHER_FP, block, check_put_contains_get, key
+from tests.test_remote_contract import (
+    FP,
+    OTHER_FP,
+    block,
+    check_an_expired_copy_is_a_counted_miss,
+    check_put_contains_get,
+    key,
+)
 from tiers.mooncake import MooncakeConfig, MooncakeTier
 
 pytestmark = pytest.mark.skipif(not in_private_netns(), reason="run by tests/test_remote_mooncake.py")
@@ -49,6 +56,13 @@ def make_tier(store: MooncakeStoreProcess) -> Iterator[Callable[..., MooncakeTie
 
 def test_put_then_contains_and_get_many_in_order(make_tier: Callable[..., MooncakeTier]) -> None:
     check_put_contains_get(make_tier())
+
+
+def test_a_copy_past_its_retention_is_a_counted_miss_and_deleted(
+    make_tier: Callable[..., MooncakeTier],
+) -> None:
+    """Mooncake keeps no expiry of its own: the read that meets an expired copy deletes it."""
+    check_an_expired_copy_is_a_counted_miss(make_tier())
 
 
 def test_a_corrupt_or_foreign_value_is_a_counted_miss_and_deleted(

@@ -87,6 +87,55 @@ def check_put_contains_get(tier: RemoteTier) -> None:
     assert (usage.gets, usage.hits, usage.puts, usage.failures) == (4, 3, 40, 0)
 
 
+def check_an_expired_copy_is_a_counted_miss(tier: RemoteTier, namespace: str = "a") -> None:
+    """Retention (every backend): a copy born before ``not_before_s``, or of unknown age (no
+    birth in its header) while one is asked for, is a miss, counted and deleted there; a younger
+    one is served with its birth time, which the header carried; a block already past its
+    deadline is not stored; without a retention asked for, a copy of unknown age serves."""
+    now = time.time()
+    old = RemoteBlock(key(namespace, 901), FP, os.urandom(4096), born_s=now - 10)
+    young = RemoteBlock(key(namespace, 902), FP, os.urandom(4096), born_s=now - 0.5)
+    unknown = block(key(namespace, 903))  # born_s 0.0: written without a birth time
+    late = RemoteBlock(key(namespace, 904), FP, os.urandom(4096), born_s=now - 10, expires_s=now - 1)
+    assert tier.put_many([old, young, unknown, late]) == 3
+    assert tier.contains([late.key]) == [False]
+    born: list[float] = []
+    assert tier.get_many([unknown.key], FP, 0.0, born) == [bytes(unknown.payload)] and born == [0.0]
+    born = []
+    got = tier.get_many([young.key, old.key, unknown.key], FP, now - 2.0, born)
+    assert got == [bytes(young.payload), None, None]
+    assert born == [young.born_s, 0.0, 0.0]
+    assert tier.usage().expired == 2
+    assert tier.contains([young.key, old.key, unknown.key]) == [True, False, False]  # deleted there
+
+
+def test_a_copy_past_its_retention_is_a_counted_miss_and_deleted(
+    make_tier: Callable[..., RemoteTier],
+) -> None:
+    check_an_expired_copy_is_a_counted_miss(make_tier())
+
+
+def test_a_keys_expiry_is_the_retention_its_block_has_left(
+    make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess
+) -> None:
+    """PX from the block's birth and deadline, not the put: born 1 s ago with 2 s left (a
+    retention of 3 s), its key lives 2 s; ``ttl_s`` caps it further."""
+    tier, capped = make_tier(), make_tier(ttl_s=0.5)
+    now = time.time()
+    b = RemoteBlock(key("a", 1), FP, os.urandom(1024), born_s=now - 1, expires_s=now + 2)
+    c = RemoteBlock(key("a", 2), FP, os.urandom(1024), born_s=now - 1, expires_s=now + 2)
+    assert tier.put_many([b]) == 1 and capped.put_many([c]) == 1
+    raw = redis.cluster.RedisCluster(host="127.0.0.1", port=int(cluster.nodes[0].rsplit(":", 1)[1]))
+    try:
+        asked_s = time.time()
+        pttl = raw.pttl(tier._key(b.key))  # type: ignore[attr-defined]
+        answered_s = time.time()
+        assert (now + 2 - answered_s) * 1000 - 1 <= pttl <= (now + 2 - asked_s) * 1000 + 1
+        assert 0 < raw.pttl(capped._key(c.key)) <= 500  # type: ignore[attr-defined]
+    finally:
+        raw.close()
+
+
 def test_a_corrupt_or_foreign_value_is_a_counted_miss_and_deleted(
     make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess
 ) -> None:

@@ -85,7 +85,9 @@ class BlockHeader:
 
     Version 2 binds the key; a version-1 header (checksum of the bytes alone) does not parse, so
     a block written before is a miss (the nvme tier drops it at open, a remote tier deletes it
-    when read).
+    when read). Version 3 adds ``born_s``: when the block was first stored (wall clock, seconds),
+    so a remote copy carries its age to whoever reads it (retention, ``tiers.remote``). A
+    version-2 header still parses, its birth unknown (0.0).
     """
 
     fingerprint: bytes
@@ -93,10 +95,12 @@ class BlockHeader:
     stored_len: int
     codec: Codec
     checksum: int
-    version: int = 2
+    version: int = 3
     meta: bytes = b""
+    born_s: float = 0.0  # first stored (time.time()); 0.0: unknown (a version-2 header)
 
     _FORMAT = struct.Struct("<4sHB32sQQQ")
+    _BORN = struct.Struct("<d")  # version 3: after the fixed fields, before the meta
     _MAGIC = b"KVSB"
     SIZE = _FORMAT.size
 
@@ -104,13 +108,14 @@ class BlockHeader:
         return (
             self._FORMAT.pack(
                 self._MAGIC,
-                self.version,
+                3,
                 int(self.codec),
                 self.fingerprint,
                 self.payload_len,
                 self.stored_len,
                 self.checksum,
             )
+            + self._BORN.pack(self.born_s)
             + self.meta
         )
 
@@ -120,12 +125,18 @@ class BlockHeader:
         if len(raw) < cls.SIZE:
             return None
         magic, version, codec, fingerprint, payload_len, stored_len, checksum = cls._FORMAT.unpack_from(raw)
-        if magic != cls._MAGIC or version != 2 or codec not in Codec._value2member_map_:
+        if magic != cls._MAGIC or version not in (2, 3) or codec not in Codec._value2member_map_:
             return None
-        meta = bytes(raw[cls.SIZE :])
+        start, born_s = cls.SIZE, 0.0
+        if version == 3:
+            if len(raw) < start + cls._BORN.size:
+                return None
+            (born_s,) = cls._BORN.unpack_from(raw, start)
+            start += cls._BORN.size
+        meta = bytes(raw[start:])
         if len(meta) > MAX_META_BYTES:
             return None
-        return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta)
+        return cls(bytes(fingerprint), payload_len, stored_len, Codec(codec), checksum, version, meta, born_s)
 
 
 def key_digest(key: BytesLike) -> int:

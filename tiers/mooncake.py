@@ -11,7 +11,11 @@ Keys are strings: ``key_prefix``, then the store's shared name of the tier key (
 namespace in plain text, ``:``), then the rest of the key in hex, so a namespace's keys share a
 prefix that invalidation can match. Mooncake has no access control: a tenant's sidecar asks only
 for its own namespace, but anything that reaches the master can read every key (SECURITY.md).
-Mooncake has no per-key expiry either: retention is the store's own eviction.
+Mooncake's client offers no per-key expiry (its ``ReplicateConfig`` has replicas, soft pins and
+preferred segments; the master's lease TTL only keeps a block being read from eviction): a copy
+past its tenant's retention is found by the read that meets it (its header's birth time,
+``tiers.remote``), which deletes it and misses; until then it holds room and ``contains`` reports
+it, so a lookup may name a block the restore then misses.
 
 Failure (see ``tiers.remote``): Mooncake's client waits for a hung master or storage node
 without a bound, so every call runs on a small pool of threads and is waited for ``timeout_s``;
@@ -36,6 +40,7 @@ import logging
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiers.base import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, unframe
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ class MooncakeTier(RemoteTier):
         self._busy = 0  # calls on the pool, finished or not
         self._store: Any = None  # MooncakeDistributedStore, set up on first use (on the pool)
         self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
-        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0}
+        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0, "expired": 0}
         self._closed = False
 
     # ----------------------------------------------------------------- the contract
@@ -104,27 +109,34 @@ class MooncakeTier(RemoteTier):
             self._failed(f"batch_is_exist answered {min(codes)}")
         return [c == 1 for c in codes]
 
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+    def get_many(
+        self,
+        keys: Sequence[TierKey],
+        fingerprint: bytes,
+        not_before_s: float = 0.0,
+        born: list[float] | None = None,
+    ) -> list[BytesLike | None]:
         self._count("gets", len(keys))
         names = [self._key(k) for k in keys]
         values = self._call(lambda store: list(store.get_batch(names))) if names else []
         if values is None:
+            if born is not None:
+                born.extend([0.0] * len(keys))
             return [None] * len(keys)
-        out: list[BytesLike | None] = []
-        corrupt: list[TierKey] = []
-        for key, value in zip(keys, values, strict=True):
-            payload = unframe(value, key, fingerprint) if value else None  # b"": not there
-            if payload is None and value:
-                corrupt.append(key)
-            out.append(payload)
-        if corrupt:
-            log.warning("mooncake tier: %d blocks failed their header check; deleted", len(corrupt))
-            self._count("checksum_failures", len(corrupt))
-            self.delete_many(corrupt)
-        self._count("hits", sum(p is not None for p in out))
-        return out
+        opened = open_values(keys, values, fingerprint, not_before_s, born)  # b"": not there
+        if opened.corrupt:
+            log.warning("mooncake tier: %d blocks failed their header check; deleted", len(opened.corrupt))
+            self._count("checksum_failures", len(opened.corrupt))
+        if opened.expired:
+            self._count("expired", len(opened.expired))
+        if opened.corrupt or opened.expired:
+            self.delete_many(opened.corrupt + opened.expired)
+        self._count("hits", sum(p is not None for p in opened.payloads))
+        return opened.payloads
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
+        now = time.time()
+        blocks = [b for b in blocks if b.expires_s > now]  # past its retention already: not stored
         if not blocks:
             return 0
         names = [self._key(b.key) for b in blocks]

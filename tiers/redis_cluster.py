@@ -6,8 +6,10 @@ user limited to ``~kvs:t/tenant-a:*`` confines a tenant's sidecar to its own blo
 ``key_name`` the tier key's bytes are used as they are. Values are ``tiers.remote.frame`` output: header, then
 payload. A batch is one redis-py cluster pipeline: the client groups its commands by the node
 owning each key's slot and sends every node its share before reading any reply, so a batch
-costs one round trip per node, the nodes in parallel. ``ttl_s`` > 0 sets an expiry on every
-put (the store's retention for the remote copy).
+costs one round trip per node, the nodes in parallel. Every put of a block under a retention
+sets its key's expiry to when that retention ends (``SET PXAT``, Redis 6.2 or later: the birth
+time plus the retention, not the put's time plus it; the cluster's clock must agree with the
+sidecars', as the retention's wall clock already asks); ``ttl_s`` > 0 caps every key's life.
 
 Failure (see ``tiers.remote``): a cluster that cannot be reached or answers an error makes the
 batch read as misses (or writes dropped), counted, and the whole cluster is skipped for the
@@ -22,7 +24,9 @@ deletes in pipelined batches: invalidation is rare and may take a while on a big
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +34,7 @@ from typing import Any
 from redis.exceptions import RedisClusterException, RedisError
 
 from tiers.base import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, unframe
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class RedisClusterTier(RemoteTier):
         self._lock = threading.Lock()
         self._client: Any = None  # redis.cluster.RedisCluster, built on first use
         self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
-        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0}
+        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0, "expired": 0}
         self._closed = False
 
     # ----------------------------------------------------------------- the contract
@@ -79,28 +83,43 @@ class RedisClusterTier(RemoteTier):
         replies = self._pipelined([("EXISTS", self._key(k)) for k in keys])
         return [False] * len(keys) if replies is None else [bool(r) for r in replies]
 
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+    def get_many(
+        self,
+        keys: Sequence[TierKey],
+        fingerprint: bytes,
+        not_before_s: float = 0.0,
+        born: list[float] | None = None,
+    ) -> list[BytesLike | None]:
         self._count("gets", len(keys))
         replies = self._pipelined([("GET", self._key(k)) for k in keys])
         if replies is None:
+            if born is not None:
+                born.extend([0.0] * len(keys))
             return [None] * len(keys)
-        out: list[BytesLike | None] = []
-        corrupt: list[TierKey] = []
-        for key, value in zip(keys, replies, strict=True):
-            payload = unframe(value, key, fingerprint) if isinstance(value, bytes) else None
-            if payload is None and isinstance(value, bytes):
-                corrupt.append(key)
-            out.append(payload)
-        if corrupt:
-            log.warning("redis tier: %d blocks failed their header check; deleted", len(corrupt))
-            self._count("checksum_failures", len(corrupt))
-            self.delete_many(corrupt)
-        self._count("hits", sum(p is not None for p in out))
-        return out
+        values = [v if isinstance(v, bytes) else None for v in replies]
+        opened = open_values(keys, values, fingerprint, not_before_s, born)
+        if opened.corrupt:
+            log.warning("redis tier: %d blocks failed their header check; deleted", len(opened.corrupt))
+            self._count("checksum_failures", len(opened.corrupt))
+        if opened.expired:
+            self._count("expired", len(opened.expired))
+        if opened.corrupt or opened.expired:
+            self.delete_many(opened.corrupt + opened.expired)
+        self._count("hits", sum(p is not None for p in opened.payloads))
+        return opened.payloads
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
-        ex = {"ex": max(1, round(self.config.ttl_s))} if self.config.ttl_s > 0 else {}
-        commands = [("SET", self._key(b.key), frame(b), ex) for b in blocks]
+        now = time.time()
+        cap_s = now + self.config.ttl_s if self.config.ttl_s > 0 else math.inf
+        commands = []
+        for b in blocks:
+            # the key's deadline: its block's (birth + retention), capped by ttl_s; absolute, so
+            # the time the put takes to reach the cluster does not lengthen it
+            deadline_s = min(b.expires_s, cap_s)
+            if deadline_s <= now:
+                continue  # past its retention already: not stored
+            at = {} if deadline_s == math.inf else {"pxat": math.ceil(deadline_s * 1000)}
+            commands.append(("SET", self._key(b.key), frame(b), at))
         replies = self._pipelined(commands)
         stored = 0 if replies is None else sum(r is True for r in replies)
         self._count("puts", stored)

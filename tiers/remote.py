@@ -9,7 +9,10 @@ Calls (keys are ``TierKey``s: the store's keys, which carry the tenant namespace
 fingerprint, so two tenants' blocks never share a remote key):
 
     contains(keys)          -> per key, whether it is held (no payload moves)
-    get_many(keys)          -> per key, the payload (its header checked), or None for a miss
+    get_many(keys, fp, not_before_s, born)
+                            -> per key, the payload (its header checked), or None for a miss;
+                               a copy born before ``not_before_s`` is expired (below); ``born``,
+                               when given, gets each key's birth time appended (0.0: a miss)
     put_many(blocks)        -> how many of ``blocks`` (RemoteBlock) were stored
     delete_many(keys)       -> how many were present
     delete_matching(prefix) -> how many keys starting with ``prefix`` were removed: the store's
@@ -30,11 +33,19 @@ checksum fails is a miss: the value is deleted and counted in ``usage().checksum
 Since the checksum binds the key (namespace, fingerprint, block key), a value copied or moved
 under another key, namespace or model fails it too.
 
+Retention: every value's header carries its block's birth time (``RemoteBlock.born_s``: when
+the block was first stored anywhere, wall clock), so no copy restarts the clock. A read asks with
+``not_before_s`` (now minus the tenant's retention; 0: none): a copy born before it, or written
+without a birth time (a version-2 header: its age cannot be known), is a miss, deleted there and
+counted in ``usage().expired``. ``RemoteBlock.expires_s`` is the copy's deadline: a backend with
+per-key expiry (Redis) sets it, and a block already past it is not stored.
+
 Threads: every method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import time
@@ -59,11 +70,14 @@ _HEADER_LEN = struct.Struct("<H")
 
 @dataclass(frozen=True)
 class RemoteBlock:
-    """One block to store remotely: its key, the fingerprint it belongs to, its bytes."""
+    """One block to store remotely: its key, the fingerprint it belongs to, its bytes, its birth
+    time (wall clock, first stored anywhere) and the deadline its retention sets (inf: none)."""
 
     key: TierKey
     fingerprint: bytes
     payload: BytesLike
+    born_s: float = 0.0
+    expires_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -74,8 +88,10 @@ class RemoteUsage:
     puts: int = 0  # blocks stored
     failures: int = 0  # calls (or a node's share of one) that failed: timeouts, refusals
     checksum_failures: int = 0
+    expired: int = 0  # copies read past their retention (or of unknown age under one), deleted
     nodes: int = 0
     nodes_down: int = 0  # nodes in backoff now
+    unsealable: int = 0  # sealed copies that did not open (key shredded or absent): missed, deleted
 
 
 class RemoteTier(ABC):
@@ -87,9 +103,16 @@ class RemoteTier(ABC):
     def contains(self, keys: Sequence[TierKey]) -> list[bool]: ...
 
     @abstractmethod
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
+    def get_many(
+        self,
+        keys: Sequence[TierKey],
+        fingerprint: bytes,
+        not_before_s: float = 0.0,
+        born: list[float] | None = None,
+    ) -> list[BytesLike | None]:
         """Each key's payload (the caller's to keep), or None; a value stored under another
-        ``fingerprint`` is a miss."""
+        ``fingerprint``, or born before ``not_before_s``, is a miss. ``born`` gets each key's
+        birth time appended (0.0 for a miss)."""
 
     @abstractmethod
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int: ...
@@ -140,7 +163,7 @@ def frame(block: RemoteBlock) -> bytes:
     view = memoryview(block.payload).cast("B")
     n = len(view)
     checksum = bound_checksum(block.key, xxhash.xxh3_64_intdigest(view))
-    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, checksum).pack()
+    header = BlockHeader(block.fingerprint, n, n, Codec.NONE, checksum, born_s=block.born_s).pack()
     return b"".join((_HEADER_LEN.pack(len(header)), header, view))
 
 
@@ -148,6 +171,12 @@ def unframe(value: BytesLike, key: TierKey, fingerprint: bytes) -> memoryview | 
     """The payload of a value read under ``key``, as a view of ``value`` (no copy), or None when
     it is not a whole, intact block of ``fingerprint`` stored under ``key`` (the caller deletes
     it and counts a checksum failure)."""
+    opened = unframe_born(value, key, fingerprint)
+    return None if opened is None else opened[0]
+
+
+def unframe_born(value: BytesLike, key: TierKey, fingerprint: bytes) -> tuple[memoryview, float] | None:
+    """``unframe``, with the block's birth time from its header (0.0: unknown)."""
     view = memoryview(value)
     if len(view) < _HEADER_LEN.size:
         return None
@@ -161,4 +190,52 @@ def unframe(value: BytesLike, key: TierKey, fingerprint: bytes) -> memoryview | 
         return None
     if xxhash.xxh3_64_intdigest(payload) != bound_checksum(key, header.checksum):
         return None
-    return payload
+    return payload, header.born_s
+
+
+def _framed(value: BytesLike) -> bool:
+    """Whether ``value`` begins with a header of ours (intact or not)."""
+    view = memoryview(value)
+    if len(view) < _HEADER_LEN.size:
+        return False
+    (header_len,) = _HEADER_LEN.unpack_from(view)
+    start = _HEADER_LEN.size + header_len
+    return start <= len(view) and BlockHeader.unpack(view[_HEADER_LEN.size : start]) is not None
+
+
+@dataclass
+class Opened:
+    """What ``open_values`` made of one batch of values read from a backend."""
+
+    payloads: list[BytesLike | None]
+    corrupt: list[TierKey]  # failed their header check: the backend deletes and counts them
+    expired: list[TierKey]  # past retention, or of unknown age under one: deleted and counted
+
+
+def open_values(
+    keys: Sequence[TierKey],
+    values: Sequence[BytesLike | None],
+    fingerprint: bytes,
+    not_before_s: float,
+    born: list[float] | None,
+    plain_ok: bool = False,
+) -> Opened:
+    """Each value (None or empty: absent) checked and opened as ``get_many`` promises; a copy
+    born before ``not_before_s``, or without a birth time while one is asked for, is expired.
+    ``plain_ok``: a value with no header at all is a plain block of unknown age (a kvstore node
+    holds blocks its own clients wrote, checked by its own tiers), not a corrupt one."""
+    out = Opened([], [], [])
+    for key, value in zip(keys, values, strict=True):
+        opened = unframe_born(value, key, fingerprint) if value else None
+        if opened is None and value and plain_ok and not _framed(value):
+            opened = memoryview(value), 0.0
+        if opened is None:
+            if value:
+                out.corrupt.append(key)
+        elif not_before_s > 0 and opened[1] < not_before_s:  # 0.0 (unknown) is before any
+            out.expired.append(key)
+            opened = None
+        out.payloads.append(None if opened is None else opened[0])
+        if born is not None:
+            born.append(0.0 if opened is None else opened[1])
+    return out

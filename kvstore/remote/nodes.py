@@ -16,8 +16,13 @@ never sent (counted as ``unmapped``): blocks are not pooled by accident.
 
 Reads (``get_many``): a node returns the present prefix of the keys it was asked, so after a
 node's first miss its later keys read as misses too (the contract allows it: callers restore
-prefixes). The node's own tiers checksum every block and scope it by fingerprint; the header of
-``tiers.remote`` is not added on top.
+prefixes). Each value sent is ``tiers.remote.frame`` output, opaque to the node: its header
+carries the block's birth time, so a sidecar reading it back keeps the birth (retention counts
+from it, never from the copy) and a copy past its tenant's retention is a miss, deleted from the
+node and counted (``expired``). The node's own tiers checksum the value and its own retention, if
+set, counts from when the value reached it (a little later than the birth). A value written
+without a header (by the node's own clients, or before the header was added) is served as a
+block of unknown age: a miss, deleted, where a retention applies (its age cannot be known).
 
 Failure: each node has its own backoff (``tiers.remote.Backoff``); a node that fails a call
 (unreachable, timed out, refused) is skipped until it passes, its keys reading as misses and
@@ -26,8 +31,10 @@ writes to it dropped, all counted. Every call is bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +48,7 @@ from kvstore.remote.rendezvous import Rendezvous
 from kvstore.store.model import Scope, parse_tier_key
 from kvstore.tls import ClientTls
 from tiers import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +99,15 @@ class KvStoreNodesTier(RemoteTier):
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, len(config.nodes)), thread_name_prefix="kvstore-remote"
         )
-        self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "unmapped": 0}
+        self._counts = {
+            "gets": 0,
+            "hits": 0,
+            "puts": 0,
+            "failures": 0,
+            "checksum_failures": 0,
+            "expired": 0,
+            "unmapped": 0,
+        }
 
     # ----------------------------------------------------------------- the contract
 
@@ -107,26 +122,49 @@ class KvStoreNodesTier(RemoteTier):
         self._fan_out(self._groups(keys), ask)
         return out
 
-    def get_many(self, keys: Sequence[TierKey], fingerprint: bytes) -> list[BytesLike | None]:
-        out: list[BytesLike | None] = [None] * len(keys)
+    def get_many(
+        self,
+        keys: Sequence[TierKey],
+        fingerprint: bytes,
+        not_before_s: float = 0.0,
+        born: list[float] | None = None,
+    ) -> list[BytesLike | None]:
+        values: list[BytesLike | None] = [None] * len(keys)
         groups = [g for g in self._groups(keys) if g.scope.fingerprint == fingerprint]
 
         def fetch(client: Client, group: _Group) -> None:
             blocks = client.get(group.scope.fingerprint, group.keys, scope=_scope_of(group.scope))
-            for position, payload in zip(group.positions, blocks, strict=False):
-                out[position] = payload
+            for position, value in zip(group.positions, blocks, strict=False):
+                values[position] = value
 
         self._fan_out(groups, fetch)
+        # checked under the node-side identity of each key (see _bound), deleted under the key
+        bound = [_bound(k) for k in keys]
+        opened = open_values(bound, values, fingerprint, not_before_s, born, plain_ok=True)
+        original = dict(zip(bound, keys, strict=True))
+        opened.corrupt[:] = [original[k] for k in opened.corrupt]
+        opened.expired[:] = [original[k] for k in opened.expired]
+        if opened.corrupt:
+            log.warning(
+                "kvstore remote tier: %d blocks failed their header check; deleted", len(opened.corrupt)
+            )
+            self._count("checksum_failures", len(opened.corrupt))
+        if opened.expired:
+            self._count("expired", len(opened.expired))
+        if opened.corrupt or opened.expired:
+            self.delete_many(opened.corrupt + opened.expired)
         self._count("gets", len(keys))
-        self._count("hits", sum(b is not None for b in out))
-        return out
+        self._count("hits", sum(b is not None for b in opened.payloads))
+        return opened.payloads
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
+        now = time.time()
+        blocks = [b for b in blocks if b.expires_s > now]  # past its retention already: not sent
         stored = [0]
         lock = threading.Lock()
 
         def store(client: Client, group: _Group) -> None:
-            sent = [blocks[p].payload for p in group.positions]
+            sent = [frame(dataclasses.replace(blocks[p], key=_bound(blocks[p].key))) for p in group.positions]
             n = client.put(group.scope.fingerprint, group.keys, sent, scope=_scope_of(group.scope))
             with lock:
                 stored[0] += n
@@ -263,6 +301,13 @@ class KvStoreNodesTier(RemoteTier):
             dropped = [self._clients.pop(k) for k in list(self._clients) if k[0] == node]
         for client in dropped:
             client.close()
+
+
+def _bound(raw: TierKey) -> TierKey:
+    """What a value's checksum binds on a node: the tier key less its namespace. Sidecars name
+    one tenant differently (``t/local`` here, ``t/tenant-a`` there, one token for both) and the
+    node keeps tenants apart itself; fingerprint and block key are the same everywhere."""
+    return TierKey(bytes(raw[1 + raw[0] :]))
 
 
 def _scope_of(scope: Scope) -> str:

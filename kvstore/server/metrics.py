@@ -49,6 +49,14 @@ _STORE_COUNTERS = {
     "quota_rejections": ("kvstore_quota_rejections_total", "Puts refused because a quota was full of pins"),
     "leases_expired": ("kvstore_leases_expired_total", "Leases that ran out before release"),
     "invalidated_blocks": ("kvstore_invalidated_blocks_total", "Blocks removed by Invalidate"),
+    "remote_unsealable": (
+        "kvstore_remote_unsealable_blocks_total",
+        "Sealed remote copies that did not open (tenant key shredded or absent): missed and deleted",
+    ),
+    "remote_expired": (
+        "kvstore_remote_expired_blocks_total",
+        "Remote copies read past their tenant's retention (or of unknown age under one): missed and deleted",
+    ),
     "put_blocks": ("kvstore_stored_blocks_total", "Blocks stored"),
     "pace_timeouts": (
         "kvstore_pace_timeouts_total",
