@@ -51,6 +51,10 @@ class BlockIndex:
         """Index probes then compare scopes by identity instead of the dataclass __eq__."""
         return self._scopes.setdefault(scope, scope)
 
+    def scopes(self) -> list[Scope]:
+        """Every scope seen here: held, or asked about (the fleet's invalidation marks to read)."""
+        return list(self._scopes.keys() | self._by_scope.keys())  # rebuilt blocks are not interned
+
     def get(self, ident: BlockId) -> Block | None:
         """The entry under ``ident``, visible or not."""
         return self.blocks.get(ident)
@@ -137,7 +141,7 @@ class BlockIndex:
                 in_namespace = self.by_namespace.setdefault(ns, {})
             if retention is not None:
                 block.expires_at_s = block.stored_at_s + retention
-                self.by_age.setdefault(ns, collections.deque()).append(ident)
+                self._by_age_add(self.by_age.setdefault(ns, collections.deque()), block)
             index[ident] = block
             in_namespace[ident] = block
             in_scope[block.key] = block
@@ -168,6 +172,22 @@ class BlockIndex:
                 siblings.discard(block.key)
                 if not siblings:
                     del self._children[(block.scope, block.parent)]
+
+    def _by_age_add(self, queue: collections.deque[BlockId], block: Block) -> None:
+        """Queue ``block`` for the retention sweep in deadline order: at the end, unless it was
+        born before the blocks there (read through from the remote tier with its birth time),
+        then after the last one due no later. An entry gone from the index stops the walk (its
+        deadline is unknown), so a put after many deletes still appends in O(1)."""
+        i = len(queue)
+        while i:
+            there = self.blocks.get(queue[i - 1])
+            if there is None or there.expires_at_s <= block.expires_at_s:
+                break
+            i -= 1
+        if i == len(queue):
+            queue.append(block.ident)
+        else:
+            queue.insert(i, block.ident)
 
     def order_by_age(self) -> None:
         """After a rebuild from disk (disk order is no age order)."""
