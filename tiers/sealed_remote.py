@@ -1,0 +1,112 @@
+"""Encryption beyond the host: every copy a sidecar sends to the fleet's remote tier is sealed
+under its tenant's key, whatever the backend (kvstore nodes, Redis Cluster, Mooncake).
+
+``SealedRemote`` wraps a ``RemoteTier``: ``put_many`` hands the backend nonce ‖ ciphertext ‖ tag
+of each payload (``BlockCipher.seal_into``: AES-256-GCM under the key of the block's namespace,
+the tier key, which carries namespace, fingerprint and block key, as associated data), and
+``get_many`` opens what comes back. The backend frames the sealed bytes as it frames any payload
+(its header, checksum and any birth time stay its own), so sealing adds 28 bytes per block and
+changes nothing else on the medium.
+
+A copy that does not open (the tenant's key was shredded, this sidecar never had it, the bytes
+were altered, or moved under another key) is a miss: counted in ``usage().unsealable`` and
+deleted from the backend, as a failed checksum is. Keys come from the same folder as the nvme
+tier's (``nvme.encryption_keys_dir``): the sidecars of a fleet read one shared folder, so a key
+made by one is used by all, and a shred at one (or deleting the file) is seen by every other
+within ``kvstore.server.shredding.KEY_CHECK_S``.
+
+``contains`` is not checked: presence is reported without opening (a lookup may say ``remote``
+and the restore then gets the shorter prefix, as the contract allows for any remote miss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+
+from tiers.base import BytesLike, TierKey
+from tiers.cipher import OVERHEAD_BYTES, BlockCipher
+from tiers.remote import RemoteBlock, RemoteTier, RemoteUsage
+
+log = logging.getLogger(__name__)
+
+
+class SealedRemote(RemoteTier):
+    def __init__(self, inner: RemoteTier, cipher: BlockCipher, plain: frozenset[bytes] = frozenset()) -> None:
+        """``plain``: fingerprints whose values are the fleet's own bookkeeping, no tenant's data
+        (the invalidation marks): left unsealed, so a shred cannot hide an invalidation."""
+        self.inner = inner
+        self.cipher = cipher
+        self._plain = plain
+        self.name = inner.name
+        self._lock = threading.Lock()
+        self._unsealable = 0
+
+    def contains(self, keys: Sequence[TierKey]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def get_many(
+        self,
+        keys: Sequence[TierKey],
+        fingerprint: bytes,
+        not_before_s: float = 0.0,
+        born: list[float] | None = None,
+    ) -> list[BytesLike | None]:
+        got = self.inner.get_many(keys, fingerprint, not_before_s, born)
+        if fingerprint in self._plain:
+            return got
+        out: list[BytesLike | None] = []
+        unopened: list[TierKey] = []
+        for key, sealed in zip(keys, got, strict=True):
+            if sealed is None:
+                out.append(None)
+                continue
+            view = memoryview(sealed).cast("B")
+            plain = bytearray(max(0, len(view) - OVERHEAD_BYTES))
+            if self.cipher.open_into(bytes(key), view, memoryview(plain)) is None:
+                unopened.append(key)
+                out.append(None)
+            else:
+                out.append(plain)
+        if unopened:
+            log.warning(
+                "remote tier %s: %d copies did not open (key shredded or absent, or altered); deleted",
+                self.name,
+                len(unopened),
+            )
+            with self._lock:
+                self._unsealable += len(unopened)
+            self.inner.delete_many(unopened)
+        return out
+
+    def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
+        sealed: list[RemoteBlock] = []
+        for block in blocks:
+            if block.fingerprint in self._plain:
+                sealed.append(block)
+                continue
+            view = memoryview(block.payload).cast("B")
+            out = bytearray(len(view) + OVERHEAD_BYTES)
+            try:
+                self.cipher.seal_into(bytes(block.key), view, memoryview(out))
+            except (ValueError, OSError) as exc:  # a bad or unwritable key file: never sent plain
+                log.warning("remote tier %s: a block not sealed, not sent: %s", self.name, exc)
+                continue
+            sealed.append(dataclasses.replace(block, payload=out))
+        return self.inner.put_many(sealed)
+
+    def delete_many(self, keys: Sequence[TierKey]) -> int:
+        return self.inner.delete_many(keys)
+
+    def delete_matching(self, prefix: bytes) -> int:
+        return self.inner.delete_matching(prefix)
+
+    def usage(self) -> RemoteUsage:
+        with self._lock:
+            unsealable = self._unsealable
+        return dataclasses.replace(self.inner.usage(), unsealable=unsealable)
+
+    def close(self) -> None:
+        self.inner.close()
