@@ -54,12 +54,13 @@ class SealedRemote(RemoteTier):
         not_before_s: float = 0.0,
         born: list[float] | None = None,
     ) -> list[BytesLike | None]:
+        first = 0 if born is None else len(born)
         got = self.inner.get_many(keys, fingerprint, not_before_s, born)
         if fingerprint in self._plain:
             return got
         out: list[BytesLike | None] = []
         unopened: list[TierKey] = []
-        for key, sealed in zip(keys, got, strict=True):
+        for i, (key, sealed) in enumerate(zip(keys, got, strict=True)):
             if sealed is None:
                 out.append(None)
                 continue
@@ -68,6 +69,8 @@ class SealedRemote(RemoteTier):
             if self.cipher.open_into(bytes(key), view, memoryview(plain)) is None:
                 unopened.append(key)
                 out.append(None)
+                if born is not None:
+                    born[first + i] = 0.0  # a miss has no birth time
             else:
                 out.append(plain)
         if unopened:
