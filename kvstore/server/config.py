@@ -94,6 +94,7 @@ class RemoteSettings:
     backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
     max_backoff_s: float = 30.0
     queue_bytes: int = 256 * MiB  # new blocks waiting to be sent (write-behind); beyond: dropped, counted
+    invalidation_poll_s: float = 0.5  # how often the fleet's invalidation marks are read (0: at start only)
     tokens: Mapping[str, str] = field(default_factory=dict)  # kvstore: namespace (t/<tenant>) -> token
     tls_ca_file: str = ""  # kvstore: PEM CA to verify nodes that serve TLS
     key_prefix: str = "kvs:"  # redis: every key starts with it

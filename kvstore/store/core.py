@@ -41,6 +41,7 @@ from kvstore.leases import Lease, LeaseTable
 from kvstore.store.arena import ArenaCalls
 from kvstore.store.behind import PersistBehind
 from kvstore.store.cleaner import Cleaner
+from kvstore.store.invalidations import MARK_FINGERPRINT, mark_name, mark_value
 from kvstore.store.model import (
     ArenaSlot,
     Block,
@@ -80,6 +81,7 @@ class TieredStore:
         wall_clock: Callable[[], float] = time.time,
         remote: RemoteTier | None = None,
         remote_queue_bytes: int = 256 << 20,
+        invalidation_poll_s: float = 0.5,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -98,7 +100,9 @@ class TieredStore:
                 self._p, self._persistent_index, self.config.write_behind_max_bytes, lambda: self._closed
             )
         self._remote = (
-            None if remote is None else RemoteCalls(remote, self._p, self._put_local, remote_queue_bytes)
+            None
+            if remote is None
+            else RemoteCalls(remote, self._p, self._put_local, remote_queue_bytes, invalidation_poll_s)
         )
         self._cleaner: Cleaner | None = None
         a, disk = self._p.arena_index, self._persistent_index
@@ -283,9 +287,11 @@ class TieredStore:
         blocks: Sequence[BytesLike],
         parent: BlockKey | None,
         depth: int,
+        born: Sequence[float],
     ) -> int:
-        """A chain read through from the remote tier: stored here, not sent back there."""
-        return self._put(scope, keys, blocks, parent, depth, to_remote=False)
+        """A chain read through from the remote tier: stored here, not sent back there, each
+        block keeping the birth time its remote copy carried (0.0: unknown, born now)."""
+        return self._put(scope, keys, blocks, parent, depth, to_remote=False, born=born)
 
     def _put(
         self,
@@ -295,8 +301,10 @@ class TieredStore:
         parent: BlockKey | None,
         first_depth: int | None,
         to_remote: bool,
+        born: Sequence[float] = (),
     ) -> int:
         """Store a chain of blocks; ``keys[i-1]`` (or ``parent`` for i=0) is each one's parent.
+        ``born``: each block's birth time where a copy elsewhere had one (else: now).
 
         Blocks already present are skipped. Returns how many were stored. ``first_depth`` is the
         index of keys[0] in its full chain when the parent is not stored here (defaults to the
@@ -331,8 +339,9 @@ class TieredStore:
                         p.counters["put_doomed_blocks" if existing.doomed else "put_dedup_blocks"] += 1
                         continue
                     prev = keys[i - 1] if i else parent
+                    birth = (born[i] if i < len(born) else 0.0) or now
                     block = new_block(
-                        self.config, scope, key, sizes[i], prev, first_depth + i, stored_at_s=now
+                        self.config, scope, key, sizes[i], prev, first_depth + i, stored_at_s=birth
                     )
                     self._put_one(block, blocks[i], stored, len(keys), to_remote)
                     stored += 1
@@ -413,7 +422,9 @@ class TieredStore:
             victims = [
                 b
                 for b in list(p.index.pool(namespace))
-                if not b.doomed and (fingerprint is None or b.scope.fingerprint == fingerprint)
+                if not b.doomed
+                and (fingerprint is None or b.scope.fingerprint == fingerprint)
+                and b.scope.fingerprint != MARK_FINGERPRINT  # the fleet's marks stay (below)
             ]
             for block in victims:
                 p.pins.doom(block)
@@ -429,7 +440,22 @@ class TieredStore:
             self._remote.forget_namespace(
                 namespace, fingerprint, known | {b.scope.namespace for b in victims}
             )
+        else:
+            self._mark_here(namespace, fingerprint)
         return len(victims)
+
+    def _mark_here(self, namespace: str | None, fingerprint: Fingerprint | None) -> None:
+        """A shared node's own invalidation reaches the fleet: its marks, stored here, for the
+        namespaces whose marks sidecars poll here (kvstore.store.invalidations)."""
+        p = self._p
+        with p.locked():
+            polled = {s.namespace for s in p.index.scopes() if s.fingerprint == MARK_FINGERPRINT}
+            at_s = p.wall()
+        name = mark_name(fingerprint)
+        for ns in sorted(polled if namespace is None else polled & {namespace}):
+            scope = Scope(ns, MARK_FINGERPRINT)
+            self.delete(scope, [name])  # a put keeps an existing copy: the older mark goes first
+            self.put(scope, [name], [mark_value(at_s)])
 
     def demote(self, tier: str, namespace: str | None = None, fingerprint: Fingerprint | None = None) -> int:
         """Move every unpinned block of ``tier`` (of a namespace, a fingerprint, both, or all)

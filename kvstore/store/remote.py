@@ -8,8 +8,10 @@ Calls (from the facade):
     read_through(scope, keys)
                              before a restore: fetch the remote blocks that continue the local
                                 prefix and store them locally (``put``, into the first tier
-                                with room, as any new block), so the restore reads them like
-                                any other; they are not written back to the remote
+                                with room, as any new block, keeping the remote copy's birth
+                                time: retention counts from it), so the restore reads them like
+                                any other; they are not written back to the remote. A remote
+                                copy past the scope's retention is a miss (deleted there)
     offer(block)             under the lock: queue a new local block for the remote
                                 (write-behind, bounded by ``max_queue_bytes``: a full queue drops
                                 and counts, never blocks a put or the engine)
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.errors import StoreFull
 from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.invalidations import FleetInvalidations
 from kvstore.store.model import Block, BlockId, Scope, tier_key
 from kvstore.store.parts import StoreParts
 from kvstore.store.write_behind import WriteBehind
@@ -42,17 +45,22 @@ from tiers.remote import RemoteBlock, RemoteTier, RemoteUsage
 
 log = logging.getLogger("kvstore.store")
 
-Put = Callable[[Scope, Sequence[BlockKey], Sequence[BytesLike], BlockKey | None, int], int]
+Put = Callable[[Scope, Sequence[BlockKey], Sequence[BytesLike], BlockKey | None, int, Sequence[float]], int]
 
 
 class RemoteCalls:
-    def __init__(self, remote: RemoteTier, parts: StoreParts, put: Put, max_queue_bytes: int) -> None:
+    def __init__(
+        self, remote: RemoteTier, parts: StoreParts, put: Put, max_queue_bytes: int, poll_s: float = 0.5
+    ) -> None:
         self.tier = remote
         self._p = parts
         self._put = put  # the store's put, not written back to the remote
         self._queue: WriteBehind[BlockId] = WriteBehind(
             self._copy, max_queue_bytes, name="kvstore-remote-behind"
         )
+        # the fleet's invalidations: caught up with here, before the store serves
+        self.marks = FleetInvalidations(remote, parts, poll_s)
+        self.marks.start()
 
     def more(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         if not keys:
@@ -85,13 +93,20 @@ class RemoteCalls:
         rest = keys[start:]
         if not rest:
             return 0
-        payloads = self.tier.get_many([tier_key(scope, k) for k in rest], scope.fingerprint)
+        retention = self._p.governance.retention_of(scope.namespace)
+        not_before_s = 0.0 if retention is None else self._p.wall() - retention
+        # a copy born before the scope's last invalidation (sent late by a lagging sidecar) too
+        not_before_s = max(not_before_s, self.marks.dead_before(scope))
+        born: list[float] = []
+        payloads = self.tier.get_many(
+            [tier_key(scope, k) for k in rest], scope.fingerprint, not_before_s, born
+        )
         n = _leading([b is not None for b in payloads])
         if not n:
             return 0
         blocks = [b for b in payloads[:n] if b is not None]
         parent = keys[start - 1] if start else None
-        stored = self._put(scope, rest[:n], blocks, parent, start)
+        stored = self._put(scope, rest[:n], blocks, parent, start, born[:n])  # the clock goes on
         with self._p.locked():
             self._p.count(scope, "remote_filled_blocks", stored)
         return stored
@@ -111,11 +126,16 @@ class RemoteCalls:
     ) -> int:
         """Invalidation: a namespace (all of it, or one fingerprint in it), one fingerprint in
         every namespace (those in ``known``: a remote key begins with its namespace), or, with
-        neither, everything under this store's remote keys."""
-        if namespace is None and fingerprint is None:
-            return self.tier.delete_matching(b"")
+        neither, everything under this store's remote keys; then the marks that carry it to
+        the other sidecars (``kvstore.store.invalidations``), one per namespace."""
+        at_s = self._p.wall()  # after the local blocks went: every one was born before it
         namespaces = [namespace] if namespace is not None else sorted(known)
-        return sum(self.tier.delete_matching(_prefix(ns) + (fingerprint or b"")) for ns in namespaces)
+        if namespace is None and fingerprint is None:
+            removed = self.tier.delete_matching(b"")
+        else:
+            removed = sum(self.tier.delete_matching(_prefix(ns) + (fingerprint or b"")) for ns in namespaces)
+        self.marks.post(((ns, fingerprint) for ns in namespaces), at_s)
+        return removed
 
     def usage(self) -> RemoteUsage:
         return self.tier.usage()
@@ -124,6 +144,7 @@ class RemoteCalls:
         return self._queue.drain(timeout_s)
 
     def close(self) -> None:
+        self.marks.close()
         self._queue.close()
         self.tier.close()
 
@@ -134,15 +155,20 @@ class RemoteCalls:
         with p.locked():
             for ident in idents:
                 block = p.index.visible(ident)
-                if block is None:
-                    continue  # deleted or evicted meanwhile: nothing to send
+                if block is None or block.stored_at_s <= self.marks.dead_before(block.scope):
+                    continue  # deleted, evicted or invalidated meanwhile: nothing to send
                 view = p.placement.bytes_of(block, block.fastest)
                 if view is not None:
                     p.pins.hold(block)
                     held.append((block, view))
         try:
             stored = self.tier.put_many(
-                [RemoteBlock(block.tkey, block.scope.fingerprint, view) for block, view in held]
+                [
+                    RemoteBlock(
+                        block.tkey, block.scope.fingerprint, view, block.stored_at_s, block.expires_at_s
+                    )
+                    for block, view in held
+                ]
             )
         finally:
             with p.locked():

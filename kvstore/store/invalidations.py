@@ -1,0 +1,196 @@
+"""Fleet-wide invalidation: marks in the remote tier that every sidecar polls.
+
+An invalidation says "every block of scope S born before T is dead", S being a namespace (all
+of it) or one fingerprint in it. The sidecar (or shared node) that takes it removes what it
+holds and what the remote tier holds, then writes a *mark* for S: a tiny value (T, 8 bytes)
+under a reserved key of S's namespace in the remote tier (fingerprint ``MARK_FINGERPRINT``), so
+a shared kvstore node keeps it under the same tenant token as the tenant's blocks, and Redis or
+Mooncake under the same key prefix. "Everything" and "a fingerprint in every namespace" are
+written as one mark per namespace the issuer knows.
+
+A shared kvstore node that takes an invalidation itself (an operator's, not a sidecar's) writes
+the marks into its own store, as blocks of the same keys, for the namespaces whose marks
+sidecars have asked it about (so a server no fleet polls stores none).
+
+Every sidecar reads the marks of the scopes it has seen (those it holds or was asked about) at
+start, before it serves, and then every ``poll_s`` (one batched ``contains`` and a ``get_many``
+of the marks present: one or two round trips per node). A mark newer than the one it applied
+dooms the local blocks of S born at or before T (the birth time every block keeps in its
+metadata, so a restart changes nothing), and deletes their remote keys again: a copy this
+sidecar's write-behind queue sent after the issuer's delete goes too. Until then:
+
+- write-behind skips blocks born at or before a known mark of their scope;
+- every remote read (``RemoteCalls.fill``) refuses a copy born at or before the scope's mark
+  (the birth time each remote value's header carries): one a lagging sidecar sent late is a
+  miss, deleted there.
+
+Blocks born after T are kept: a scope is usable again at once. Clocks are wall clocks, so the
+fleet's clocks must agree to well under a second (NTP); a sidecar whose clock runs ahead keeps
+blocks it stored in the skew before T. A mark is a block like any other: a remote tier that
+evicts it (Redis ``maxmemory``, a full shared node) forgets it, so a sidecar down longer than
+that misses it. An unreachable remote reads as no new mark: the sidecar serves its local
+blocks, logs, and catches up when the remote answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+
+from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.model import Scope, tier_key
+from kvstore.store.parts import StoreParts
+from tiers import BytesLike, TierKey
+from tiers.remote import RemoteBlock, RemoteTier
+
+log = logging.getLogger("kvstore.store")
+
+MARK_FINGERPRINT = Fingerprint(hashlib.blake2b(b"kvstore invalidation marks", digest_size=32).digest())
+_T = struct.Struct("<d")
+
+Target = tuple[str, Fingerprint | None]  # (namespace, one fingerprint of it or all of it)
+
+
+def mark_name(fingerprint: Fingerprint | None) -> BlockKey:
+    """The block key of the mark of one fingerprint, or (None) of a whole namespace."""
+    return BlockKey(hashlib.blake2b(b"kvstore mark:" + (fingerprint or b"*"), digest_size=32).digest())
+
+
+def mark_key(namespace: str, fingerprint: Fingerprint | None) -> TierKey:
+    return tier_key(Scope(namespace, MARK_FINGERPRINT), mark_name(fingerprint))
+
+
+def mark_value(at_s: float) -> bytes:
+    return _T.pack(at_s)
+
+
+def read_mark(value: BytesLike | None) -> float:
+    view = memoryview(value).cast("B") if value is not None else None
+    return _T.unpack(view)[0] if view is not None and len(view) == _T.size else 0.0
+
+
+class FleetInvalidations:
+    """See the module docstring. ``poll`` runs on its own thread; the rest under any lock but
+    the store's, except ``dead_before`` (a dict read, called under it)."""
+
+    def __init__(self, tier: RemoteTier, parts: StoreParts, poll_s: float) -> None:
+        self._tier = tier
+        self._p = parts
+        self.poll_s = poll_s
+        self._known: dict[Target, float] = {}  # the newest mark seen or written per target
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Catch up (before the store serves), then poll every ``poll_s`` on a thread."""
+        self.poll()
+        if self.poll_s > 0:
+            self._thread = threading.Thread(target=self._run, name="kvstore-invalidations", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    # ----------------------------------------------------------------- issuing
+
+    def post(self, targets: Iterable[Target], at_s: float) -> None:
+        """Write the marks of an invalidation taken here at ``at_s`` (a newer one stays)."""
+        wanted = sorted(set(targets), key=repr)
+        for target in wanted:
+            self._known[target] = max(self._known.get(target, 0.0), at_s)
+        keys = [mark_key(*target) for target in wanted]
+        current = self._read(keys)
+        stale = [k for k in keys if current.get(k, 0.0) < at_s]
+        if not stale:
+            return
+        # delete first: a shared kvstore node keeps the first copy of a key (puts deduplicate)
+        self._tier.delete_many(stale)
+        stored = self._tier.put_many([RemoteBlock(k, MARK_FINGERPRINT, mark_value(at_s)) for k in stale])
+        if stored < len(stale):
+            log.warning(
+                "fleet invalidation: %d of %d marks not written to the remote tier; other "
+                "sidecars keep their copies until it is issued again",
+                len(stale) - stored,
+                len(stale),
+            )
+        with self._p.locked():
+            self._p.counters["invalidation_marks_written"] += stored
+
+    # ----------------------------------------------------------------- applying
+
+    def dead_before(self, scope: Scope) -> float:
+        """Blocks of ``scope`` born at or before this wall time are invalidated (0: none)."""
+        known = self._known
+        if not known:
+            return 0.0
+        return max(
+            known.get((scope.namespace, None), 0.0), known.get((scope.namespace, scope.fingerprint), 0.0)
+        )
+
+    def poll(self) -> int:
+        """Read the marks of every scope seen here and apply the new ones; blocks dropped."""
+        with self._p.locked():
+            scopes = [s for s in self._p.index.scopes() if s.fingerprint != MARK_FINGERPRINT]
+        targets: dict[TierKey, Target] = {}
+        for scope in scopes:
+            targets[mark_key(scope.namespace, None)] = (scope.namespace, None)
+            targets[mark_key(scope.namespace, scope.fingerprint)] = (scope.namespace, scope.fingerprint)
+        if not targets:
+            return 0
+        failures = self._tier.usage().failures
+        marks = self._read(list(targets))
+        if self._tier.usage().failures != failures:
+            log.warning("fleet invalidation: the remote tier did not answer; serving local blocks meanwhile")
+        dropped = 0
+        for key, at_s in marks.items():
+            target = targets[key]
+            if at_s > self._known.get(target, 0.0):
+                self._known[target] = at_s
+                dropped += self._apply(target, at_s)
+        return dropped
+
+    def _apply(self, target: Target, at_s: float) -> int:
+        namespace, fingerprint = target
+        p = self._p
+        with p.locked():
+            victims = [
+                b
+                for b in list(p.index.pool(namespace))
+                if not b.doomed
+                and b.stored_at_s <= at_s
+                and (fingerprint is None or b.scope.fingerprint == fingerprint)
+            ]
+            for block in victims:
+                p.pins.doom(block)
+            p.counters["fleet_invalidated_blocks"] += len(victims)
+        log.info(
+            "fleet invalidation: dropped %d blocks of namespace %s, fingerprint %s, born before %.3f",
+            len(victims),
+            namespace,
+            fingerprint.hex() if fingerprint else "*",
+            at_s,
+        )
+        if victims:  # copies this sidecar sent after the issuer's delete
+            self._tier.delete_many([b.tkey for b in victims])
+        return len(victims)
+
+    def _read(self, keys: Sequence[TierKey]) -> dict[TierKey, float]:
+        """The marks present among ``keys``: which are, then their values (a shared node answers
+        a batch's present prefix only, so the absent ones are not asked for)."""
+        present = [k for k, here in zip(keys, self._tier.contains(keys), strict=True) if here]
+        if not present:
+            return {}
+        values = self._tier.get_many(present, MARK_FINGERPRINT)
+        return {k: t for k, v in zip(present, values, strict=True) if (t := read_mark(v))}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # a bug here must not stop the polling for good
+                log.exception("fleet invalidation: poll failed")
