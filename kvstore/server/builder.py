@@ -17,6 +17,7 @@ from kvstore.extras import require
 from kvstore.server.config import CODECS, RemoteSettings, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
+from kvstore.store.invalidations import MARK_FINGERPRINT
 from kvstore.store.model import StoreConfig, shared_key_name
 from kvstore.store.salvage import salvage_into
 from tiers import Tier, TierError, TierUnavailable
@@ -25,6 +26,7 @@ from tiers.dram import DramConfig, DramTier, salvage
 from tiers.errors import ArenaNoRoom, MediumNoRoom
 from tiers.nvme_room import is_no_room
 from tiers.remote import RemoteTier
+from tiers.sealed_remote import SealedRemote
 from tiers.throttle import Throttled
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,24 @@ def _cipher(keys_dir: str) -> BlockCipher | None:
         return BlockCipher(keys_dir, namespace_of_tier_key)
     except OSError as exc:
         raise FailedPrecondition(f"nvme.encryption_keys_dir {keys_dir}: {exc.strerror or exc}") from None
+
+
+def _sealed(remote: RemoteTier | None, tiers: list[Tier], keys_dir: str) -> RemoteTier | None:
+    """The remote tier, its copies sealed under the nvme tier's cipher (the same keys, so a
+    shred reaches them) when encryption is on: no plaintext copy leaves the host. With
+    encryption on and no nvme tier to hold the cipher (off, or no room at start), no remote
+    tier either, rather than plaintext copies."""
+    for tier in tiers:
+        cipher: BlockCipher | None = getattr(getattr(tier, "inner", tier), "cipher", None)
+        if remote is not None and cipher is not None:
+            return SealedRemote(remote, cipher, plain=frozenset([MARK_FINGERPRINT]))
+    if remote is not None and keys_dir:
+        log.warning(
+            "remote tier off: encryption is on but the nvme tier is not, so its copies cannot be sealed"
+        )
+        remote.close()
+        return None
+    return remote
 
 
 def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
@@ -288,7 +308,7 @@ def open_store(settings: Settings) -> TieredStore:
         data_dir.close()
         raise
     try:
-        remote = build_remote(settings)
+        remote = _sealed(build_remote(settings), tiers, settings.nvme.encryption_keys_dir)
         return TieredStore(
             tiers,
             settings.store,
@@ -296,6 +316,7 @@ def open_store(settings: Settings) -> TieredStore:
             on_close=data_dir.close,
             remote=remote,
             remote_queue_bytes=settings.remote.queue_bytes,
+            invalidation_poll_s=settings.remote.invalidation_poll_s,
         )
     except BaseException:
         for tier in tiers:
