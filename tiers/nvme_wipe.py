@@ -11,8 +11,9 @@ clears it through that address.
 
 When: a committed value belongs to the snapshot every reader began in until the delete commits,
 so it is cleared only after the commit (``Wiper.freed``), once no read transaction of an older
-snapshot is left (LMDB's reader table; reads are one block copy long), and before the writer
-thread opens its next write transaction, the only one that could reuse the pages. A value
+snapshot is left (LMDB's reader table; a read lasts one request's copy: the writer waits that
+long at most, after a commit that freed values), and before the writer thread opens its next
+write transaction, the only one that could reuse the pages. A value
 written earlier in the same transaction is on pages no reader sees: cleared at once. A reader
 that outlives ``WAIT_S`` leaves those pages as they are (logged; later commits do not wait for
 it again): they hold the bytes until reused. The zeros reach the file's pages at once and the disk with the next sync (the writer

@@ -33,6 +33,9 @@ once a flush() is covered by the commits, and before the thread exits. The uncle
 follows it in "cache" mode: dirty (fsynced) before the first commit after a sync, so before any
 page of that commit can reach the disk, and clean again after the sync.
 
+Deleted and replaced values are cleared where they lay right after their commit, once the reads
+of the older snapshot are done (``tiers.nvme_wipe``; not with a cipher: its key is shredded).
+
 Room (``tiers.nvme_room``): before each commit the thread reserves the file's blocks as far as
 the commit can write (writemap writes pages through a mapping: a page a full file system cannot
 back would be SIGBUS). A commit that cannot have its room, or whose marker or sync fails for a
