@@ -9,11 +9,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.server.datadir import remove_shm_files
 from tests.service_fixtures import BLOCK, MODEL
 from tests.test_service import chain
+from tiers.base import TierKey
+from tiers.nvme import NvmeConfig, NvmeTier
 
 
 def pattern(i: int) -> bytes:
@@ -60,3 +64,30 @@ def test_deleted_and_evicted_nvme_blocks_leave_no_bytes_in_data_mdb() -> None:
     finally:
         remove_shm_files(folder)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("durability", ["cache", "durable"])
+def test_a_replaced_or_deleted_value_is_cleared_in_either_mode(tmp_path: Path, durability: str) -> None:
+    """At the tier: 48 blocks stored, 16 replaced by other bytes under the same keys, 16 deleted
+    (one of them replaced again just before), the rest kept: after the tier closes,
+    data.mdb holds the kept blocks and the new bytes, nothing of the old or deleted ones."""
+    config = NvmeConfig(path=tmp_path / "nvme", capacity_bytes=64 << 20, durability=durability)
+    tier = NvmeTier(config)
+    try:
+        keys = [TierKey(b"wipe-%04d" % i) for i in range(48)]
+        for i, k in enumerate(keys):
+            tier.put(k, block(i), b"\x01" * 32)
+        tier.flush()
+        for i, k in enumerate(keys[:16]):
+            tier.put(k, block(1000 + i), b"\x01" * 32)
+        tier.put(keys[20], block(2000), b"\x01" * 32)  # then deleted at once
+        for k in keys[16:32]:
+            tier.delete(k)
+        tier.flush()
+    finally:
+        tier.close()
+    data = (tmp_path / "nvme" / "data.mdb").read_bytes()
+    assert all(data.count(pattern(i)) for i in range(32, 48))  # kept
+    assert all(data.count(pattern(1000 + i)) for i in range(16))  # the new bytes
+    left = [i for i in [*range(32), 2000] if data.count(pattern(i))]
+    assert not left, f"{len(left)} replaced or deleted values still in data.mdb: {left}"
