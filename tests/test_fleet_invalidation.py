@@ -17,8 +17,12 @@ from benchmarks.redis_cluster import RedisClusterProcess
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
+from kvstore.server.builder import build_remote
+from kvstore.server.config import load_settings
+from kvstore.store.model import Scope, tier_key
 from tests.service_fixtures import MODEL, settings_for
 from tests.test_service import blocks_for, chain
+from tiers.remote import RemoteBlock
 
 OTHER = ModelIdentity("test/other", "bb" * 32, num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16)
 PROPAGATION_S = 2.0
@@ -125,6 +129,44 @@ def test_an_invalidation_at_one_sidecar_reaches_the_others_and_one_that_was_down
         assert kv.stats()["counters"]["fleet_invalidated_blocks"] >= 4
     # a chain of the invalidated model stored after it is shared again as usual
     _store_and_share(a, [b], fp, "inv-after")
+
+
+def test_a_copy_born_before_the_invalidation_is_refused_on_every_remote_read(
+    fleet: list[ServerProcess],
+) -> None:
+    """A lagging sidecar's late copy (born before the invalidation, sent after it): planted in
+    the remote tier with the backend's own client, it is not restored at B, and deleted there;
+    a copy born after it is (the planting works)."""
+    a, b, _ = fleet
+    with connect(a.unix) as kv:
+        fp = kv.register(MODEL)
+    late, fresh = chain(4, "late-old"), chain(4, "late-new")
+    with connect(b.unix) as kv:
+        assert kv.register(MODEL) == fp
+        assert kv.lookup(fp, late) == 0  # b has seen the scope: it reads its marks
+    with connect(a.unix) as kv:
+        kv.invalidate(fp)
+    invalidated_at = time.time()
+    time.sleep(1.0)  # b has polled the mark
+    remote = build_remote(
+        load_settings(env={}, overrides={k: v for k, v in a.settings.items() if k.startswith("remote.")})
+    )
+    assert remote is not None
+    scope = Scope("t/local", fp)
+    try:
+        planted = [
+            RemoteBlock(tier_key(scope, key), fp, payload, born)
+            for keys, born in ((late, invalidated_at - 5.0), (fresh, time.time()))
+            for key, payload in zip(keys, blocks_for(keys), strict=True)
+        ]
+        assert remote.put_many(planted) == 8
+        with connect(b.unix) as kv:
+            outs = [memoryview(bytearray(len(b.payload))) for b in planted[:4]]
+            assert kv.read_into(fp, late, outs) == 0
+            assert kv.read_into(fp, fresh, outs) == 4
+        assert remote.contains([b.key for b in planted[:4]]) == [False] * 4  # deleted on read
+    finally:
+        remote.close()
 
 
 @pytest.mark.parametrize("fleet", ["kvstore"], indirect=True)
