@@ -154,3 +154,39 @@ def test_a_dead_shared_store_means_local_hits_and_misses_never_errors() -> None:
             assert counters["remote_failures"] >= 1 and counters["remote_nodes_down"] == 1
         finally:
             store.close()
+
+
+def test_a_block_read_through_keeps_its_birth_and_leaves_on_time(cluster: RedisClusterProcess) -> None:
+    """Retention 2 s: a chain stored by one at t0 and read through into two at t0 + 1 is gone
+    from two's dram by the sweep at t0 + 2.1 (counted), though two stored a chain of its own
+    at t0 + 0.5 that is still due later: the read-through block took its place in the sweep's
+    order by its birth, not at the back of the queue (where it would wait for that chain)."""
+    prefix = f"s{time.monotonic_ns()}:".encode()
+    config = StoreConfig(retention_s={A.namespace: 2.0})
+
+    def retained() -> TieredStore:
+        dram = DramTier(DramConfig(capacity_bytes=32 * BLOCK, page_bytes=BLOCK, prefault=False))
+        remote = RedisClusterTier(
+            RedisConfig(nodes=cluster.nodes, key_prefix=prefix, key_name=shared_key_name)
+        )
+        return TieredStore([dram], config, remote=remote, remote_queue_bytes=64 * BLOCK)
+
+    one, two = retained(), retained()
+    try:
+        early, own = chain(3, "born-early"), chain(2, "born-later")
+        t0 = time.time()
+        assert one.put(A, early, [data(k) for k in early]) == 3
+        sent(one)
+        time.sleep(max(0.0, t0 + 0.5 - time.time()))
+        assert two.put(A, own, [data(k) for k in own]) == 2
+        time.sleep(max(0.0, t0 + 1.0 - time.time()))
+        assert two.get(A, early) == [data(k) for k in early]  # read through, born at t0; a sweep
+        assert two.lookup(A, early).tiers == ("dram",) * 3
+        time.sleep(max(0.0, t0 + 2.1 - time.time()))  # the next sweep may come 1 s after
+        assert two.put(A, chain(1, "sweeper"), [data(chain(1, "sweeper")[0])]) == 1  # the sweep's turn
+        assert time.time() < t0 + 2.5, "too slow a machine: the later chain expired too"
+        assert two.stats().counters["retention_expired_blocks"] == 3
+        assert two.tiers[0].usage().blocks == 3  # own's 2 and the sweeper: early's 3 are gone
+    finally:
+        one.close()
+        two.close()
