@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.redis_cluster import RedisClusterProcess
 from benchmarks.server_process import ServerProcess
-from kvstore.client import connect
+from kvstore.client import Client, connect
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.server.builder import build_remote
 from kvstore.server.config import load_settings
@@ -53,7 +53,11 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     if request.param == "kvstore":
         node = request.getfixturevalue("shared_node")
         # the sidecars' Unix callers are tenant "local": tenant-a's token files them on the node
-        remote = {"remote.backend": "kvstore", "remote.nodes": node.tcp, "remote.tokens": "t/local=tok-a"}
+        remote = {
+            "remote.backend": "kvstore",
+            "remote.nodes": node.tcp,
+            "remote.tokens": "t/local=tok-a,t/tenant-b=tok-b",
+        }
     else:
         cluster = request.getfixturevalue("cluster")
         prefix = f"i{time.monotonic_ns()}:"
@@ -65,30 +69,37 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     sidecars: list[ServerProcess] = []
     try:
         for _ in range(3):
-            sidecars.append(ServerProcess(_settings(**remote, **{"remote.invalidation_poll_s": "0.5"})))
+            settings = _settings(**remote, **{"remote.invalidation_poll_s": "0.5"})
+            sidecars.append(ServerProcess(settings, tcp=True))  # tenant-b's clients come by TCP
         yield sidecars
     finally:
         for sidecar in sidecars:
             sidecar.stop()
 
 
+def _as(sidecar: ServerProcess, token: str) -> Client:
+    """A client of ``sidecar``: tenant "local" on its Unix socket, or ``token``'s tenant by TCP."""
+    return connect(sidecar.tcp, token=token) if token else connect(sidecar.unix)
+
+
 def _store_and_share(
-    a: ServerProcess, readers: list[ServerProcess], fp: Fingerprint, name: str
+    a: ServerProcess, readers: list[ServerProcess], fp: Fingerprint, name: str, token: str = ""
 ) -> list[BlockKey]:
     """A chain written through ``a``, sent to the remote tier, read through into each reader's dram."""
     keys = chain(4, name)
     blocks = blocks_for(keys)
-    with connect(a.unix) as kv:
-        before = kv.stats()["counters"].get("remote_stored_blocks", 0)
-        assert kv.write(fp, keys, blocks) == 4
+    with connect(a.unix) as admin, _as(a, token) as kv:
+        before = admin.stats()["counters"].get("remote_stored_blocks", 0)
+        assert (kv.put(fp, keys, blocks) if token else kv.write(fp, keys, blocks)) == 4  # arena: Unix only
         deadline = time.monotonic() + 10
-        while kv.stats()["counters"].get("remote_stored_blocks", 0) < before + 4:
-            assert time.monotonic() < deadline, str(kv.stats()["counters"])
+        while admin.stats()["counters"].get("remote_stored_blocks", 0) < before + 4:
+            assert time.monotonic() < deadline, str(admin.stats()["counters"])
             time.sleep(0.02)
     for reader in readers:
-        with connect(reader.unix) as kv:
+        with _as(reader, token) as kv:
             outs = [memoryview(bytearray(len(b))) for b in blocks]
-            assert kv.read_into(fp, keys, outs) == 4
+            got = len(kv.get(fp, keys)) if token else kv.read_into(fp, keys, outs)
+            assert got == 4
             assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 4
     return keys
 
@@ -217,3 +228,22 @@ def _cpu_s(process: ServerProcess) -> float:
     """User + system CPU seconds of the process so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100.0  # clock ticks: 100 per second on Linux
+
+
+def test_a_tenants_invalidation_reaches_the_fleet_and_leaves_other_tenants_blocks(
+    fleet: list[ServerProcess],
+) -> None:
+    """Tenant "local" invalidates all of its own blocks at A (the last test of a fleet: it
+    empties the namespace the others use): B drops them, tenant-b's stay in B's dram."""
+    a, b, _ = fleet
+    with _as(a, "tok-b") as kv:
+        fp = kv.register(MODEL)
+    with _as(b, "tok-b") as kv:
+        assert kv.register(MODEL) == fp
+    mine = _store_and_share(a, [b], fp, "tenant-local")
+    theirs = _store_and_share(a, [b], fp, "tenant-b", token="tok-b")
+    with connect(a.unix) as kv:
+        assert kv.invalidate(everything=True) >= 4
+    _gone_within(b, fp, mine, PROPAGATION_S)
+    with _as(b, "tok-b") as kv:
+        assert kv.lookup_tiers(fp, theirs).tiers == ("dram",) * 4
