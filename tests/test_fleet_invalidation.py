@@ -230,6 +230,34 @@ def _cpu_s(process: ServerProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / 100.0  # clock ticks: 100 per second on Linux
 
 
+@pytest.mark.parametrize("fleet", ["kvstore"], indirect=True)
+def test_an_invalidation_taken_while_the_remote_hangs_reaches_the_fleet_once_it_answers(
+    fleet: list[ServerProcess], shared_node: ServerProcess
+) -> None:
+    """The shared node frozen (SIGSTOP) while A takes an invalidation: A's own blocks go at
+    once, B goes on serving its local copies without a stall, and once the node answers again
+    A's marks, kept and sent again at each poll, reach B (after the nodes' backoff)."""
+    a, b, _ = fleet
+    with connect(a.unix) as kv:
+        fp = kv.register(MODEL)
+    with connect(b.unix) as kv:
+        assert kv.register(MODEL) == fp
+    dead = _store_and_share(a, [b], fp, "hung-dead")
+    shared_node.freeze()
+    try:
+        with connect(a.unix) as kv:
+            assert kv.invalidate(fp) >= 4
+            assert kv.lookup(fp, dead) == 0
+        time.sleep(1.0)
+        with connect(b.unix) as kv:
+            start = time.monotonic()
+            assert kv.lookup_tiers(fp, dead).tiers == ("dram",) * 4  # the window, documented
+            assert time.monotonic() - start < 0.5
+    finally:
+        shared_node.thaw()
+    print(f"\ncaught up {_gone_within(b, fp, dead, 20.0):.1f} s after the node answered again")
+
+
 def test_a_tenants_invalidation_reaches_the_fleet_and_leaves_other_tenants_blocks(
     fleet: list[ServerProcess],
 ) -> None:

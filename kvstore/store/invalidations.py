@@ -29,7 +29,8 @@ fleet's clocks must agree to well under a second (NTP); a sidecar whose clock ru
 blocks it stored in the skew before T. A mark is a block like any other: a remote tier that
 evicts it (Redis ``maxmemory``, a full shared node) forgets it, so a sidecar down longer than
 that misses it. An unreachable remote reads as no new mark: the sidecar serves its local
-blocks, logs, and catches up when the remote answers.
+blocks, logs, and catches up when the remote answers; marks it could not write when it issued
+them are kept and written again at each poll until the remote takes them.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class FleetInvalidations:
         self._p = parts
         self.poll_s = poll_s
         self._known: dict[Target, float] = {}  # the newest mark seen or written per target
+        self._lock = threading.Lock()  # for _unsent: issuing threads and the poll's
+        self._unsent: dict[Target, float] = {}  # marks the remote did not take: sent again each poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -100,21 +103,29 @@ class FleetInvalidations:
 
     def post(self, targets: Iterable[Target], at_s: float) -> None:
         """Write the marks of an invalidation taken here at ``at_s`` (a newer one stays)."""
-        wanted = sorted(set(targets), key=repr)
+        wanted = set(targets)
         for target in wanted:
             self._known[target] = max(self._known.get(target, 0.0), at_s)
-        keys = [mark_key(*target) for target in wanted]
-        current = self._read(keys)
-        stale = [k for k in keys if current.get(k, 0.0) < at_s]
+        self._write(dict.fromkeys(wanted, at_s))
+
+    def _write(self, marks: dict[Target, float]) -> None:
+        by_key = {mark_key(*target): (target, at_s) for target, at_s in marks.items()}
+        current = self._read(list(by_key))
+        stale = {k: v for k, v in by_key.items() if current.get(k, 0.0) < v[1]}
         if not stale:
             return
         # delete first: a shared kvstore node keeps the first copy of a key (puts deduplicate)
-        self._tier.delete_many(stale)
-        stored = self._tier.put_many([RemoteBlock(k, MARK_FINGERPRINT, mark_value(at_s)) for k in stale])
+        self._tier.delete_many(list(stale))
+        stored = self._tier.put_many(
+            [RemoteBlock(k, MARK_FINGERPRINT, mark_value(at_s)) for k, (_, at_s) in stale.items()]
+        )
         if stored < len(stale):
+            with self._lock:  # all of them again (one the remote took reads as current then)
+                for target, at_s in stale.values():
+                    self._unsent[target] = max(self._unsent.get(target, 0.0), at_s)
             log.warning(
-                "fleet invalidation: %d of %d marks not written to the remote tier; other "
-                "sidecars keep their copies until it is issued again",
+                "fleet invalidation: %d of %d marks not written to the remote tier; written "
+                "again at each poll, other sidecars keep their copies meanwhile",
                 len(stale) - stored,
                 len(stale),
             )
@@ -133,7 +144,12 @@ class FleetInvalidations:
         )
 
     def poll(self) -> int:
-        """Read the marks of every scope seen here and apply the new ones; blocks dropped."""
+        """Send the marks the remote did not take yet, then read the marks of every scope seen
+        here and apply the new ones; blocks dropped."""
+        with self._lock:
+            unsent, self._unsent = self._unsent, {}
+        if unsent:
+            self._write(unsent)
         with self._p.locked():
             scopes = [s for s in self._p.index.scopes() if s.fingerprint != MARK_FINGERPRINT]
         targets: dict[TierKey, Target] = {}
