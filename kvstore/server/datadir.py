@@ -11,8 +11,10 @@ share a name, even across containers that share ``/dev/shm``); the start id is n
 start (so a client still mapping a dead server's arena sees a different name and re-attaches).
 While the lock is held, any arena with this folder's id is a dead predecessor's (``leftovers``):
 the builder salvages its committed blocks into `nvme` (``tiers.dram.salvage``, by the arena's
-journal), then ``remove_leftovers`` deletes it, so a crash leaks an arena only until the next
-start on the same folder and loses none of its acknowledged blocks where `nvme` has room.
+journal; room made there as the spill on close makes it: ``kvstore.store.salvage``), then
+``remove_leftovers`` deletes it, so a crash leaks an arena only until the next start on the same
+folder and loses none of its acknowledged blocks. An arena whose blocks `nvme` refused (a failed
+medium) is kept (``keep``) and salvaged again at the next start.
 
 Thread rules: open and close from one thread. ``close`` releases the lock; call it after the
 tiers are closed.
