@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiers.base import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, served
 
 log = logging.getLogger(__name__)
 
@@ -119,20 +119,10 @@ class MooncakeTier(RemoteTier):
         self._count("gets", len(keys))
         names = [self._key(k) for k in keys]
         values = self._call(lambda store: list(store.get_batch(names))) if names else []
-        if values is None:
-            if born is not None:
-                born.extend([0.0] * len(keys))
-            return [None] * len(keys)
-        opened = open_values(keys, values, fingerprint, not_before_s, born)  # b"": not there
-        if opened.corrupt:
-            log.warning("mooncake tier: %d blocks failed their header check; deleted", len(opened.corrupt))
-            self._count("checksum_failures", len(opened.corrupt))
-        if opened.expired:
-            self._count("expired", len(opened.expired))
-        if opened.corrupt or opened.expired:
-            self.delete_many(opened.corrupt + opened.expired)
-        self._count("hits", sum(p is not None for p in opened.payloads))
-        return opened.payloads
+        # b"": not there
+        return served(
+            "mooncake", keys, values, fingerprint, not_before_s, born, self._count, self.delete_many
+        )
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
         now = time.time()

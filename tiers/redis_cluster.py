@@ -34,7 +34,7 @@ from typing import Any
 from redis.exceptions import RedisClusterException, RedisError
 
 from tiers.base import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
+from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, served
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +92,8 @@ class RedisClusterTier(RemoteTier):
     ) -> list[BytesLike | None]:
         self._count("gets", len(keys))
         replies = self._pipelined([("GET", self._key(k)) for k in keys])
-        if replies is None:
-            if born is not None:
-                born.extend([0.0] * len(keys))
-            return [None] * len(keys)
-        values = [v if isinstance(v, bytes) else None for v in replies]
-        opened = open_values(keys, values, fingerprint, not_before_s, born)
-        if opened.corrupt:
-            log.warning("redis tier: %d blocks failed their header check; deleted", len(opened.corrupt))
-            self._count("checksum_failures", len(opened.corrupt))
-        if opened.expired:
-            self._count("expired", len(opened.expired))
-        if opened.corrupt or opened.expired:
-            self.delete_many(opened.corrupt + opened.expired)
-        self._count("hits", sum(p is not None for p in opened.payloads))
-        return opened.payloads
+        values = None if replies is None else [v if isinstance(v, bytes) else None for v in replies]
+        return served("redis", keys, values, fingerprint, not_before_s, born, self._count, self.delete_many)
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
         now = time.time()

@@ -45,12 +45,13 @@ Threads: every method may be called from any thread.
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -66,6 +67,8 @@ from tiers.base import (
 )
 
 _HEADER_LEN = struct.Struct("<H")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -239,3 +242,32 @@ def open_values(
         if born is not None:
             born.append(0.0 if opened is None else opened[1])
     return out
+
+
+def served(
+    what: str,
+    keys: Sequence[TierKey],
+    values: Sequence[BytesLike | None] | None,
+    fingerprint: bytes,
+    not_before_s: float,
+    born: list[float] | None,
+    count: Callable[[str, int], None],
+    delete_many: Callable[[Sequence[TierKey]], object],
+) -> list[BytesLike | None]:
+    """``get_many``'s second half for a backend that read ``values`` of ``keys`` (None: it could
+    not be reached, every key a miss): the values opened (``open_values``), the corrupt and the
+    expired deleted there and counted, the hits counted."""
+    if values is None:
+        if born is not None:
+            born.extend([0.0] * len(keys))
+        return [None] * len(keys)
+    opened = open_values(keys, values, fingerprint, not_before_s, born)
+    if opened.corrupt:
+        log.warning("%s tier: %d blocks failed their header check; deleted", what, len(opened.corrupt))
+        count("checksum_failures", len(opened.corrupt))
+    if opened.expired:
+        count("expired", len(opened.expired))
+    if opened.corrupt or opened.expired:
+        delete_many(opened.corrupt + opened.expired)
+    count("hits", sum(p is not None for p in opened.payloads))
+    return opened.payloads
