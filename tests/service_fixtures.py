@@ -53,6 +53,14 @@ def settings_for(data_dir: str, **extra: str) -> dict[str, str]:
     return overrides
 
 
+def process_settings(**extra: str) -> dict[str, str]:
+    """``settings_for`` a ``ServerProcess``, which chooses its own folder and ports."""
+    settings = settings_for("", **extra)
+    for own in ("data_dir", "server.tcp_address", "server.metrics_address"):
+        settings.pop(own)
+    return settings
+
+
 @pytest.fixture
 def served() -> Iterator[Served]:
     # A short folder: Unix socket paths are limited to about 100 bytes.

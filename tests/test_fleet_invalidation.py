@@ -20,7 +20,7 @@ from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.server.builder import build_remote
 from kvstore.server.config import load_settings
 from kvstore.store.model import Scope, tier_key
-from tests.service_fixtures import MODEL, settings_for
+from tests.service_fixtures import MODEL, process_settings
 from tests.test_service import blocks_for, chain
 from tiers.remote import RemoteBlock
 
@@ -28,16 +28,9 @@ OTHER = ModelIdentity("test/other", "bb" * 32, num_layers=2, num_kv_heads=2, hea
 PROPAGATION_S = 2.0
 
 
-def _settings(**extra: str) -> dict[str, str]:
-    settings = settings_for("", **extra)
-    for own in ("data_dir", "server.tcp_address", "server.metrics_address"):
-        settings.pop(own)  # ServerProcess chooses them
-    return settings
-
-
 @pytest.fixture(scope="module")
 def shared_node() -> Iterator[ServerProcess]:
-    node = ServerProcess(_settings(), tcp=True)
+    node = ServerProcess(process_settings(), tcp=True)
     yield node
     node.stop()
 
@@ -69,7 +62,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     sidecars: list[ServerProcess] = []
     try:
         for _ in range(3):
-            settings = _settings(**remote, **{"remote.invalidation_poll_s": "0.5"})
+            settings = process_settings(**remote, **{"remote.invalidation_poll_s": "0.5"})
             sidecars.append(ServerProcess(settings, tcp=True))  # tenant-b's clients come by TCP
         yield sidecars
     finally:

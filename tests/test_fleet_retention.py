@@ -22,7 +22,7 @@ from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
 from kvstore.store.model import Scope, shared_key_name, tier_key
-from tests.service_fixtures import MODEL, settings_for
+from tests.service_fixtures import MODEL, process_settings
 from tests.test_remote_contract import check_an_expired_copy_is_a_counted_miss
 from tests.test_service import blocks_for, chain
 
@@ -30,18 +30,11 @@ RETENTION_S = 3.0
 MARGIN_S = 0.3  # past the deadline before looking: the clocks of two processes, a sweep's turn
 
 
-def _settings(**extra: str) -> dict[str, str]:
-    settings = settings_for("", **extra)
-    for own in ("data_dir", "server.tcp_address", "server.metrics_address"):
-        settings.pop(own)  # ServerProcess chooses them
-    return settings
-
-
 @pytest.fixture(scope="module")
 def node() -> Iterator[ServerProcess]:
     """The shared node, given the tenants' retention as an operator would (its own copy then
     goes, counted from when it arrived, even if no sidecar reads it again)."""
-    node = ServerProcess(_settings(**{"store.default_retention_s": str(RETENTION_S)}), tcp=True)
+    node = ServerProcess(process_settings(**{"store.default_retention_s": str(RETENTION_S)}), tcp=True)
     yield node
     node.stop()
 
@@ -65,7 +58,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Serve
             "remote.nodes": ",".join(cluster.nodes),
             "remote.key_prefix": f"r{time.monotonic_ns()}:",
         }
-    settings = _settings(**remote, **{"store.default_retention_s": str(RETENTION_S)})
+    settings = process_settings(**remote, **{"store.default_retention_s": str(RETENTION_S)})
     a = ServerProcess(settings)
     try:
         b = ServerProcess(settings)
