@@ -1,9 +1,9 @@
-"""A/B costs of issue 42 items 3 and 4, alternating rounds, medians printed:
+"""What sealing remote copies and clearing deleted nvme values cost, alternating rounds, medians printed:
 
-    python -m benchmarks.issue42_ab seal       # remote put/get of one 2 MiB block, Redis Cluster
+    python -m benchmarks.privacy_costs seal       # remote put/get of one 2 MiB block, Redis Cluster
                                                # (3 masters on 127.0.0.1), plain vs sealed (AES-GCM)
-    python -m benchmarks.issue42_ab seal-node  # the same over a kvstore node (kvstore serve)
-    python -m benchmarks.issue42_ab wipe   # nvme: put N blocks, then delete them all and flush,
+    python -m benchmarks.privacy_costs seal-node  # the same over a kvstore node (kvstore serve)
+    python -m benchmarks.privacy_costs wipe   # nvme: put N blocks, then delete them all and flush,
                                            # without vs with zeroing the deleted values in place
 
 Each round runs both variants back to back (order alternating), so machine noise hits both.
