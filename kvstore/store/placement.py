@@ -187,7 +187,16 @@ class Placement:
         with self._lock:
             if self.make_room(t, size_bytes, lambda: _free_bytes(tier) >= size_bytes, size_bytes):
                 return
-        if not self.wait_retired(t, size_bytes, deadline - time.monotonic()):
+        # A writer waiting beside this one may take the slot that came free first: then wait for
+        # the next one to retire (not evict again), while any does. Taking the first free slot
+        # and going on, the write found no room and went to the disk instead of the arena.
+        arena = tier.as_arena()
+        while self.wait_retired(t, size_bytes, deadline - time.monotonic()):
+            with self._lock:
+                self.settle(t)
+                if _free_bytes(tier) >= size_bytes:
+                    return
+        if arena is not None and arena.retiring_mark(size_bytes):  # still retiring: out of time
             self._timed_out(t, size_bytes)
 
     def _timed_out(self, t: int, size_bytes: int) -> None:
