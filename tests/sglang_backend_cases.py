@@ -372,7 +372,11 @@ def test_pages_gone_between_lookup_and_read_are_misses(sidecar: ServerProcess, m
 # ----------------------------------------------------------------- end to end on the engine
 
 
-ENGINE_SHM = ("sglang_loads_", "sgl_shm_")  # what an SGLang engine makes in /dev/shm
+ENGINE_SHM = (
+    "sglang_loads_",
+    "sgl_shm_",
+    "sem.mp-",
+)  # what an SGLang engine makes in /dev/shm (sem.mp-: its processes' named semaphores, left when one is killed)
 
 
 def _engine(model: Path, address: str, prompt: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What a test run leaves in /dev/shm, reported at the end of the run (tests/conftest.py).
 
 Tests remove what they and the servers and engines they start create (arenas and journals
-``kvstore-*``, SGLang's ``sglang_loads_*`` and ``sgl_shm_*``). A file of those families that
+``kvstore-*``, SGLang's ``sglang_loads_*`` and ``sgl_shm_*``, multiprocessing's named semaphores ``sem.mp-*``). A file of those families that
 appeared during the run, is still there at its end and that no live process maps or holds open
 is listed in a section of the summary. It is a report, not a failure: /dev/shm is shared by
 every run on the machine, and another run's server killed on purpose (its arena kept for its
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SHM = Path("/dev/shm")
-FAMILIES = ("kvstore-", "sglang_loads_", "sgl_shm_")
+FAMILIES = ("kvstore-", "sglang_loads_", "sgl_shm_", "sem.mp-")
 _at_start: set[str] = set()
 
 
