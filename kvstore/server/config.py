@@ -54,9 +54,14 @@ CLIENT_VARIABLES = frozenset(
 
 @dataclass(frozen=True)
 class DramSettings:
+    """The shared-memory arena in /dev/shm that same-host engines map and copy blocks in and out of."""
+
+    # Size of the arena, checked against /dev/shm's free room at start
     capacity_bytes: int = 1 * GiB
-    page_bytes: int = 32 * MiB
-    prefault: bool = True
+    page_bytes: int = 32 * MiB  # the arena's page; the largest block must fit in one run of pages
+    prefault: bool = True  # touch every page at start, so restores land in warm memory
+    # Register the server's mapping as pinned memory where CUDA is present (an engine on a GPU
+    # registers its own mapping itself)
     pin_with_cuda: bool = True
     journal: bool = True  # record committed slots so a killed server's blocks are salvaged
     throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
@@ -64,35 +69,44 @@ class DramSettings:
 
 @dataclass(frozen=True)
 class NvmeSettings:
-    enabled: bool = True
-    path: str = ""  # default: <data_dir>/nvme
-    capacity_bytes: int = 16 * GiB
+    """The LMDB tier on local disk: the long tail below the arena, and what survives a restart."""
+
+    enabled: bool = True  # keep an nvme tier
+    path: str = ""  # its folder; "": <data_dir>/nvme
+    capacity_bytes: int = 16 * GiB  # bytes of blocks it may hold (the LMDB map is sparse and larger)
+    # cache: fast flags, synced every sync_interval_s (a power loss loses the writes since);
+    # durable: every transaction synced. No torn block is readable in either
     durability: Literal["cache", "durable"] = "cache"
-    sync_interval_s: float = 1.0
+    sync_interval_s: float = 1.0  # how often cache mode syncs
+    # zstd-byteplane compresses only the high bytes of bf16 values
     codec: Literal["none", "zstd", "zstd-byteplane"] = "none"
-    zstd_level: int = 1
+    zstd_level: int = 1  # zstd level for the codecs
     encryption_keys_dir: str = ""  # AES-256-GCM at rest, a key file per tenant here; "" = off
     throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
 @dataclass(frozen=True)
 class HbmSettings:
+    """A GPU memory pool tier above the arena (CUDA only; off unless enabled)."""
+
     enabled: bool = False  # needs CUDA; the store logs why it is absent
-    capacity_bytes: int = 4 * GiB
-    page_bytes: int = 32 * MiB
-    device: str = "cuda"
+    capacity_bytes: int = 4 * GiB  # the pool's size
+    page_bytes: int = 32 * MiB  # the pool's page
+    device: str = "cuda"  # torch device of the pool
     throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
 
 @dataclass(frozen=True)
 class RemoteSettings:
+    """The fleet's shared tier under the local ones: kvstore nodes, a Redis Cluster or a Mooncake Store."""
+
     backend: Literal["", "kvstore", "redis", "mooncake"] = ""  # the fleet's shared tier; "": none
-    nodes: tuple[
-        str, ...
-    ] = ()  # host:port of the shared kvstore servers, Redis Cluster nodes, or the Mooncake master
+    # host:port of the shared kvstore servers, any Redis Cluster nodes (the rest are discovered),
+    # or the one Mooncake master
+    nodes: tuple[str, ...] = ()
     timeout_s: float = 1.0  # every remote call; a node past it reads as misses and backs off
     backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
-    max_backoff_s: float = 30.0
+    max_backoff_s: float = 30.0  # the longest a failed node is skipped
     queue_bytes: int = 256 * MiB  # new blocks waiting to be sent (write-behind); beyond: dropped, counted
     invalidation_poll_s: float = 0.5  # how often the fleet's invalidation marks are read (0: at start only)
     tokens: Mapping[str, str] = field(default_factory=dict)  # kvstore: namespace (t/<tenant>) -> token
@@ -109,34 +123,37 @@ class RemoteSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """Listeners, tenants and their limits, TLS, the audit log and the metrics endpoint."""
+
     socket_path: str = ""  # default: <data_dir>/kvstore.sock, mode 0600
     tcp_address: str = ""  # host:port for the shared store; empty: no TCP listener
     data_address: str = "auto"  # raw data port: "auto" = tcp_address's host, any port; "" = off
     data_socket_path: str = "auto"  # its Unix twin: "auto" = <data_dir>/kvstore-data.sock; "" = off
     tokens: Mapping[str, str] = field(default_factory=dict)  # bearer token -> tenant
     tokens_file: str = ""  # lines "TOKEN=TENANT"; must not be readable by group or others
-    audit_log: str = (
-        "auto"  # JSON lines of invalidations, deletions, demotions; "auto": <data_dir>/audit.log; "": off
-    )
+    # Every delete, invalidation, demotion and shred, fsynced before it takes effect (read it with
+    # kvstore audit); "auto": <data_dir>/audit.log; "": off
+    audit_log: str = "auto"
     tls_cert_file: str = ""  # PEM; with tls_key_file: TLS on every TCP listener
-    tls_key_file: str = ""
+    tls_key_file: str = ""  # PEM private key of tls_cert_file
     tls_client_ca_file: str = ""  # PEM CA: clients must present a certificate it signed (mTLS)
     unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
     admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks
     shared_scopes: Mapping[str, str] = field(default_factory=dict)  # scope -> "tenant-a,tenant-b"
     metrics_address: str = "127.0.0.1:9464"  # Prometheus /metrics; empty: off
-    max_message_bytes: int = 64 * MiB
-    drain_grace_s: float = 10.0
-    workers: int = 16
-    max_requests_per_tenant: int = (
-        8  # in flight at once; beyond: RESOURCE_EXHAUSTED (no tenant holds every worker)
-    )
+    max_message_bytes: int = 64 * MiB  # largest gRPC message accepted
+    drain_grace_s: float = 10.0  # how long in-flight requests get on SIGTERM
+    workers: int = 16  # gRPC worker threads
+    # One tenant's requests in flight at once; beyond: RESOURCE_EXHAUSTED (no tenant holds every worker)
+    max_requests_per_tenant: int = 8
     stream_timeout_s: float = 60.0  # a Get or Put stream still open after this is cut (DEADLINE_EXCEEDED)
     data_spin_s: float = 0.002  # a same-host write between chunks: poll this long before sleeping; 0 = off
 
 
 @dataclass(frozen=True)
 class Settings:
+    # The folder of the persistent tiers, the sockets, the lock (one server per folder) and models.json;
+    # default: $XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore
     data_dir: str = field(default_factory=lambda: default_data_dir())
     store: StoreConfig = field(default_factory=StoreConfig)
     dram: DramSettings = field(default_factory=DramSettings)

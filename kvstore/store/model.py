@@ -96,9 +96,11 @@ def parse_tier_key(raw: bytes) -> BlockId | None:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    write_through: bool = False
-    promote_on_hit: bool = True
-    lease_ttl_s: float = 5.0
+    """Placement, leases, quotas, retention and the copies kept on the persistent tier."""
+
+    write_through: bool = False  # write the persistent tier on every put, not only on demotion
+    promote_on_hit: bool = True  # copy a block hit in a slower tier into the fastest
+    lease_ttl_s: float = 5.0  # default lifetime of a pin
     max_lease_ttl_s: float = 120.0  # a client's pin or reservation lasts at most this long
     max_block_bytes: int = 64 << 20  # larger blocks are refused before anything is evicted
     quota_bytes: Mapping[str, int] = field(default_factory=dict)  # namespace -> bytes
