@@ -10,6 +10,7 @@ asked for, and a missing one is reported in one line naming what to install:
     torch          engine       the hbm tier, the engine plugins, the benchmarks
     matplotlib     plot         --plot
     aiohttp        router       kvstore route (with transformers, the model's tokenizer)
+    zmq, msgspec   events       events.publish_address, kvstore route --follow-events
 
 ``require`` checks a configured feature at start (the server refuses to start without it);
 ``install_hint`` turns any ``ModuleNotFoundError`` of an optional library into that line (the
@@ -34,6 +35,8 @@ EXTRAS = {
     "transformers": "router",
     "vllm": "vllm",
     "cupy": "gpu",
+    "zmq": "events",
+    "msgspec": "events",
 }
 
 

@@ -10,6 +10,7 @@ section below; an unknown section or field is an error, never silently ignored.
     [hbm]     HbmSettings (GPU pool; off unless enabled)   KVSTORE_HBM_ENABLED=true
     [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
     [remote]  RemoteSettings (the fleet's shared tier)      KVSTORE_REMOTE_BACKEND=redis
+    [events]  EventsSettings (vLLM-format KV events, ZMQ)   KVSTORE_EVENTS_PUBLISH_ADDRESS=tcp://127.0.0.1:5557
     data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
 
 Sizes accept plain integers or units (``512MiB``, ``4GiB``, ``1.5GB``); durations (fields
@@ -151,6 +152,16 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class EventsSettings:
+    # ZMQ PUB endpoint the sidecar binds to publish vLLM-format KV cache events of what it holds
+    # (docs/events.md), e.g. tcp://127.0.0.1:5557 or ipc:///run/kvstore/events; "": off
+    publish_address: str = ""
+    topic: str = ""  # first frame of every message (vLLM's kv_events_config.topic); "" = vLLM's default
+    max_queued: int = 65536  # store changes waiting for the publisher; beyond: dropped, counted
+    send_hwm: int = 100_000  # batches ZMQ buffers per slow subscriber before it drops them
+
+
+@dataclass(frozen=True)
 class Settings:
     # The folder of the persistent tiers, the sockets, the lock (one server per folder) and models.json;
     # default: $XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore
@@ -161,6 +172,7 @@ class Settings:
     hbm: HbmSettings = field(default_factory=HbmSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     remote: RemoteSettings = field(default_factory=RemoteSettings)
+    events: EventsSettings = field(default_factory=EventsSettings)
 
     @property
     def nvme_path(self) -> Path:
@@ -174,7 +186,7 @@ class Settings:
 
 
 CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_BYTEPLANE}
-_SECTIONS = ("store", "dram", "nvme", "hbm", "server", "remote")
+_SECTIONS = ("store", "dram", "nvme", "hbm", "server", "remote", "events")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _DURATIONS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -251,6 +263,9 @@ def _check(settings: Settings) -> None:
             _check_address(address, setting, lowest_port=0)
     for node in settings.remote.nodes if settings.remote.backend else ():
         _check_address(node, "remote.nodes", lowest_port=1)
+    events = settings.events.publish_address
+    if events and not events.startswith(("tcp://", "ipc://")):
+        raise InvalidArgument(f"events.publish_address is tcp://host:port or ipc:///path, not {events!r}")
 
 
 def _check_address(address: str, setting: str, lowest_port: int) -> None:

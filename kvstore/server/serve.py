@@ -23,12 +23,14 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.extras import require
 from kvstore.server.audit import AuditLog
 from kvstore.server.auth import Authenticator, tenant_namespace
 from kvstore.server.builder import open_store
@@ -42,6 +44,9 @@ from kvstore.server.service import KvStoreService
 from kvstore.server.shredding import Shredder
 from kvstore.store import TieredStore
 from kvstore.tls import ServerTls
+
+if TYPE_CHECKING:
+    from kvstore.server.events import EventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class RunningServer:
     _stopped: threading.Event
     data_port: DataPort | None = None
     data_socket: DataPort | None = None
+    events: EventPublisher | None = None  # events.publish_address (kvstore.server.events)
 
     def stop(self) -> None:
         """Drain and close; idempotent."""
@@ -77,6 +83,8 @@ class RunningServer:
         self.grpc_server.stop(self.drain_grace_s).wait()
         self.service.shredder.close()  # its key checks take the store's lock
         self.store.close()
+        if self.events is not None:
+            self.events.close()  # after the store: its last changes go out first
         if self.service.audit is not None:
             self.service.audit.close()
         if self.metrics is not None:
@@ -117,11 +125,13 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     audit = _audit_log(settings, undo)
     shredder = Shredder(store, audit)
     undo.callback(shredder.close)
+    models = ModelRegistry(Path(settings.data_dir) / MODELS_FILE)
+    events = _publish_events(settings, store, models, metrics, undo)
     service = KvStoreService(
         store,
         auth,
         metrics,
-        ModelRegistry(Path(settings.data_dir) / MODELS_FILE),
+        models,
         max_requests_per_tenant=settings.server.max_requests_per_tenant,
         stream_timeout_s=settings.server.stream_timeout_s,
         audit=audit,
@@ -232,7 +242,34 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         threading.Event(),
         data_port,
         data_socket,
+        events=events,
     )
+
+
+def _publish_events(
+    settings: Settings,
+    store: TieredStore,
+    models: ModelRegistry,
+    metrics: Metrics | None,
+    undo: contextlib.ExitStack,
+) -> EventPublisher | None:
+    """The KV event feed (off unless events.publish_address); its library only when on."""
+    if not settings.events.publish_address:
+        return None
+    for module in ("zmq", "msgspec"):
+        require(module, "events.publish_address")
+    from kvstore.server.events import start_publisher
+
+    def block_size_of(fingerprint: bytes) -> int:
+        identity = models.get(fingerprint)
+        return 0 if identity is None else identity.tokens_per_block
+
+    events = start_publisher(settings.events, [t.name for t in store.tiers], block_size_of)
+    undo.callback(events.close)
+    store.listen(events)
+    if metrics is not None:
+        metrics.registry.register(events.collector())
+    return events
 
 
 def _audit_log(settings: Settings, undo: contextlib.ExitStack) -> AuditLog | None:

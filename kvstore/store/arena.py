@@ -304,6 +304,8 @@ class ArenaCalls:
                 prev = key
             arena.commit_many([(block.tkey, block.meta) for block in blocks])
             p.index.admit_many(blocks)
+            if p.placement.changes is not None:
+                p.placement.changes.stored(blocks, a)
             p.eviction.touch_many(blocks)
             self._on_new_blocks(blocks, lambda block: slot_bytes(arena, block))
             p.count(scope, "put_blocks", len(blocks))

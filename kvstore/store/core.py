@@ -40,6 +40,7 @@ from kvstore.keys import BlockKey, Fingerprint
 from kvstore.leases import Lease, LeaseTable
 from kvstore.store.arena import ArenaCalls
 from kvstore.store.behind import PersistBehind
+from kvstore.store.changes import BlockChanges
 from kvstore.store.cleaner import Cleaner
 from kvstore.store.invalidations import MARK_FINGERPRINT, mark_name, mark_value
 from kvstore.store.model import (
@@ -109,6 +110,11 @@ class TieredStore:
         cleans = self.config.clean_ahead > 0 and not self.config.write_through
         if cleans and a is not None and disk is not None and disk > a:
             self._cleaner = Cleaner(self._p, a, disk, self.config.clean_ahead, lambda: self._closed)
+
+    def listen(self, changes: BlockChanges) -> None:
+        """Tell ``changes`` of every copy stored or gone from now on (kvstore.store.changes)."""
+        with self._p.locked():
+            self._p.placement.changes = changes
 
     @property
     def has_remote(self) -> bool:
@@ -428,6 +434,8 @@ class TieredStore:
             ]
             for block in victims:
                 p.pins.doom(block)
+            if namespace is None and fingerprint is None and p.placement.changes is not None:
+                p.placement.changes.cleared()  # one event instead of a removal per block
             p.counters["invalidated_blocks"] += len(victims)
             log.info(
                 "invalidated %d blocks (namespace=%s, fingerprint=%s)",

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 
 from kvstore.asleep import asleep
+from kvstore.store.changes import BlockChanges
 from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block
@@ -82,6 +83,7 @@ class Placement:
             if tier.as_arena() is not None and below:
                 self._queued_below[t] = below[0]
         self.retired_bytes = 0  # bytes of arena slots retired so far, all told
+        self.changes: BlockChanges | None = None  # told of every copy added or gone (events)
 
     def make_room(
         self, t: int, size_bytes: int, room: Callable[[], bool] | None = None, room_bytes: int = 0
@@ -285,6 +287,8 @@ class Placement:
         does not move the block back in its tier's line of victims."""
         block.tiers.add(t)
         self._eviction.push_in(block, t)
+        if self.changes is not None:
+            self.changes.stored((block,), t)
 
     def demote(self, block: Block, t: int) -> bool:
         if not self._eviction.evictable_from(block, t):
@@ -357,6 +361,8 @@ class Placement:
         if t in block.tiers:
             block.tiers.discard(t)
             self._let_go(block, t)
+            if self.changes is not None:
+                self.changes.removed((block,), t)
             block.version += 1
             self._eviction.push(block)
         if not block.tiers:
@@ -367,6 +373,8 @@ class Placement:
     def drop(self, block: Block) -> None:
         for t in sorted(block.tiers):
             self.tiers[t].delete(block.tkey)
+            if self.changes is not None:
+                self.changes.removed((block,), t)
         block.tiers.clear()
         self._unretire(block)
         self._index.remove(block)

@@ -1,0 +1,183 @@
+"""The sidecar's KV cache events, read by a real ZMQ subscriber off a real ``kvstore serve`` and
+decoded with vLLM's own types (``vllm.distributed.kv_events``): stores, evictions, deletions and
+an invalidation of everything arrive as vLLM's BlockStored / BlockRemoved / AllBlocksCleared.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.server_process import ServerProcess
+from kvstore.client import connect
+from kvstore.keys import block_keys
+from kvstore.server.config import EventsSettings, Settings
+from kvstore.store import Scope, StoreConfig, TieredStore
+from tests.service_fixtures import BLOCK, MODEL
+
+zmq = pytest.importorskip("zmq")
+kv_events = pytest.importorskip("vllm.distributed.kv_events")  # vLLM's own types decode the feed
+msgspec = pytest.importorskip("msgspec")
+
+ARENA_BLOCKS = 16
+
+
+class Subscriber:
+    """A ZMQ SUB on the feed, decoding each message with vLLM's KVEventBatch."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self._decode = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode
+        self.sequences: list[int] = []
+
+    def events(self, timeout_s: float = 0.2) -> list[object]:
+        """Every event that arrives until the feed is quiet for ``timeout_s``."""
+        out: list[object] = []
+        while self.sock.poll(int(timeout_s * 1000)):
+            topic, seq, payload = self.sock.recv_multipart()
+            assert topic == b""  # vLLM's default topic; events.topic sets another
+            self.sequences.append(int.from_bytes(seq, "big"))
+            out.extend(self._decode(payload).events)
+        return out
+
+    def until(self, found: Callable[[list[object]], bool], timeout_s: float = 10.0) -> list[object]:
+        seen: list[object] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not found(seen):
+            seen.extend(self.events())
+        assert found(seen), f"not seen within {timeout_s} s: {seen}"
+        return seen
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()
+
+
+@pytest.fixture(scope="module")
+def feed() -> Iterator[tuple[ServerProcess, Subscriber]]:
+    folder = tempfile.mkdtemp(prefix="kvs-ev-", dir="/tmp")
+    endpoint = f"ipc://{folder}/events"
+    server = ServerProcess(
+        {
+            "dram.capacity_bytes": str(ARENA_BLOCKS * BLOCK),
+            "dram.page_bytes": str(ARENA_BLOCKS * BLOCK),
+            "dram.prefault": "false",
+            "nvme.capacity_bytes": "64MiB",
+            "store.clean_ahead": "0",  # demotions only at eviction: what this test watches
+            "events.publish_address": endpoint,
+        }
+    )
+    sub = Subscriber(endpoint)
+    try:
+        with connect(server.unix) as kv:  # the slow joiner: put until the feed is heard
+            fp = kv.register(MODEL)
+            probe = block_keys(fp, list(range(10_000, 10_016)), 16)
+            deadline = time.monotonic() + 10
+            while not sub.events() and time.monotonic() < deadline:
+                kv.delete(fp, probe)
+                kv.put(fp, probe, [bytes(BLOCK)])
+            kv.delete(fp, probe)
+        sub.events()
+        yield server, sub
+    finally:
+        sub.close()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _of(events: list[object], kind: type, medium: str | None = None) -> list[bytes | int]:
+    return [
+        h
+        for e in events
+        if isinstance(e, kind) and (medium is None or getattr(e, "medium", None) == medium)
+        for h in e.block_hashes  # type: ignore[attr-defined]
+    ]
+
+
+def test_a_stored_chain_and_its_eviction_are_vllm_events(feed: tuple[ServerProcess, Subscriber]) -> None:
+    server, sub = feed
+    with connect(server.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = block_keys(fp, list(range(24 * 16)), 16)
+        # store 24 blocks into a 16-block arena -> the chain's first events are CPU, and
+        # blocks evicted from the arena move to nvme: BlockRemoved CPU + BlockStored STORAGE
+        kv.put(fp, keys[:8], [bytes(BLOCK)] * 8)
+        first = sub.until(lambda seen: len(_of(seen, kv_events.BlockStored, "CPU")) >= 8)
+        stored = [e for e in first if isinstance(e, kv_events.BlockStored)]
+        assert stored[0].block_hashes == keys[:8]  # one event for the chain, keys in order
+        assert stored[0].parent_block_hash is None
+        assert stored[0].block_size == MODEL.tokens_per_block  # from the registered model
+        assert (stored[0].locality, stored[0].ownership, stored[0].token_ids) == ("LOCAL", "kvstore", [])
+        kv.put(fp, keys[8:], [bytes(BLOCK)] * 16, parent=keys[7])
+        seen = sub.until(lambda seen: bool(_of(seen, kv_events.BlockRemoved, "CPU")))
+        seen += sub.events(0.5)
+    later = [e for e in seen if isinstance(e, kv_events.BlockStored) and e.medium == "CPU"]
+    assert later[0].parent_block_hash == keys[7]  # a chain continued names its parent
+    evicted = set(_of(seen, kv_events.BlockRemoved, "CPU"))
+    assert evicted <= set(keys)
+    assert evicted <= set(_of(seen, kv_events.BlockStored, "STORAGE"))  # demoted, not lost
+    assert sub.sequences == sorted(sub.sequences)
+
+
+def test_a_delete_and_an_invalidation_of_everything(feed: tuple[ServerProcess, Subscriber]) -> None:
+    server, sub = feed
+    with connect(server.unix) as kv:
+        fp = kv.register(MODEL)
+        keys = block_keys(fp, list(range(50_000, 50_000 + 3 * 16)), 16)
+        kv.put(fp, keys, [bytes(BLOCK)] * 3)
+        sub.until(lambda seen: len(_of(seen, kv_events.BlockStored)) >= 3)
+        kv.delete(fp, keys[2:])
+        seen = sub.until(lambda seen: keys[2] in _of(seen, kv_events.BlockRemoved))
+        seen += sub.events(0.5)  # its copy in nvme too, where write-behind made one
+        assert set(_of(seen, kv_events.BlockRemoved)) == {keys[2]}
+        kv.invalidate(everything=True, tenant="*")
+        seen = sub.until(lambda seen: any(isinstance(e, kv_events.AllBlocksCleared) for e in seen))
+    assert not _of(seen, kv_events.BlockRemoved)  # the clear stands for every removal
+    assert sub.sequences == sorted(sub.sequences)
+
+
+def test_a_full_queue_drops_and_counts_and_never_holds_up_a_store(tmp_path: Path) -> None:
+    """With no room for a change, stores go on, the changes are counted as dropped, the next
+    batch's sequence skips one (the subscriber sees the gap), and a clear still goes out."""
+    from kvstore.server.events import EventPublisher
+    from tests.tier_factories import make_dram
+
+    endpoint = f"ipc://{tmp_path}/events"
+    publisher = EventPublisher(EventsSettings(publish_address=endpoint, max_queued=0), ["dram"])
+    sub = Subscriber(endpoint)
+    store = TieredStore([make_dram(tmp_path, 2 << 20)], StoreConfig())
+    try:
+        store.listen(publisher)
+        scope = Scope("t/a", MODEL.fingerprint())
+        keys = block_keys(scope.fingerprint, list(range(5 * 16)), 16)
+        store.put(scope, keys, [bytes(BLOCK)] * 5)
+        assert store.exists(scope, keys) == [True] * 5
+        assert publisher.dropped == 5
+        deadline = time.monotonic() + 10
+        seen: list[object] = []
+        while not seen and time.monotonic() < deadline:  # the slow joiner again
+            store.invalidate()
+            seen = sub.events()
+        assert isinstance(seen[0], kv_events.AllBlocksCleared)
+        assert sub.sequences[0] == 1  # batch 0 never went out: the dropped changes' gap
+    finally:
+        store.close()
+        publisher.close()
+        sub.close()
+
+
+def test_events_are_off_by_default_and_a_bad_address_is_refused() -> None:
+    from kvstore.errors import InvalidArgument
+    from kvstore.server.config import load_settings
+
+    assert Settings().events.publish_address == ""
+    with pytest.raises(InvalidArgument, match=r"events\.publish_address"):
+        load_settings(env={}, overrides={"events.publish_address": "127.0.0.1:5557"})
