@@ -19,8 +19,9 @@
   ``--quick``), against what is left of it after the freeze ``kvstore serve`` makes
   (``benchmarks.gc_pause``; the server runs no full collection after start);
 - the same put/get workload on Redis, Mooncake Store and LMCache's server (``benchmarks.peers``),
-  where they can be installed and started here (target: faster than each), ours measured again
-  just before and just after each peer.
+  where they are installed (``--install-peers`` installs them) and start here (target: faster
+  than each), ours measured again just before and just after each peer
+  (``benchmarks.service_peers``).
 
 The server runs as its own process (``kvstore serve``), as it would be deployed.
 """
@@ -45,6 +46,7 @@ from benchmarks.common import Result, interleaved, print_results, write_json
 from benchmarks.fairness import bench_fairness, fairness_settings
 from benchmarks.gc_pause import bench_gc_pause
 from benchmarks.server_process import ServerProcess
+from benchmarks.service_peers import bench_peers, say_what_peers_need
 from kvstore.client import Client, ResolvedBlocks, connect
 from kvstore.client.inplace import Slots, gather_from_slots, scatter_into_slots
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
@@ -733,64 +735,6 @@ def ours_now(count: int, rounds: int) -> dict[str, float]:
     return {"get": gb / get_s, "put": gb / put_s}
 
 
-def bench_peers(count: int, rounds: int, lookups: dict[str, float], console: Console) -> list[Result]:
-    """Our remote get and put against each peer's on the same workload, ours measured just before
-    and just after it (the mean of the two passes: a pass minutes apart saw this machine's
-    loopback at another speed, up to 1.5x); ``lookups``: our one-client lookup p50 in ms by
-    socket kind, against Redis ``EXISTS``."""
-    try:
-        from benchmarks import peers
-    except ImportError as exc:  # the harness is optional at import time
-        return [Result("peers", None, "GB/s", note=f"peer harness unavailable: {exc}")]
-    results: list[Result] = []
-    for name in peers.PEERS:
-        console.print(f"[dim]peer {name}: installing and measuring, between two passes of ours …[/]")
-        before = ours_now(count, rounds)
-        outcome = peers.measure_peer(name, peers.Workload(block_bytes=BLOCK, blocks=count, rounds=rounds))
-        if isinstance(outcome, peers.PeerUnavailable):
-            results.append(Result(f"vs {name}", None, "GB/s", note=f"not measured: {outcome.reason}"))
-            continue
-        after = ours_now(count, rounds)
-        for op in ("get", "put"):
-            theirs = getattr(outcome, f"{op}_gbps")
-            results.append(
-                Result(
-                    f"remote {op} 2 MiB vs {name}",
-                    (before[op] + after[op]) / 2,
-                    "GB/s",
-                    f"{name} ({outcome.client})",
-                    theirs,
-                    ">= 1.0",
-                    f"same blocks, same machine; our {'plain get' if op == 'get' else op} "
-                    f"{before[op]:.2f} GB/s just before it, {after[op]:.2f} just after",
-                )
-            )
-        if outcome.exists64_p50_ms is not None:
-            results.append(
-                Result(
-                    f"{name} exists 64 keys p50",
-                    outcome.exists64_p50_ms,
-                    "ms",
-                    note=f"{name} ({outcome.client})",
-                )
-            )
-            if name == "redis":
-                for socket_kind, p50 in lookups.items():
-                    results.append(
-                        Result(
-                            f"lookup 64 keys p50 vs redis exists ({socket_kind})",
-                            p50,
-                            "ms",
-                            "redis EXISTS of 64 keys",
-                            outcome.exists64_p50_ms,
-                            "<= 1.0",
-                            "one client calling in turn on both sides, all 64 keys present; "
-                            f"kvstore over {socket_kind}, redis-py over TCP",
-                        )
-                    )
-    return results
-
-
 FULL_ARENA_PAUSE_S = 0.6  # between the writes into a full arena: the disk's time for a chain
 
 
@@ -869,8 +813,14 @@ def fairness_rows(runs: int) -> list[Result]:
 
 
 def run_service_bench(
-    quick: bool, json_path: str | None, with_peers: bool = True, fairness_only: bool = False
+    quick: bool,
+    json_path: str | None,
+    with_peers: bool = True,
+    fairness_only: bool = False,
+    install_peers: bool = False,
 ) -> int:
+    """``install_peers``: install the peers that are missing (``benchmarks.service_peers``);
+    without it nothing is installed and a missing peer is a row saying what it lacks."""
     count = 64 if quick else 256
     rounds = 5 if quick else 9
     console = Console(stderr=True)
@@ -913,12 +863,15 @@ def run_service_bench(
     finally:
         server.stop()
     if with_peers:
+        say_what_peers_need(console, install_peers)
         by_metric = {r.metric: r.value or 0.0 for r in results}
         lookups = {
             "Unix socket": by_metric["lookup 64 keys p50, one client (Unix)"],
             "TCP": by_metric["lookup 64 keys p50, one client (TCP)"],
         }
-        results += bench_peers(count, rounds, lookups, console)
+        results += bench_peers(
+            lambda: ours_now(count, rounds), count, rounds, lookups, console, install_peers
+        )
     title = f"kvstore bench service{' --quick' if quick else ''}"
     print_results(title, results)
     if json_path:

@@ -195,7 +195,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "tenant_bytes", "absent_tiers", "blocks", "leases", "tenant", "version", "uptime_s", "addresses", "lookup_tokens", "hit_tokens", "fingerprints")
+    __slots__ = ("tiers", "counters", "tenant_bytes", "absent_tiers", "blocks", "leases", "tenant", "version", "uptime_s", "addresses", "lookup_tokens", "hit_tokens", "fingerprints", "connections", "tenant_connections")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,20 @@ class StatsResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class TenantBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ConnectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantConnectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +237,8 @@ class StatsResponse(_message.Message):
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     tenant_bytes: _containers.ScalarMap[str, int]
@@ -236,7 +252,9 @@ class StatsResponse(_message.Message):
     lookup_tokens: int
     hit_tokens: int
     fingerprints: _containers.RepeatedCompositeFieldContainer[FingerprintStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., tenant_bytes: _Optional[_Mapping[str, int]] = ..., absent_tiers: _Optional[_Iterable[str]] = ..., blocks: _Optional[int] = ..., leases: _Optional[int] = ..., tenant: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., fingerprints: _Optional[_Iterable[_Union[FingerprintStats, _Mapping]]] = ...) -> None: ...
+    connections: _containers.ScalarMap[str, int]
+    tenant_connections: _containers.ScalarMap[str, int]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., tenant_bytes: _Optional[_Mapping[str, int]] = ..., absent_tiers: _Optional[_Iterable[str]] = ..., blocks: _Optional[int] = ..., leases: _Optional[int] = ..., tenant: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., fingerprints: _Optional[_Iterable[_Union[FingerprintStats, _Mapping]]] = ..., connections: _Optional[_Mapping[str, int]] = ..., tenant_connections: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class FingerprintStats(_message.Message):
     __slots__ = ("fingerprint", "model_id", "blocks", "bytes", "tp_rank", "tp_world_size")

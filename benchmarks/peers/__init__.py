@@ -12,7 +12,9 @@ Use::
 Contract:
 - ``install_peer(name)`` installs what is missing (Debian packages when root, a venv per peer
   under ``.kvstore/peers/``) and returns ``Installed`` or ``PeerUnavailable``; when everything
-  is there it answers in milliseconds. ``measure_peer`` calls it first.
+  is there it answers in milliseconds. ``measure_peer(..., install=True)`` calls it first;
+  without ``install`` nothing is installed: ``peer_missing(name)`` says what is missing and the
+  peer is unavailable with that reason.
 - ``measure_peer`` runs the peer's worker script with the peer's interpreter, in a process group
   of its own with a deadline; the worker starts the servers on 127.0.0.1 (Mooncake in a private
   network namespace), measures, stops them. When the call returns, nothing it started runs.
@@ -25,7 +27,7 @@ Standalone: ``python -m benchmarks.peers [--quick] [--peer NAME]``.
 """
 
 from benchmarks.peers.harness import default_timeout_s, measure_peer
-from benchmarks.peers.install import install_peer
+from benchmarks.peers.install import install_peer, peer_missing
 from benchmarks.peers.outcome import Installed, PeerFigures, PeerUnavailable, parse_worker_output
 from benchmarks.peers.specs import PEERS
 from benchmarks.peers.workers.peerlib import Workload
@@ -40,4 +42,5 @@ __all__ = [
     "install_peer",
     "measure_peer",
     "parse_worker_output",
+    "peer_missing",
 ]

@@ -1,4 +1,4 @@
-"""Measuring one peer: install it if needed, run its worker with its interpreter, read the figures.
+"""Measuring one peer: install it if told to, run its worker with its interpreter, read the figures.
 
 The worker starts the peer's servers on 127.0.0.1 (Mooncake: inside a network namespace of its
 own), measures, stops them, and prints one JSON object; see ``workers/peerlib.py``. The worker
@@ -15,10 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.peers.install import install_peer
+from benchmarks.peers.install import install_peer, peer_missing
 from benchmarks.peers.outcome import PeerFigures, PeerUnavailable, parse_worker_output
 from benchmarks.peers.process import run_in_group
-from benchmarks.peers.specs import SPECS
+from benchmarks.peers.specs import DEFAULT_ROOT, SPECS
 from benchmarks.peers.workers.peerlib import Workload
 
 
@@ -34,18 +34,28 @@ def measure_peer(
     workdir: Path | None = None,
     root: Path | None = None,
     timeout_s: float | None = None,
+    install: bool = False,
 ) -> PeerFigures | PeerUnavailable:
-    """Installs (when missing) and measures peer ``name`` on ``workload``; never raises for a
-    peer's failure, and returns within about ``timeout_s`` (default ``default_timeout_s``) plus
-    the time an install takes. ``root`` holds the peers' venvs (default ``.kvstore/peers``)."""
-    installed = install_peer(name, root)
-    if isinstance(installed, PeerUnavailable):
-        return installed
+    """Measures peer ``name`` on ``workload``; never raises for a peer's failure, and returns
+    within about ``timeout_s`` (default ``default_timeout_s``) plus the time an install takes.
+    ``install``: install what is missing first (``install_peer``: apt-get as root, pip into the
+    peer's venv); without it a peer not installed is unavailable, its reason saying what is
+    missing. ``root`` holds the peers' venvs (default ``.kvstore/peers``)."""
+    if install:
+        installed = install_peer(name, root)
+        if isinstance(installed, PeerUnavailable):
+            return installed
+        python = installed.python
+    else:
+        missing = peer_missing(name, root)
+        if missing:
+            return PeerUnavailable(name, f"{name} is not installed here: it needs {'; '.join(missing)}")
+        python = SPECS[name].python(root or DEFAULT_ROOT)
     try:
         if workdir is not None:
-            return _measure(name, installed.python, workload, workdir, timeout_s)
+            return _measure(name, python, workload, workdir, timeout_s)
         scratch = Path(tempfile.mkdtemp(prefix=f"kvstore-peer-{name}-"))
-        outcome = _measure(name, installed.python, workload, scratch, timeout_s)
+        outcome = _measure(name, python, workload, scratch, timeout_s)
     except OSError as e:  # the one place this becomes a reason: no folder, no such program
         return PeerUnavailable(name, f"cannot run the {name} worker: {e}")
     if isinstance(outcome, PeerFigures):

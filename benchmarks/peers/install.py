@@ -1,6 +1,7 @@
 """Installing a peer on demand: Debian packages system-wide, the rest in the peer's own venv.
 
-``install_peer`` is idempotent and fast when the peer is already there: a marker file in the venv
+``install_peer`` installs; ``peer_missing`` only says what is missing (what the benchmarks ask
+unless told to install). ``install_peer`` is idempotent and fast when the peer is already there: a marker file in the venv
 records what was installed, and the Debian packages are checked with one ``dpkg-query``. Two
 processes installing the same peer at once take turns (a file lock beside the venv). Failures are
 returned as ``PeerUnavailable`` with the command a person would run; nothing is raised.
@@ -33,6 +34,26 @@ def install_peer(name: str, root: Path | None = None) -> Installed | PeerUnavail
     if spec is None:
         return PeerUnavailable(name, f"unknown peer {name!r}; the peers are {', '.join(SPECS)}")
     return install_spec(spec, root or DEFAULT_ROOT)
+
+
+def peer_missing(name: str, root: Path | None = None) -> list[str]:
+    """What peer ``name`` lacks here, each as a person would install it; [] when it is ready.
+    Installs and runs nothing (but ``dpkg-query``): ``measure_peer`` asks this unless told
+    to install."""
+    spec = SPECS.get(name)
+    if spec is None:
+        return [f"unknown peer {name!r}; the peers are {', '.join(SPECS)}"]
+    root = root or DEFAULT_ROOT
+    missing = []
+    apt = _missing_apt(spec.apt)
+    if apt is None:
+        missing.append(f"the Debian packages {' '.join(spec.apt)} (and dpkg is absent here)")
+    elif apt:
+        missing.append(f"the Debian packages {' '.join(apt)} (apt-get install -y {' '.join(apt)}, as root)")
+    if not _marker_matches(spec, root):
+        steps = "; ".join(f"pip install {' '.join(step)}" for step in spec.pip_steps)
+        missing.append(f"its venv {spec.venv(root)} ({steps})")
+    return missing
 
 
 def install_spec(spec: PeerSpec, root: Path, python: str = sys.executable) -> Installed | PeerUnavailable:

@@ -78,4 +78,6 @@ def stats_dict(r: pb.StatsResponse) -> dict[str, Any]:
             }
             for f in r.fingerprints
         ],
+        "connections": dict(r.connections),
+        "tenant_connections": dict(r.tenant_connections),
     }

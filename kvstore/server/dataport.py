@@ -173,6 +173,12 @@ class DataPort:
                     self._conns.discard(conn)
                 _refuse(conn, "the server is out of threads; retry later")
 
+    def connections(self) -> tuple[int, dict[str, int]]:
+        """Open connections (those still in their hello too), and by tenant those past it: for
+        Stats."""
+        with self._lock:
+            return len(self._conns), {t: n for t, n in self._per_tenant.items() if n > 0}
+
     def close(self, grace_s: float = 10.0) -> None:
         """Stop accepting; in-flight requests get ``grace_s`` in all (one deadline shared by
         every connection, not each in turn); then every connection is cut."""

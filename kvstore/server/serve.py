@@ -42,6 +42,7 @@ from kvstore.server.models import FILE_NAME as MODELS_FILE
 from kvstore.server.models import ModelRegistry
 from kvstore.server.service import KvStoreService
 from kvstore.server.shredding import Shredder
+from kvstore.server.stats import Connections
 from kvstore.store import TieredStore
 from kvstore.tls import ServerTls
 
@@ -212,6 +213,7 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
     server.start()
     os.chmod(socket_path, 0o600)
     service.addresses = [unix_address] + [a for a in (tcp_address,) if a]
+    service.connections = Connections({"data port": data_port, "data socket": data_socket}, str(socket_path))
     if data_port is not None:
         service.addresses.append(f"data port {data_address.rpartition(':')[0]}:{data_port.port}")
     if data_socket is not None:

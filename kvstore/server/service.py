@@ -46,7 +46,7 @@ from kvstore.server.handlers import abort, register
 from kvstore.server.metrics import Metrics
 from kvstore.server.models import ModelRegistry
 from kvstore.server.shredding import Shredder
-from kvstore.server.stats import TokenCounts, stats_response
+from kvstore.server.stats import Connections, TokenCounts, stats_response
 from kvstore.store import Scope, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
@@ -88,6 +88,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
         self.data_port = 0  # set by the server when it runs a raw data port
         self.data_socket = ""  # likewise for its Unix-socket twin
         self.addresses: list[str] = []  # set by the server once it listens (for Stats)
+        self.connections: Connections | None = None  # set by the server once it listens (for Stats)
         self._started = time.monotonic()
         self._models = models or ModelRegistry()
         self._tokens = TokenCounts()
@@ -324,7 +325,9 @@ class KvStoreService(pb_grpc.KvStoreServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         def body(caller: Caller) -> pb.StatsResponse:
             uptime_s = time.monotonic() - self._started
-            return stats_response(self.store, caller, self._models, self._tokens, uptime_s, self.addresses)
+            return stats_response(
+                self.store, caller, self._models, self._tokens, uptime_s, self.addresses, self.connections
+            )
 
         return self._serve("Stats", context, body)
 
