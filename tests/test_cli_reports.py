@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -54,20 +55,20 @@ def server() -> Iterator[ServerProcess]:
         server.stop()
 
 
-def stats_json(server: ServerProcess, *extra: str) -> dict[str, object]:
+def stats_json(server: ServerProcess, *extra: str) -> dict[str, Any]:
     done = run("stats", "--address", server.unix, "--json", *extra)
     assert done.returncode == 0, done.stderr
-    parsed: dict[str, object] = json.loads(done.stdout)
+    parsed: dict[str, Any] = json.loads(done.stdout)
     return parsed
 
 
-def wait_for_connections(server: ServerProcess, listener: str, n: int) -> dict[str, object]:
+def wait_for_connections(server: ServerProcess, listener: str, n: int) -> dict[str, Any]:
     """Stats once the server has seen connections open or close (their threads notice a close
     when the peer's end arrives, a moment after it)."""
     deadline = time.monotonic() + 10
     while True:
         stats = stats_json(server)
-        if stats["connections"][listener] == n or time.monotonic() > deadline:  # type: ignore[index]
+        if stats["connections"][listener] == n or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
 
@@ -83,9 +84,9 @@ def test_stats_shows_counters_at_zero_and_counts_data_connections(server: Server
         for kv in clients:
             kv.lookup(fp, keys)  # each opens its data-socket connection
         stats = wait_for_connections(server, "data socket", 3)
-        assert stats["connections"]["data socket"] == 3  # type: ignore[index]
-        assert stats["tenant_connections"]["local"] == 3  # type: ignore[index]
-        assert stats["connections"]["grpc"] >= 1  # type: ignore[index]  # this command's own
+        assert stats["connections"]["data socket"] == 3
+        assert stats["tenant_connections"]["local"] == 3
+        assert stats["connections"]["grpc"] >= 1  # this command's own
         counters = stats["counters"]
         for never_counted in (
             "checksum_failures",
@@ -93,7 +94,7 @@ def test_stats_shows_counters_at_zero_and_counts_data_connections(server: Server
             "pace_timeouts",
             "evicted_nvme_blocks",
         ):
-            assert counters[never_counted] == 0, never_counted  # type: ignore[index]
+            assert counters[never_counted] == 0, never_counted
         table = run("stats", "--address", server.unix)
         assert table.returncode == 0, table.stderr
         assert re.search(r"checksum_failures\s*│\s*0\s", table.stdout), table.stdout
@@ -102,7 +103,7 @@ def test_stats_shows_counters_at_zero_and_counts_data_connections(server: Server
     finally:
         for kv in clients:
             kv.close()
-    assert wait_for_connections(server, "data socket", 0)["connections"]["data socket"] == 0  # type: ignore[index]
+    assert wait_for_connections(server, "data socket", 0)["connections"]["data socket"] == 0
 
 
 def test_a_tenant_sees_its_own_data_connections_only(server: ServerProcess) -> None:
@@ -110,7 +111,7 @@ def test_a_tenant_sees_its_own_data_connections_only(server: ServerProcess) -> N
     with connect(server.tcp, token="tok-a") as kv:
         kv.lookup(fp, block_keys(fp, list(range(16)), MODEL.tokens_per_block))
         admin = wait_for_connections(server, "data port", 1)
-        assert admin["tenant_connections"]["tenant-a"] == 1  # type: ignore[index]
+        assert admin["tenant_connections"]["tenant-a"] == 1
         own = run("stats", "--address", server.tcp, "--json", env={"KVSTORE_TOKEN": "tok-a"})
         assert own.returncode == 0, own.stderr
         mine = json.loads(own.stdout)
@@ -146,9 +147,9 @@ def test_the_counters_shown_at_zero_are_every_counter_the_store_keeps() -> None:
 
 def test_every_reporting_command_takes_json() -> None:
     parser = build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    commands: dict[str, Any] = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[assignment]
     not_reports = {"serve", "route", "demo"}  # servers and a demonstration
-    for name, sub in commands.items():  # type: ignore[union-attr]
+    for name, sub in commands.items():
         if name in not_reports:
             continue
         groups = [sub] if name != "bench" else list(sub._actions[-1].choices.values())
@@ -257,7 +258,7 @@ def test_bench_service_measures_a_running_server(server: ServerProcess, tmp_path
     assert "data socket" in rows["remote put 2 MiB"]["note"]
     after = stats_json(server)
     assert after["uptime_s"] > before["uptime_s"]  # the same server: none was started
-    assert not [f for f in after["fingerprints"] if f["model_id"].startswith("kvstore-bench/")]  # type: ignore[union-attr]
+    assert not [f for f in after["fingerprints"] if f["model_id"].startswith("kvstore-bench/")]
     over_tcp = run(
         "bench",
         "service",
@@ -309,3 +310,11 @@ def test_bench_service_installs_no_peer_without_the_flag(
     rows = bench_peers(ours, 1, 1, {}, Console(file=io.StringIO()), install=True, names=("fake",), root=root)
     assert "update" in calls.read_text()  # with the flag, it does install
     assert rows[0].value is None
+
+
+def test_bench_service_against_no_server_says_so_in_one_line() -> None:
+    nowhere = run("bench", "service", "--address", "unix:///tmp/kvstore-no-such.sock", "--quick")
+    assert nowhere.returncode == 2 and "Traceback" not in nowhere.stderr
+    assert "cannot reach a kvstore server at unix:///tmp/kvstore-no-such.sock" in nowhere.stderr
+    clash = run("bench", "service", "--address", "unix:///tmp/kvstore-no-such.sock", "--install-peers")
+    assert clash.returncode == 2 and "--install-peers" in clash.stderr.strip().splitlines()[-1]

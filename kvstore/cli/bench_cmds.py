@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from kvstore.cli.common import client_tls, token
+from kvstore.errors import InvalidArgument
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser) -> None:
@@ -143,6 +144,11 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def _service(args: argparse.Namespace) -> int:
+    with_address = {"--fairness": args.fairness, "--install-peers": args.install_peers}
+    if args.address and (clash := [flag for flag, given in with_address.items() if given]):
+        raise InvalidArgument(f"{clash[0]} is for the servers bench service starts, not for --address")
+    if args.blocks is not None and (not args.address or args.blocks < 1):
+        raise InvalidArgument("--blocks takes a count of at least 1, with --address")
     if args.address:
         from benchmarks.deployment import run_deployment_bench
 
