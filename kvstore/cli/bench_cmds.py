@@ -80,6 +80,9 @@ def _add_service(bench_sub: Any, common: argparse.ArgumentParser, remote: argpar
         "service",
         parents=[common, remote],
         help="the service against raw TCP, memcpy, peers; or, with --address, a running deployment",
+        description="Without --address: servers of its own, against raw TCP, memcpy and the peers. "
+        "With --address (the flag itself; $KVSTORE_ADDRESS does not switch modes): the server "
+        "running there, measured from here, nothing started.",
     )
     service.add_argument("--quick", action="store_true", help="fewer blocks and rounds; under three minutes")
     service.add_argument("--json", metavar="PATH", help="write results as JSON")
