@@ -15,8 +15,11 @@ from kvstore.cli.main import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "BENCHMARKS.md").read_text()
 
-# Paths into the repository's own folders, wherever the page names them (prose, tables, code).
-REPO_PATH = re.compile(r"\b(?:bench-results|benchmarks|scripts|tests|tiers|kvstore|engine_plugin)/[\w./-]*")
+# Paths into the repository's own folders, wherever the page names them (prose, tables, code);
+# not the tail of an absolute path such as /run/kvstore/kvstore.sock.
+REPO_PATH = re.compile(
+    r"(?<![\w/])(?:bench-results|benchmarks|scripts|tests|tiers|kvstore|engine_plugin|docs)/[\w./-]*"
+)
 KEPT = re.compile(r"bench-results/[\w.-]+\.txt")
 # A figure as the bench tables print it: a ratio with two decimals, or milliseconds.
 FIGURE = re.compile(r"(\d+\.\d+)(x| ms)\b")
