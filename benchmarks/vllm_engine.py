@@ -61,6 +61,7 @@ class EngineConfig:
     connector: str | None = "kvstore"  # None: vLLM alone; another name: that vLLM connector
     connector_config: dict[str, Any] = field(default_factory=dict)
     kv_cache_bytes: int = KV_CACHE_BYTES
+    kv_events_endpoint: str = ""  # vLLM publishes its KV cache events there (ZMQ PUB); "": off
 
 
 class Engine:
@@ -79,6 +80,7 @@ class Engine:
         connector_config: dict[str, Any] | None = None,
         kv_cache_bytes: int = KV_CACHE_BYTES,
         start_s: float = ENGINE_START_S,
+        kv_events_endpoint: str = "",
     ) -> None:
         config = EngineConfig(
             str(model),
@@ -91,6 +93,7 @@ class Engine:
             connector,
             connector_config or {},
             kv_cache_bytes,
+            kv_events_endpoint,
         )
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         if tensor_parallel > 1:
@@ -193,7 +196,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack into the log
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     config = EngineConfig(**json.loads(sys.argv[1]))
@@ -208,6 +211,11 @@ def main() -> None:
         enable_prefix_caching=config.prefix_caching,
         kv_cache_memory_bytes=config.kv_cache_bytes,
         kv_transfer_config=_transfer_config(config, KVTransferConfig),
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events_endpoint
+        )
+        if config.kv_events_endpoint
+        else None,
         seed=0,
         disable_log_stats=False,  # the connector's decisions reach vLLM's Prometheus registry
     )

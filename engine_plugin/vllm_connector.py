@@ -79,6 +79,7 @@ import torch
 
 from engine_plugin.calibration import Calibration
 from engine_plugin.sidecar import SidecarLink
+from engine_plugin.vllm_events import KvstoreKVEvents, saved_block_events, worker_events
 from engine_plugin.vllm_identity import identity_from_vllm
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide, parse_policy
@@ -100,7 +101,10 @@ except ImportError as exc:  # pragma: no cover - only without vllm installed
     raise ImportError("engine_plugin.vllm_connector needs vllm (pip install 'kvstore[vllm]')") from exc
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -228,6 +232,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 config.audit_tolerance,
                 config.layerwise_load,
             )
+        same_host = config.same_host
+        self._kv_events = saved_block_events(vllm_config, self._scheduler, block_size, same_host)
         # The whole fingerprint and what it digests: an operator invalidates by it
         # (`kvstore invalidate --fingerprint`) and can see why two engines do not share blocks.
         log.info(
@@ -254,6 +260,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._kv_events is not None:
+            self._kv_events.track(request)
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -264,8 +272,16 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_connector_output(connector_output)
+        if self._kv_events is not None:
+            self._kv_events.collect(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's KV events of the blocks saved to kvstore (engine_plugin.vllm_events)."""
+        return self._kv_events.take() if self._kv_events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._kv_events is not None:
+            self._kv_events.forget(request.request_id)
         return self.scheduler_side.request_finished(request)
 
     # ----------------------------------------------------------------- worker side
@@ -304,6 +320,12 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     # ----------------------------------------------------------------- both sides
+
+    def get_kv_connector_kv_cache_events(self) -> KvstoreKVEvents | None:
+        if self._worker is None:
+            return None
+        events, self._worker.kv_events = self._worker.kv_events, []
+        return worker_events(events)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._scheduler or self._worker

@@ -10,6 +10,7 @@ processes. Every tensor-parallel rank gets the same metadata and moves only its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine_plugin.transfer import InPlace
 from kvstore.keys import BlockKey
@@ -32,6 +33,9 @@ class TransferJob:
     tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block (slowest over ranks)
     # loads: per rank, its blocks' arena slots when the arena holds every one (else None: resolve)
     in_place: list[InPlace | None] = field(default_factory=list)
+    # saves, where vLLM publishes KV events: vLLM's BlockStored for these blocks, handed back to
+    # vLLM once stored (engine_plugin.vllm_events)
+    announce: list[Any] = field(default_factory=list)
 
 
 @dataclass

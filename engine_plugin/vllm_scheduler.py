@@ -60,7 +60,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -205,6 +205,9 @@ class SchedulerSide:
         self._fingerprints = [identity.fingerprint() for identity in identities]
         self._requests: dict[str, _Request] = {}
         self._calibration_changed = True  # report the start figures
+        # vLLM's BlockStored events of a save job's blocks (req_id, first, last), where vLLM
+        # publishes KV events (engine_plugin.vllm_events; set by the connector)
+        self.announce: Callable[[str, int, int], list[Any]] | None = None
 
     def _request_keys(self, request: Request) -> list[list[BlockKey]]:
         """The request's block keys under each rank's fingerprint."""
@@ -363,9 +366,10 @@ class SchedulerSide:
             parents = [keys[first - 1] if first else None for keys in tracked.rank_keys]
             rank_keys = [keys[first:last] for keys in tracked.rank_keys]
             timeout_s = save_deadline_s((last - first) * self._block_bytes)
-            meta.saves.append(
-                TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents)
-            )
+            job = TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents)
+            if self.announce is not None:
+                job.announce = self.announce(tracked.req_id, first, last)
+            meta.saves.append(job)
             tracked.saved_blocks = last
 
     def _add_audit(self, meta: KvstoreConnectorMetadata, tracked: _Request, done_tokens: int) -> None:

@@ -32,6 +32,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,6 +79,7 @@ class WorkerSide:
         self._transfer: BlockTransfer | None = None
         self._load_errors: set[int] = set()
         self._observed = ObservedWork()
+        self.kv_events: list[Any] = []  # vLLM events of blocks saved since vLLM last took them
         self._step_started = 0.0  # when this step's metadata arrived (before its forward)
         self._step_load_s = 0.0  # time this step spent restoring
 
@@ -274,6 +276,7 @@ class WorkerSide:
         for save in meta.saves:
             if self._save(save):
                 self._stats.add_saved(len(save.block_ids))
+                self.kv_events.extend(save.announce)  # stored: vLLM may announce them
             else:  # failed, refused, or the breaker is open: these blocks stay unsaved
                 self._stats.add_failed_save(len(save.block_ids))
         for audit in meta.audits:
