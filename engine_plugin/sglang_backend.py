@@ -11,8 +11,9 @@ The extra config's own keys (all but ``address`` have a default; SGLang's own ar
 
 - ``address``: ``unix:///path`` (same host: pages move through the sidecar's mapped arena) or
   ``host:port`` (the data port); default ``$KVSTORE_ADDRESS``;
-- ``token``; ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``: as for the vLLM connector
-  (TCP only);
+- the token (``$KVSTORE_TOKEN`` or a 0600 ``token_file``) and ``tls_ca_file``,
+  ``tls_cert_file``, ``tls_key_file`` (TCP only): ``engine_plugin.sidecar.SidecarSettings``, as
+  for the vLLM connector;
 - ``model_path``: the model's local folder, for its weights digest; default SGLang's model name
   when it is a folder, else its snapshot in the Hugging Face cache;
 - ``lookup_timeout_s`` (1.0): the deadline of one ``batch_exists``;
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,10 +54,9 @@ import torch
 
 from engine_plugin.sglang_identity import identity_from_sglang, model_folder, page_bytes_of
 from engine_plugin.sglang_pages import Page, PageTransfer, flat_page, pointed_pages
-from engine_plugin.sidecar import DEADLINE_FLOOR_S, SidecarLink
-from kvstore.client import Client, connect
+from engine_plugin.sidecar import DEADLINE_FLOOR_S, SidecarLink, SidecarSettings
+from kvstore.client import Client
 from kvstore.keys import BlockKey, ModelIdentity
-from kvstore.tls import ClientTls
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -74,9 +73,7 @@ _PAGE_DOMAIN = b"kvstore/sglang-page/v1"
 class BackendConfig:
     """The extra config's keys, parsed once (the module docstring lists them)."""
 
-    address: str
-    token: str | None
-    tls: ClientTls | None
+    sidecar: SidecarSettings  # address, token, TLS
     model_path: str
     zero_copy: bool  # SGLang's interface_v1
     lookup_timeout_s: float = 1.0
@@ -84,30 +81,13 @@ class BackendConfig:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> BackendConfig:
-        address = str(extra.get("address") or os.environ.get("KVSTORE_ADDRESS") or "")
-        if not address:
-            raise ValueError(
-                "--hicache-storage-backend-extra-config needs 'address' (unix:///path or host:port)"
-            )
-        tls_ca, tls_cert = str(extra.get("tls_ca_file") or ""), str(extra.get("tls_cert_file") or "")
-        tls = (
-            ClientTls(tls_ca, tls_cert, str(extra.get("tls_key_file") or ""))
-            if (tls_ca or tls_cert) and not address.startswith("unix:")
-            else None
-        )
-        token = extra.get("token")
         return cls(
-            address,
-            str(token) if token else None,
-            tls,
+            SidecarSettings.parse(extra, "--hicache-storage-backend-extra-config"),
             str(extra.get("model_path") or ""),
             bool(int(extra.get("interface_v1", 0) or 0)),
             _positive(extra, "lookup_timeout_s", 1.0),
             _positive(extra, "min_bytes_per_s", 100e6),
         )
-
-    def connect(self) -> Client:
-        return connect(self.address, token=self.token, tls=self.tls)
 
 
 class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -115,7 +95,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.config = BackendConfig.parse(storage_config.extra_config or {})
         self.storage_config = storage_config
         self._folder = model_folder(storage_config.model_name, self.config.model_path)
-        self._connect: Callable[[], Client] = self.config.connect  # tests put a faulty client here
+        self._connect: Callable[[], Client] = self.config.sidecar.connect  # tests put a faulty client here
         self.identity: ModelIdentity | None = None
         self._pages: PageTransfer | None = None
         self._local = threading.local()
@@ -130,11 +110,11 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         interface = "pieces" if self.config.zero_copy else "flat"
         self.identity = identity_from_sglang(self.storage_config, mem_pool_host, self._folder, interface)
         self._pages = PageTransfer(
-            self.identity.fingerprint(), page_bytes_of(mem_pool_host), self.config.address.startswith("unix:")
+            self.identity.fingerprint(), page_bytes_of(mem_pool_host), self.config.sidecar.address.same_host
         )
         log.info(
             "kvstore HiCache storage at %s: model %s, rank %d of %d, fingerprint %s, %d B pages (%s)",
-            self.config.address,
+            self.config.sidecar.address,
             self.identity.model_id,
             self.identity.tp_rank,
             self.identity.tp_world_size,
@@ -242,7 +222,7 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         link: SidecarLink | None = getattr(self._local, "link", None)
         if link is None:
             assert self.identity is not None
-            link = SidecarLink(self.config.address, self._connect, [self.identity], self._unreachable)
+            link = SidecarLink(self.config.sidecar.address, self._connect, [self.identity], self._unreachable)
             self._local.link = link
             with self._links_lock:
                 self._links.append(link)

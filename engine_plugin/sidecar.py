@@ -1,4 +1,5 @@
-"""One connector side's link to the kvstore sidecar: deadlines, one reconnect, a circuit breaker.
+"""An engine plugin's link to the kvstore sidecar: where it is (address, token, TLS),
+deadlines, one reconnect, a circuit breaker.
 
     link = SidecarLink(address, connect, identities, on_unreachable)
     hit = link.call("lookup", lookup_deadline_s(recompute_s), lambda kv: kv.lookup_tiers(...))
@@ -26,19 +27,36 @@ the call's name.
 
 Thread rules: none; each connector side (scheduler, worker) owns one link and uses it from its
 own thread. Exceptions other than ``KvStoreError`` that ``fn`` raises pass through.
+
+Where the sidecar is and how to reach it (``SidecarSettings``) is parsed here once, for both
+engine plugins, from the keys their extra configs share, each with an environment default:
+
+- ``address``: ``unix:///path`` (same host) or ``host:port``; default ``$KVSTORE_ADDRESS``;
+- the bearer token: ``$KVSTORE_TOKEN``, or a file only its owner can read (``token_file``,
+  default ``$KVSTORE_TOKEN_FILE``; a file group or others can read is refused, as ssh refuses
+  such a key). A ``token`` key in the extra config still works, with a warning: the engines log
+  their whole configuration at INFO, the token with it. The config's keys beat the environment;
+  ``token`` and ``token_file`` together are an error;
+- ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file`` (TCP only; defaults ``$KVSTORE_TLS_CA``,
+  ``$KVSTORE_TLS_CERT``, ``$KVSTORE_TLS_KEY``, as for the ``kvstore`` commands).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from engine_plugin.breaker import CircuitBreaker
-from kvstore.client import Client
+from kvstore.address import Address, parse_address
+from kvstore.client import Client, connect
 from kvstore.errors import DeadlineExceeded, KvStoreError, NotFound, Unavailable
 from kvstore.keys import ModelIdentity
+from kvstore.secret_files import read_secret_file
+from kvstore.tls import ClientTls
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -67,10 +85,65 @@ def save_deadline_s(nbytes: int) -> float:
     return DEADLINE_FLOOR_S + nbytes / SAVE_SLOW_BYTES_PER_S
 
 
+@dataclass(frozen=True)
+class SidecarSettings:
+    """The sidecar's address, token and TLS (the keys: the module docstring)."""
+
+    address: Address
+    token: str | None = field(default=None, repr=False)  # never in a log line or a traceback
+    tls: ClientTls | None = None  # TCP addresses only
+
+    @classmethod
+    def parse(
+        cls, extra: Mapping[str, Any], where: str, env: Mapping[str, str] = os.environ
+    ) -> SidecarSettings:
+        """``extra``: the engine's extra config; ``where``: its name, for errors and warnings."""
+        text = str(extra.get("address") or env.get("KVSTORE_ADDRESS") or "")
+        if not text:
+            raise ValueError(f"{where} needs 'address' (unix:///path or host:port), or set $KVSTORE_ADDRESS")
+        address = parse_address(text, f"{where} 'address'")
+        tls = None
+        if not address.same_host:
+            ca, cert, key = (
+                str(extra.get(name) or env.get(var) or "")
+                for name, var in (
+                    ("tls_ca_file", "KVSTORE_TLS_CA"),
+                    ("tls_cert_file", "KVSTORE_TLS_CERT"),
+                    ("tls_key_file", "KVSTORE_TLS_KEY"),
+                )
+            )
+            tls = ClientTls(ca, cert, key) if ca or cert else None
+        return cls(address, _token(extra, where, env), tls)
+
+    def connect(self) -> Client:
+        return connect(self.address.target, token=self.token, tls=self.tls)
+
+
+def _token(extra: Mapping[str, Any], where: str, env: Mapping[str, str]) -> str | None:
+    in_config, token_file = extra.get("token"), str(extra.get("token_file") or "")
+    if in_config and token_file:
+        raise ValueError(f"{where} names both 'token' and 'token_file': keep token_file")
+    if in_config:
+        log.warning(
+            "%s carries the kvstore token, and the engine writes its configuration, token and "
+            "all, to its log: give the token in $KVSTORE_TOKEN or in a file only you can read "
+            "('token_file' or $KVSTORE_TOKEN_FILE) instead",
+            where,
+        )
+        return str(in_config)
+    if token_file:
+        return read_secret_file(token_file, f"{where} 'token_file'")
+    if env.get("KVSTORE_TOKEN"):
+        return env["KVSTORE_TOKEN"]
+    if env.get("KVSTORE_TOKEN_FILE"):
+        return read_secret_file(env["KVSTORE_TOKEN_FILE"], "$KVSTORE_TOKEN_FILE")
+    return None
+
+
 class SidecarLink:
     def __init__(
         self,
-        address: str,
+        address: Address,
         connect: Callable[[], Client],
         identities: Sequence[ModelIdentity],
         on_unreachable: Callable[[str], None],

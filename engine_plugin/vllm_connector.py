@@ -7,7 +7,7 @@ Load it with::
         kv_connector_module_path="engine_plugin.vllm_connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",   # a failed or missing block is recomputed
-        kv_connector_extra_config={"address": "unix:///.../kvstore.sock", "token": None,
+        kv_connector_extra_config={"address": "unix:///.../kvstore.sock",
                                    "calibration": "/path/calibration.json",
                                    "policy": "auto",    # or "restore" / "recompute" (benchmarks)
                                    "audit_fraction": 0.0, "audit_tolerance": 0.02},
@@ -24,8 +24,11 @@ reason logged as an error; the counts and differences are on vLLM's metrics
 
 One request can override the policy: ``SamplingParams(extra_args={"kv_transfer_params":
 {"kvstore_policy": "restore"}})`` (the decision benchmark compares the three in one engine).
-A TLS sidecar or shared store takes ``"tls_ca_file"`` (its CA) and, for mutual TLS,
-``"tls_cert_file"`` / ``"tls_key_file"``; the Unix socket is plain.
+The sidecar's address, token and TLS are parsed by ``engine_plugin.sidecar.SidecarSettings``,
+as for SGLang: ``address`` defaults to ``$KVSTORE_ADDRESS``; the token comes from
+``$KVSTORE_TOKEN`` or a 0600 ``token_file`` (a ``token`` key works too, with a warning: vLLM logs
+this config at INFO); ``tls_ca_file`` and, for mutual TLS, ``tls_cert_file`` / ``tls_key_file``
+(TCP only; the Unix socket is plain).
 
 vLLM makes one connector per role; this class only parses the configuration (``ConnectorConfig``,
 once) and hands every call to its role's half:
@@ -62,7 +65,8 @@ time to first token to vLLM's stat loggers (log line and Prometheus ``/metrics``
 
 Tensor parallel: each rank's blocks are keyed by its own fingerprint (rank and world size are
 in it); the scheduler looks up every rank's keys and plans on the shortest hit (the slowest tier
-per block), each worker moves only its rank's shard. Pipeline parallel: 1 only. The CUDA layouts
+per block), each worker moves only its rank's shard. Pipeline parallel: 1 only. Hybrid models
+(no ``SupportsHMA``): ``engine_plugin.vllm_hybrid``. The CUDA layouts
 run only where CUDA is present (``gpu``-marked tests); the CPU layout is tested end to end.
 """
 
@@ -78,16 +82,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_plugin.calibration import Calibration
-from engine_plugin.sidecar import SidecarLink
+from engine_plugin.sidecar import SidecarLink, SidecarSettings
 from engine_plugin.vllm_events import KvstoreKVEvents, saved_block_events, worker_events
+from engine_plugin.vllm_hybrid import check_kv_cache_groups
 from engine_plugin.vllm_identity import identity_from_vllm
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide, parse_policy
 from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics
 from engine_plugin.vllm_worker import WorkerSide
-from kvstore.client import Client, connect
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
-from kvstore.tls import ClientTls
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -121,9 +124,7 @@ log = logging.getLogger(f"vllm.{__name__}")
 class ConnectorConfig:
     """``kv_connector_extra_config``, parsed once (the keys: the module docstring)."""
 
-    address: str  # unix:///path (same host) or host:port
-    token: str | None
-    tls: ClientTls | None  # TCP addresses only
+    sidecar: SidecarSettings  # address, token, TLS
     calibration_path: str  # "": the built-in defaults
     policy: Policy
     audit_fraction: float = 0.0  # share of would-be restores recomputed and compared instead
@@ -132,34 +133,14 @@ class ConnectorConfig:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
-        address = str(extra.get("address") or "")
-        if not address:
-            raise ValueError("kv_connector_extra_config needs 'address' (unix:///path or host:port)")
-        token = extra.get("token")
-        tls_ca, tls_cert = str(extra.get("tls_ca_file") or ""), str(extra.get("tls_cert_file") or "")
-        tls = (
-            ClientTls(tls_ca, tls_cert, str(extra.get("tls_key_file") or ""))
-            if (tls_ca or tls_cert) and not address.startswith("unix:")
-            else None
-        )
         return cls(
-            address,
-            str(token) if token else None,
-            tls,
+            SidecarSettings.parse(extra, "kv_connector_extra_config"),
             str(extra.get("calibration") or ""),
             parse_policy(extra.get("policy", "auto")),
             _share(extra, "audit_fraction", 0.0),
             _share(extra, "audit_tolerance", AUDIT_TOLERANCE),
             _flag(extra, "layerwise_load", False),
         )
-
-    @property
-    def same_host(self) -> bool:
-        """The sidecar's Unix socket: blocks move through its mapped arena."""
-        return self.address.startswith("unix:")
-
-    def connect(self) -> Client:
-        return connect(self.address, token=self.token, tls=self.tls)
 
     def calibration(self) -> Calibration:
         if self.calibration_path:
@@ -197,6 +178,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config or {})
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("the kvstore connector supports pipeline_parallel_size=1")
+        check_kv_cache_groups(kv_cache_config, vllm_config.model_config.model)  # no SupportsHMA
         block_size = vllm_config.cache_config.block_size
         world = vllm_config.parallel_config.tensor_parallel_size
         stats = KvstoreConnectorStats()
@@ -207,7 +189,9 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             identities = [identity_from_vllm(vllm_config, tp_rank=r) for r in range(world)]
             identity = identities[0]
-            link = SidecarLink(config.address, config.connect, identities, stats.add_unreachable)
+            link = SidecarLink(
+                config.sidecar.address, config.sidecar.connect, identities, stats.add_unreachable
+            )
             self._scheduler = SchedulerSide(
                 link,
                 stats,
@@ -220,19 +204,21 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             rank = _tp_rank()
             identity = identity_from_vllm(vllm_config, tp_rank=rank)
-            link = SidecarLink(config.address, config.connect, [identity], stats.add_unreachable)
+            link = SidecarLink(
+                config.sidecar.address, config.sidecar.connect, [identity], stats.add_unreachable
+            )
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = WorkerSide(
                 link,
                 stats,
                 identity,
                 rank,
-                config.same_host,
+                config.sidecar.address.same_host,  # blocks move through the sidecar's mapped arena
                 num_blocks,
                 config.audit_tolerance,
                 config.layerwise_load,
             )
-        same_host = config.same_host
+        same_host = config.sidecar.address.same_host
         self._kv_events = saved_block_events(vllm_config, self._scheduler, block_size, same_host)
         # The whole fingerprint and what it digests: an operator invalidates by it
         # (`kvstore invalidate --fingerprint`) and can see why two engines do not share blocks.

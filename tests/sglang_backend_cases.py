@@ -342,7 +342,7 @@ def test_a_short_block_is_a_miss_and_writes_nothing(
     reader = Rank(address, models / "tiny", interface_v1=interface_v1, token=token)
     try:
         _, pages = writer.store(key)
-        reader.backend._connect = lambda: _ShortReads(reader.backend.config.connect(), short=2)
+        reader.backend._connect = lambda: _ShortReads(reader.backend.config.sidecar.connect(), short=2)
         read, restored = reader.restore(key)
         assert read == 2  # pages 0 and 1; page 2 came short, so neither it nor later pages count
         assert _same(pages[:2], restored[:2])

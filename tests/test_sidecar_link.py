@@ -1,10 +1,13 @@
 """The connector's link to its sidecar: deadlines, the one reconnect, the breaker — on a fake
-client and a clock the test steps."""
+client and a clock the test steps; and where the sidecar is (address, token, TLS), as both
+engine plugins parse it."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,11 +18,21 @@ from engine_plugin.sidecar import (
     DEADLINE_FLOOR_S,
     LOOKUP_CAP_S,
     SidecarLink,
+    SidecarSettings,
     load_deadline_s,
     lookup_deadline_s,
     save_deadline_s,
 )
-from kvstore.errors import DeadlineExceeded, LeaseExpired, StoreFull, Unavailable
+from kvstore.address import TcpAddress, UnixAddress, parse_address
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    LeaseExpired,
+    StoreFull,
+    Unavailable,
+)
+from kvstore.tls import ClientTls
 from tests.service_fixtures import MODEL
 
 
@@ -67,7 +80,7 @@ class Harness:
         self.unreachable: list[str] = []
         self.clock = Clock()
         self.link = SidecarLink(
-            "unix:///fake.sock",
+            UnixAddress("/fake.sock"),
             self._connect,
             [MODEL],
             self.unreachable.append,
@@ -178,3 +191,90 @@ def test_release_skips_unknown_leases_and_needs_no_new_client() -> None:
     assert h.made[0].released == [1, 2] and h.link.breaker.is_closed
     h.link.close()
     assert h.made[0].closed
+
+
+# ----------------------------------------------------------------- where the sidecar is
+
+ENV_TOKEN = "env-token-3f9c"
+
+
+def secret_file(folder: Path, text: str, mode: int) -> Path:
+    path = folder / "token"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_addresses_are_parsed_once_into_their_kind() -> None:
+    assert parse_address("unix:///run/kv.sock") == UnixAddress("/run/kv.sock")
+    assert parse_address("10.0.0.7:50051") == TcpAddress("10.0.0.7", 50051)
+    assert parse_address("[::1]:9000").target == "[::1]:9000"
+    assert UnixAddress("/run/kv.sock").same_host and not TcpAddress("h", 1).same_host
+    for bad in ("unix:relative.sock", "unix://relative", "host", "host:0", "host:port", "tcp://h:1", ":80"):
+        with pytest.raises(InvalidArgument, match="unix:///absolute/path or host:port"):
+            parse_address(bad, "x 'address'")
+
+
+def test_address_and_token_come_from_the_environment_and_the_config_beats_it() -> None:
+    env = {"KVSTORE_ADDRESS": "unix:///env.sock", "KVSTORE_TOKEN": ENV_TOKEN}
+    settings = SidecarSettings.parse({}, "cfg", env)
+    assert settings.address == UnixAddress("/env.sock") and settings.token == ENV_TOKEN
+    assert settings.tls is None
+    assert ENV_TOKEN not in repr(settings)  # a traceback or a debug line shows no token
+    mine = SidecarSettings.parse({"address": "h:7"}, "cfg", env)
+    assert mine.address == TcpAddress("h", 7) and mine.token == ENV_TOKEN
+    with pytest.raises(ValueError, match=r"cfg needs 'address'.*\$KVSTORE_ADDRESS"):
+        SidecarSettings.parse({}, "cfg", {})
+
+
+def test_a_token_file_only_its_owner_can_read_is_used(tmp_path: Path) -> None:
+    path = secret_file(tmp_path, "file-token-81d2", 0o600)
+    settings = SidecarSettings.parse({"address": "h:7", "token_file": str(path)}, "cfg", {})
+    assert settings.token == "file-token-81d2"
+    by_env = SidecarSettings.parse({"address": "h:7"}, "cfg", {"KVSTORE_TOKEN_FILE": str(path)})
+    assert by_env.token == "file-token-81d2"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_token_file_group_or_others_can_read_is_refused_like_ssh_refuses_a_key(
+    tmp_path: Path, mode: int
+) -> None:
+    path = secret_file(tmp_path, "leaked-token-77aa", mode)
+    with pytest.raises(FailedPrecondition) as refused:
+        SidecarSettings.parse({"address": "h:7", "token_file": str(path)}, "cfg", {})
+    message = str(refused.value)
+    assert str(path) in message and f"mode {mode:o}" in message and "chmod 600" in message
+    assert "leaked-token-77aa" not in message
+    with pytest.raises(FailedPrecondition, match=r"\$KVSTORE_TOKEN_FILE"):
+        SidecarSettings.parse({"address": "h:7"}, "cfg", {"KVSTORE_TOKEN_FILE": str(path)})
+
+
+def test_a_missing_or_empty_token_file_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(FailedPrecondition, match=r"cfg 'token_file' .*nope"):
+        SidecarSettings.parse({"address": "h:7", "token_file": str(tmp_path / "nope")}, "cfg", {})
+    empty = secret_file(tmp_path, "", 0o600)
+    with pytest.raises(FailedPrecondition, match="is empty"):
+        SidecarSettings.parse({"address": "h:7", "token_file": str(empty)}, "cfg", {})
+
+
+def test_a_token_in_the_config_works_with_a_warning_that_the_engine_logs_it(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        settings = SidecarSettings.parse({"address": "h:7", "token": "cfg-token-5e"}, "cfg", {})
+    assert settings.token == "cfg-token-5e"
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "writes its configuration" in warning.getMessage() and "$KVSTORE_TOKEN" in warning.getMessage()
+    assert "cfg-token-5e" not in caplog.text
+    path = secret_file(tmp_path, "file-token", 0o600)
+    with pytest.raises(ValueError, match="both 'token' and 'token_file'"):
+        SidecarSettings.parse({"address": "h:7", "token": "x", "token_file": str(path)}, "cfg", {})
+
+
+def test_tls_is_for_tcp_and_defaults_to_the_commands_environment() -> None:
+    env = {"KVSTORE_TLS_CA": "/ca.pem", "KVSTORE_TLS_CERT": "/c.pem", "KVSTORE_TLS_KEY": "/k.pem"}
+    tcp = SidecarSettings.parse({"address": "h:7"}, "cfg", env)
+    assert tcp.tls == ClientTls("/ca.pem", "/c.pem", "/k.pem")
+    mine = SidecarSettings.parse({"address": "h:7", "tls_ca_file": "/mine.pem"}, "cfg", env)
+    assert mine.tls is not None and mine.tls.ca_file == "/mine.pem"
+    assert SidecarSettings.parse({"address": "unix:///s.sock"}, "cfg", env).tls is None  # plain socket

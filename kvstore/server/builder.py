@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 from kvstore.errors import FailedPrecondition
 from kvstore.extras import require
+from kvstore.secret_files import read_secret_file
 from kvstore.server.config import CODECS, RemoteSettings, Settings
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
@@ -224,7 +224,7 @@ def build_remote(settings: Settings) -> RemoteTier | None:
         if r.backend == "redis":
             from tiers.redis_cluster import RedisClusterTier, RedisConfig
 
-            password = _secret(r.password_file, "remote.password_file") if r.password_file else ""
+            password = read_secret_file(r.password_file, "remote.password_file") if r.password_file else ""
             return RedisClusterTier(
                 RedisConfig(
                     nodes=r.nodes,
@@ -282,19 +282,6 @@ def _mooncake(r: RemoteSettings) -> RemoteTier:
             key_name=shared_key_name,
         )
     )
-
-
-def _secret(path: str, setting: str) -> str:
-    """The one line of a secret file only its owner can read (a readable one is a leak)."""
-    try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
-    except OSError as exc:
-        raise FailedPrecondition(f"{setting} {path}: {exc.strerror or exc}") from None
-    if mode & 0o077:
-        raise FailedPrecondition(f"{setting} {path} is readable by group or others: chmod 600 it")
-    return text
 
 
 def open_store(settings: Settings) -> TieredStore:
