@@ -141,7 +141,9 @@ class ServerSettings:
     unix_tenant: str = "local"  # tenant of Unix-socket callers without a token
     admins: tuple[str, ...] = ("local",)  # tenants that may invalidate other tenants' blocks
     shared_scopes: Mapping[str, str] = field(default_factory=dict)  # scope -> "tenant-a,tenant-b"
-    metrics_address: str = "127.0.0.1:9464"  # Prometheus /metrics; empty: off
+    # Prometheus /metrics, with /healthz and /readyz for probes; "auto": 127.0.0.1:9464, or a free
+    # port (logged, and listed by kvstore stats) when another server has 9464; "": off
+    metrics_address: str = "auto"
     max_message_bytes: int = 64 * MiB  # largest gRPC message accepted
     drain_grace_s: float = 10.0  # how long in-flight requests get on SIGTERM
     workers: int = 16  # gRPC worker threads
@@ -256,7 +258,8 @@ def _check(settings: Settings) -> None:
                 f"({name}.page_bytes = {pool.page_bytes} B): raise it or lower {name}.page_bytes"
             )
     s = settings.server
-    listeners = {"server.tcp_address": s.tcp_address, "server.metrics_address": s.metrics_address}
+    listeners = {"server.tcp_address": s.tcp_address}
+    listeners["server.metrics_address"] = "" if s.metrics_address == "auto" else s.metrics_address
     listeners["server.data_address"] = "" if s.data_address == "auto" else s.data_address
     for setting, address in listeners.items():
         if address:

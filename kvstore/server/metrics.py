@@ -1,22 +1,32 @@
 """Prometheus metrics of a kvstore server, named ``kvstore_<what>_<unit>[_total]``.
 
 Request-path figures are recorded as they happen (token hit rate by tenant and tier, latency
-histograms); occupancy and the store's own counters (evictions, demotions, promotions,
-checksum failures) are read from the store at scrape time, so they cost nothing between
-scrapes.
+histograms); the store's figures (every one ``kvstore stats`` shows, kvstore.server.metrics_store)
+are read at scrape time, so they cost nothing between scrapes. Beside them: the process
+(``process_*``: CPU, memory, file descriptors, start time), ``python_gc_*`` and
+``kvstore_build_info``. The port also answers probes (kvstore.server.metrics_http).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+import platform
+from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client import GC_COLLECTOR, CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
+from kvstore import __version__
+from kvstore.server.metrics_http import MetricsHttpServer
+from kvstore.server.metrics_store import ConnectionFigures, ConnectionsCollector, StoreCollector
 from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -38,103 +48,32 @@ _LATENCY_BUCKETS_S = (
     2.5,
     5,
 )
-_STORE_COUNTERS = {
-    "demotions": ("kvstore_demotions_total", "Blocks moved down a tier on eviction"),
-    "promotions": ("kvstore_promotions_total", "Blocks copied up a tier on a hit"),
-    "checksum_failures": (
-        "kvstore_checksum_failures_total",
-        "Blocks that failed their checksum (miss + delete)",
-    ),
-    "quota_evictions": ("kvstore_quota_evictions_total", "Blocks dropped to keep a tenant within its quota"),
-    "quota_rejections": ("kvstore_quota_rejections_total", "Puts refused because a quota was full of pins"),
-    "leases_expired": ("kvstore_leases_expired_total", "Leases that ran out before release"),
-    "invalidated_blocks": ("kvstore_invalidated_blocks_total", "Blocks removed by Invalidate"),
-    "remote_unsealable": (
-        "kvstore_remote_unsealable_blocks_total",
-        "Sealed remote copies that did not open (tenant key shredded or absent): missed and deleted",
-    ),
-    "remote_expired": (
-        "kvstore_remote_expired_blocks_total",
-        "Remote copies read past their tenant's retention (or of unknown age under one): missed and deleted",
-    ),
-    "put_blocks": ("kvstore_stored_blocks_total", "Blocks stored"),
-    "pace_timeouts": (
-        "kvstore_pace_timeouts_total",
-        "Writes that waited the longest allowed for a disk that was behind (their victims then dropped)",
-    ),
-    "nvme_busy_skipped_blocks": (
-        "kvstore_nvme_busy_skipped_blocks_total",
-        "Blocks not demoted into nvme because its write queue was full: dropped from the tier above",
-    ),
-    "retired_slots_freed_unwritten": (
-        "kvstore_arena_slots_freed_unwritten_total",
-        "Arena slots let go before nvme had written their blocks (a disk behind past the pace): "
-        "a kill -9 then would lose those blocks",
-    ),
-}
-
-
-class _StoreCollector(Collector):
-    def __init__(self, store: TieredStore) -> None:
-        self._store = store
-
-    def collect(self) -> Iterator[Any]:
-        stats = self._store.stats()
-        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes of blocks held per tier", labels=["tier"])
-        capacity = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
-        blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held per tier", labels=["tier"])
-        evictions = CounterMetricFamily("kvstore_evictions", "Blocks evicted from each tier", labels=["tier"])
-        degraded = GaugeMetricFamily(
-            "kvstore_tier_degraded",
-            "1 while a tier takes no writes (its file system is full or read-only); reads go on",
-            labels=["tier"],
-        )
-        write_failures = CounterMetricFamily(
-            "kvstore_tier_write_failures",
-            "Blocks a tier could not write (no room, read-only, a failed commit): dropped or refused",
-            labels=["tier"],
-        )
-        damaged = CounterMetricFamily(
-            "kvstore_tier_damaged_moved",
-            "Damaged environments a tier moved aside at start (kept for inspection) before starting empty",
-            labels=["tier"],
-        )
-        checksum_failures = CounterMetricFamily(
-            "kvstore_tier_checksum_failures",
-            "Blocks a tier found changed, torn or under another key (a miss, deleted); dram counts "
-            "those it checks before serving them to another server",
-            labels=["tier"],
-        )
-        for usage in stats.tiers:
-            used.add_metric([usage.name], usage.used_bytes)
-            capacity.add_metric([usage.name], usage.capacity_bytes)
-            blocks.add_metric([usage.name], usage.blocks)
-            evictions.add_metric([usage.name], stats.counters.get(f"evicted_{usage.name}_blocks", 0))
-            degraded.add_metric([usage.name], int(usage.degraded))
-            write_failures.add_metric([usage.name], usage.write_failures)
-            damaged.add_metric([usage.name], usage.damaged_moved)
-            checksum_failures.add_metric([usage.name], usage.checksum_failures)
-        yield from (used, capacity, blocks, evictions, degraded, write_failures, damaged, checksum_failures)
-        for key, (name, doc) in _STORE_COUNTERS.items():
-            family = CounterMetricFamily(name.removesuffix("_total"), doc)
-            family.add_metric([], stats.counters.get(key, 0))
-            yield family
-        tenants = GaugeMetricFamily(
-            "kvstore_namespace_bytes", "Bytes held per namespace", labels=["namespace"]
-        )
-        for namespace, nbytes in stats.namespace_bytes.items():
-            tenants.add_metric([namespace], nbytes)
-        yield tenants
 
 
 class Metrics:
-    """The metrics of one server; ``serve(address)`` exposes them at ``http://address/metrics``."""
+    """The metrics of one server. ``serve(address)`` starts the metrics port (kvstore.server.
+    metrics_http) before the store opens, so ``/healthz`` answers and ``/readyz`` says "starting"
+    while it does; ``watch(store)`` adds the store's figures once it is open; ``state`` is what
+    ``/readyz`` reports ("starting", "ready", "draining")."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.state = "starting"
+        self.port = 0  # bound by serve
         # python_gc_collections_total{generation}: a server runs no full collection after start
         # (kvstore.server.serve.hold_full_collections)
         self.registry.register(GC_COLLECTOR)
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds,
+        # process_max_fds, process_start_time_seconds (uptime), process_virtual_memory_bytes
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)  # python_info{version,implementation}
+        build = Gauge(
+            "kvstore_build_info",
+            "Always 1; its labels say which kvstore and which Python this server runs",
+            ["version", "python"],
+            registry=self.registry,
+        )
+        build.labels(__version__, platform.python_version()).set(1)
         self.lookup_tokens = Counter(
             "kvstore_lookup_tokens_total",
             "Prompt tokens looked up, by tenant and result (hit or miss); models registered only",
@@ -174,14 +113,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_StoreCollector(store))
         # Children of the per-tenant counters; a dict read and write is atomic under the GIL,
         # and two threads that both miss make the same child (labels returns the one it has).
         self._by_tenant: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._by_tier: dict[tuple[str, str], Any] = {}
         self._by_method: dict[str, Any] = {}
-        self._http: Any = None
-        self._thread: threading.Thread | None = None
+        self._http = MetricsHttpServer(self.registry, lambda: self.state)
 
     def observe_request(self, method: str, seconds: float) -> None:
         child = self._by_method.get(method)
@@ -220,17 +157,25 @@ class Metrics:
             child = self._by_tier[(tenant, tier)] = self.hit_tokens.labels(tenant, tier)
         return child
 
+    def watch(self, store: TieredStore) -> None:
+        """Export the store's figures (kvstore.server.metrics_store) from the next scrape on."""
+        self.registry.register(StoreCollector(store))
+
+    def watch_connections(self, figures: ConnectionFigures) -> None:
+        """Export open connections (``figures``: by listener, by tenant) from the next scrape on."""
+        self.registry.register(ConnectionsCollector(figures))
+
     def serve(self, address: str) -> int:
-        """Start the /metrics endpoint; returns the port bound (``host:0`` picks a free one)."""
-        host, _, port = address.rpartition(":")
-        result = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
-        self._http, self._thread = result if isinstance(result, tuple) else (None, None)
-        bound = int(self._http.server_port) if self._http is not None else int(port)
-        log.info("metrics at http://%s:%d/metrics", host or "127.0.0.1", bound)
-        return bound
+        """Start the metrics port on ``address`` (``host:port``, ``host:0``, or ``"auto"``); the
+        port bound. Raises OSError or ValueError when it cannot be bound."""
+        self.port = self._http.start(address)
+        log.info("metrics at %s/metrics, probes at /healthz and /readyz", self._http.url)
+        return self.port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the metrics port, once serving."""
+        return self._http.url
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        self._http.close()

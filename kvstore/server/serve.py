@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.extras import require
 from kvstore.server.audit import AuditLog
-from kvstore.server.auth import Authenticator, tenant_namespace
+from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.builder import open_store
 from kvstore.server.config import Settings
 from kvstore.server.dataport import DataPort
@@ -78,6 +79,8 @@ class RunningServer:
         log.info("draining: refusing new requests, %.1fs for in-flight ones", self.drain_grace_s)
         self.service.draining.set()
         self.health.enter_graceful_shutdown()
+        if self.metrics is not None:
+            self.metrics.state = "draining"  # /readyz: 503, so no new traffic is sent here
         for port in (self.data_port, self.data_socket):
             if port is not None:
                 port.close(self.drain_grace_s)
@@ -109,19 +112,40 @@ def start_server(settings: Settings) -> RunningServer:
         settings, store=dataclasses.replace(settings.store, quota_bytes=quotas, retention_s=retention)
     )
     with contextlib.ExitStack() as undo:
+        metrics = _serve_metrics(settings, undo)  # first: /healthz answers while the store opens
         store = open_store(settings)
         undo.callback(store.close)
-        running = _start_listeners(settings, store, undo)
+        if metrics is not None:
+            metrics.watch(store)
+        running = _start_listeners(settings, store, metrics, undo)
         undo.pop_all()  # started: from here on, stop() owns the cleanup
         return running
 
 
-def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.ExitStack) -> RunningServer:
+def _serve_metrics(settings: Settings, undo: contextlib.ExitStack) -> Metrics | None:
+    """The metrics port, /readyz saying "starting" until the server is up; None when off."""
+    if not settings.server.metrics_address:
+        return None
+    metrics = Metrics()
+    undo.callback(metrics.close)
+    try:
+        metrics.serve(settings.server.metrics_address)
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(
+            f"cannot serve metrics on {settings.server.metrics_address} ({_reason(exc)}): set "
+            "server.metrics_address to a free host:port, to auto (a free port when the default "
+            "is taken), or to nothing to turn metrics off (--set server.metrics_address=)"
+        ) from None
+    return metrics
+
+
+def _start_listeners(
+    settings: Settings, store: TieredStore, metrics: Metrics | None, undo: contextlib.ExitStack
+) -> RunningServer:
     for line in store.absent_tiers:
         # Off by choice is not worth a warning at every start; absent when asked for is.
         level = logging.INFO if "disabled in the configuration" in line else logging.WARNING
         log.log(level, "tier absent: %s", line)
-    metrics = Metrics(store) if settings.server.metrics_address else None
     auth = Authenticator(settings.server)
     audit = _audit_log(settings, undo)
     shredder = Shredder(store, audit)
@@ -199,31 +223,24 @@ def _start_listeners(settings: Settings, store: TieredStore, undo: contextlib.Ex
         data_socket = _data_port(auth, service, address, "server.data_socket_path", spin_s=spin_s)
         undo.callback(data_socket.close, 0.0)
         service.data_socket = data_socket_path
-    metrics_port = None
-    if metrics is not None:
-        undo.callback(metrics.close)
-        try:
-            metrics_port = metrics.serve(settings.server.metrics_address)
-        except (OSError, ValueError) as exc:
-            raise FailedPrecondition(
-                f"cannot serve metrics on {settings.server.metrics_address} ({_reason(exc)}): set "
-                "server.metrics_address to a free host:port, or to nothing to turn metrics off "
-                "(--set server.metrics_address=)"
-            ) from None
     server.start()
     os.chmod(socket_path, 0o600)
     service.addresses = [unix_address] + [a for a in (tcp_address,) if a]
     service.connections = Connections({"data port": data_port, "data socket": data_socket}, str(socket_path))
+    if metrics is not None:
+        metrics.watch_connections(partial(service.connections.figures, Caller("", admin=True)))
     if data_port is not None:
         service.addresses.append(f"data port {data_address.rpartition(':')[0]}:{data_port.port}")
     if data_socket is not None:
         service.addresses.append(f"data socket unix://{data_socket_path}")
-    if metrics_port is not None:
-        service.addresses.append(
-            f"metrics http://{settings.server.metrics_address.rpartition(':')[0] or '127.0.0.1'}:{metrics_port}/metrics"
-        )
+    metrics_port = None
+    if metrics is not None:
+        metrics_port = metrics.port
+        service.addresses.append(f"metrics {metrics.url}/metrics")
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if metrics is not None:
+        metrics.state = "ready"
     log.info(
         "serving on %s%s%s; tiers: %s",
         unix_address,
@@ -406,7 +423,8 @@ def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = No
         ready(running)
     print(
         f"kvstore serving on {running.unix_address}"
-        + (f" and {running.tcp_address}" if running.tcp_address else ""),
+        + (f" and {running.tcp_address}" if running.tcp_address else "")
+        + (f"; metrics {running.metrics.url}/metrics" if running.metrics is not None else ""),
         flush=True,
     )
     stop_requested.wait()
