@@ -378,6 +378,12 @@ def test_the_alert_rules_pass_promtool() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(rule_queries())} rules found" in result.stdout
+    # and its unit tests: alerts fire on series that mean trouble, stay quiet on healthy ones
+    tests = RULES.with_name("kvstore-rules.test.yml")
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(tests)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
 
 
 def test_the_dashboards_queries_parse(tmp_path: Path) -> None:
