@@ -17,6 +17,7 @@ from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats
 from engine_plugin.vllm_worker import WorkerSide
+from kvstore.address import parse_address
 from kvstore.client import connect
 from kvstore.keys import block_keys
 from kvstore.server.config import load_settings
@@ -45,7 +46,7 @@ def caches() -> dict[str, torch.Tensor]:
 def worker(sidecar: RunningServer, kv: dict[str, torch.Tensor], layerwise: bool = True) -> WorkerSide:
     stats = KvstoreConnectorStats()
     address = sidecar.unix_address
-    link = SidecarLink(address, lambda: connect(address), [MODEL], stats.add_unreachable)
+    link = SidecarLink(parse_address(address), lambda: connect(address), [MODEL], stats.add_unreachable)
     side = WorkerSide(link, stats, MODEL, 0, True, BLOCKS, layerwise=layerwise)
     side.register_kv_caches(kv)
     return side
