@@ -11,6 +11,7 @@ drain test starts a server of its own, as it stops it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -231,6 +232,15 @@ def test_only_metrics_serves_metrics_and_the_probes_answer(fleet: Fleet) -> None
     assert status == 200 and "kvstore_build_info" in text
     assert get(f"{fleet.url}/healthz") == (200, "ok\n")
     assert get(f"{fleet.url}/readyz") == (200, "ready\n")
+    # as Prometheus asks: OpenMetrics, gzipped
+    asked = urllib.request.Request(
+        f"{fleet.url}/metrics",
+        headers={"Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"},
+    )
+    with urllib.request.urlopen(asked, timeout=10) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert gzip.decompress(r.read()).decode().rstrip().endswith("# EOF")
     for path in ("/", "/metricsx", "/metrics/x", "/health", "/favicon.ico"):
         status, text = get(f"{fleet.url}{path}")
         assert status == 404 and "kvstore_" not in text, path
@@ -246,7 +256,7 @@ def test_two_servers_on_one_host_start_with_the_default_metrics_address(fleet: F
         assert f"metrics port {DEFAULT_ADDRESS} is in use" in log
     assert f"metrics http://127.0.0.1:{sidecar}/metrics" in log  # what serve prints
     # a port named explicitly is bound as named, or the start fails in one line
-    folder = tempfile.mkdtemp(prefix="kvm-", dir="/tmp")
+    folder = tempfile.mkdtemp(prefix="kvmetrics-", dir="/tmp")
     settings = [
         "dram.capacity_bytes=4MiB",
         "dram.page_bytes=1MiB",
