@@ -73,8 +73,10 @@ def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) ->
     uid = dm.image_uid()
     config, run = tmp_path / "config", tmp_path / "run"
     config.mkdir()
-    run.mkdir()
-    os.chown(run, uid, uid)  # the socket folder, writable by the image's user as the pod's emptyDir
+    data = tmp_path / "data"
+    for folder in (run, data):  # the pod's emptyDirs, writable by the image's user
+        folder.mkdir()
+        os.chown(folder, uid, uid)
     (config / "sidecar.toml").write_text(dm.find("ConfigMap", "kvstore-config")["data"]["sidecar.toml"])
     (tmp_path / "check.py").write_text(ENGINE_CHECK)
     metrics = _free_port()
@@ -91,7 +93,9 @@ def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) ->
     name = f"kvstore-test-{os.getpid()}"
     started = _podman(
         "run", "-d", "--name", name, "--network", "host", "--shm-size", "512m",
-        "-v", f"{config}:/etc/kvstore:ro", "-v", f"{run}:/run/kvstore",
+        # as the pod's securityContext: a read-only root, no capabilities, no escalation
+        "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "-v", f"{config}:/etc/kvstore:ro", "-v", f"{run}:/run/kvstore", "-v", f"{data}:/var/lib/kvstore",
         IMAGE, *sidecar_args, *(a for s in scaled for a in ("--set", s)),
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
@@ -107,6 +111,7 @@ def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) ->
         else:
             pytest.fail(f"the sidecar never became ready: {_podman('logs', name).stderr[-2000:]}")
         assert _get(f"http://127.0.0.1:{metrics}/healthz") == 200
+        assert (data / "kvstore.lock").exists() and (data / "nvme").is_dir()  # data_dir is the volume
         socket_file = run / "kvstore.sock"
         assert (socket_file.stat().st_uid, socket_file.stat().st_mode & 0o777) == (uid, 0o600)
         engine = ["-v", f"{run}:/run/kvstore", "-v", f"{tmp_path / 'check.py'}:/check.py:ro"]
