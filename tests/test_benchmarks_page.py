@@ -53,8 +53,14 @@ def _check_command(command: str) -> None:
     elif words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."):
         module = ROOT / (words[2].replace(".", "/") + ".py")
         assert module.is_file(), f"{command!r}: {module} is not in the repository"
-        for mode in words[3:]:
-            assert f'"{mode}"' in module.read_text(), f"{command!r}: {words[2]} has no mode {mode}"
+        source = module.read_text()
+        # Modes come first (`privacy_costs seal`), then flags, each flag's value after it.
+        flags = [i for i, word in enumerate(words) if word.startswith("--")]
+        for mode in words[3 : flags[0] if flags else None]:
+            assert f'"{mode}"' in source, f"{command!r}: {words[2]} has no mode {mode}"
+        for i in flags:
+            flag = words[i].split("=")[0]
+            assert f'"{flag}"' in source, f"{command!r}: {words[2]} takes no {flag}"
     elif words[0] == "bash":
         assert (ROOT / words[1]).is_file(), f"{command!r}: {words[1]} is not in the repository"
     else:
