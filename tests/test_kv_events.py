@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.server_process import ServerProcess
-from kvstore.client import connect
+from kvstore.client import Client, connect
 from kvstore.keys import block_keys
 from kvstore.server.config import EventsSettings, Settings
 from kvstore.store import Scope, StoreConfig, TieredStore
@@ -63,6 +63,7 @@ class Subscriber:
 
 @pytest.fixture(scope="module")
 def feed() -> Iterator[tuple[ServerProcess, Subscriber]]:
+    """One server and its subscriber for the module; each test starts from a quiet feed."""
     folder = tempfile.mkdtemp(prefix="kvs-ev-", dir="/tmp")
     endpoint = f"ipc://{folder}/events"
     server = ServerProcess(
@@ -87,6 +88,7 @@ def feed() -> Iterator[tuple[ServerProcess, Subscriber]]:
             kv.delete(fp, probe)
         sub.events()
         yield server, sub
+        sub.events()
     finally:
         sub.close()
         server.stop()
@@ -181,3 +183,43 @@ def test_events_are_off_by_default_and_a_bad_address_is_refused() -> None:
     assert Settings().events.publish_address == ""
     with pytest.raises(InvalidArgument, match=r"events\.publish_address"):
         load_settings(env={}, overrides={"events.publish_address": "127.0.0.1:5557"})
+
+
+def test_the_router_follows_a_feed_instead_of_asking(feed: tuple[ServerProcess, Subscriber]) -> None:
+    """``kvstore route --sidecar-events``: the probe's hits come from the feed, with no lookup."""
+    from kvstore.routing.events import FollowedProbe
+
+    server, sub = feed
+    endpoint = server.settings["events.publish_address"]
+    probe = FollowedProbe([server.unix], [endpoint])
+    try:
+        with connect(server.unix) as kv:
+            fp = kv.register(MODEL)
+            keys = block_keys(fp, list(range(70_000, 70_000 + 4 * 16)), 16)
+            lookups = _lookups(kv)
+            deadline = time.monotonic() + 10
+            while probe.hits(fp, keys) != [("dram",) * 4] and time.monotonic() < deadline:
+                kv.delete(fp, keys)  # the slow joiner: store again until the probe heard it
+                kv.put(fp, keys, [bytes(BLOCK)] * 4)
+                time.sleep(0.2)
+            assert probe.hits(fp, keys) == [("dram",) * 4]
+            kv.delete(fp, keys[2:])
+            _wait(lambda: probe.hits(fp, keys) == [("dram",) * 2])
+            kv.invalidate(everything=True, tenant="*")
+            _wait(lambda: probe.hits(fp, keys) == [()])
+            assert _lookups(kv) == lookups  # every answer came from the feed
+    finally:
+        probe.close()
+        sub.events()
+
+
+def _lookups(kv: Client) -> int:
+    counters = kv.stats()["counters"]
+    return int(counters["lookup_hit_blocks"] + counters["lookup_miss_blocks"])
+
+
+def _wait(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done()

@@ -91,6 +91,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
             model_id=args.model_id,
             token=os.environ.get("KVSTORE_TOKEN"),
             prefix_tokens=args.prefix_tokens,
+            sidecar_events=args.sidecar_events,
             front=FrontSettings(
                 keys=read_keys_file(args.keys_file) if args.keys_file else {},
                 ops_tenants=frozenset(args.ops_tenant),
@@ -143,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--backend", metavar="URL", action="append", default=[], help="a replica (repeat)")
     route.add_argument(
         "--sidecar", metavar="ADDRESS", action="append", default=[], help="its sidecar, in --backend order"
+    )
+    route.add_argument(
+        "--sidecar-events",
+        metavar="ENDPOINT",
+        action="append",
+        default=[],
+        help="its sidecar's KV event feed (events.publish_address), in --sidecar order: "
+        "follow the feeds instead of a lookup per prompt",
     )
     route.add_argument(
         "--model", metavar="DIR", required=True, help="the model's local folder (its tokenizer)"

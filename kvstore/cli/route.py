@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
+from kvstore.extras import require
 from kvstore.keys import Fingerprint
 from kvstore.model_folder import block_bytes_of
 from kvstore.routing.http import FrontSettings, build_app, run, tokenizer_for
@@ -81,6 +82,18 @@ class _Discovered:
             return self._found
 
 
+def _probe(sidecars: Sequence[str], events: Sequence[str], token: str | None) -> SidecarProbe | None:
+    """How the router learns what each sidecar holds: a lookup per prompt, or (``events``,
+    ``--sidecar-events``) their KV event feeds (kvstore.routing.events)."""
+    if not events:
+        return SidecarProbe(sidecars, token=token) if sidecars else None
+    for module in ("zmq", "msgspec"):
+        require(module, "--sidecar-events")
+    from kvstore.routing.events import FollowedProbe
+
+    return FollowedProbe(sidecars, events, token=token)
+
+
 def serve_router(
     backends: Sequence[str],
     sidecars: Sequence[str],
@@ -96,6 +109,7 @@ def serve_router(
     token: str | None = None,
     front: FrontSettings | None = None,
     tls: ServerTls | None = None,
+    sidecar_events: Sequence[str] = (),
 ) -> int:
     if not backends:
         raise ValueError("kvstore route needs at least one --backend URL")
@@ -120,7 +134,7 @@ def serve_router(
         raise ValueError(
             f"{model_dir / 'config.json'} has no {exc} (not a Hugging Face model config?)"
         ) from None
-    probe = SidecarProbe(sidecars, token=token) if sidecars else None
+    probe = _probe(sidecars, sidecar_events, token)
     router = Router(
         names, policy, _Discovered(probe, model_id), block_size, probe=probe, prefix_tokens=prefix_tokens
     )
