@@ -140,3 +140,13 @@ def flag(args: list[str], name: str) -> str:
     values = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
     assert len(values) == 1, f"{name}: {values}"
     return values[0]
+
+
+def key_lines(text: str) -> list[tuple[str, str]]:
+    """``KEY=TENANT`` lines (a tokens file's, or the router's keys): (key, tenant) pairs."""
+    pairs = []
+    for line in text.splitlines():
+        key, sep, tenant = line.strip().partition("=")
+        if sep:
+            pairs.append((key, tenant))
+    return pairs

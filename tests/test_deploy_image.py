@@ -56,19 +56,39 @@ def _podman(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
-def _get(url: str) -> int:
+def _get(url: str, token: str = "") -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url, timeout=2) as answer:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as answer:
             return int(answer.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
 
 
-@pytest.mark.skipif(
+def _wait_for(url: str, name: str, token: str = "", want: tuple[int, ...] = (200,)) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if _get(url, token) in want:
+                return
+        except OSError:
+            pass  # not listening yet
+        if _podman("inspect", name, "--format", "{{.State.Running}}").stdout.strip() != "true":
+            break  # it exited: its log says why
+        time.sleep(0.5)
+    pytest.fail(f"{name} never answered {url}: {_podman('logs', name).stderr[-2000:]}")
+
+
+needs_image = pytest.mark.skipif(
     not IMAGE or shutil.which("podman") is None,
     reason="KVSTORE_TEST_IMAGE names no image built from deploy/Containerfile (building needs a "
     "base image and PyPI, which CI has not)",
 )
+# As the pods' securityContext: a read-only root, no capabilities, no escalation.
+LOCKED_DOWN = ("--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges")
+
+
+@needs_image
 def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) -> None:
     uid = dm.image_uid()
     config, run = tmp_path / "config", tmp_path / "run"
@@ -93,23 +113,13 @@ def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) ->
     name = f"kvstore-test-{os.getpid()}"
     started = _podman(
         "run", "-d", "--name", name, "--network", "host", "--shm-size", "512m",
-        # as the pod's securityContext: a read-only root, no capabilities, no escalation
-        "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        *LOCKED_DOWN,
         "-v", f"{config}:/etc/kvstore:ro", "-v", f"{run}:/run/kvstore", "-v", f"{data}:/var/lib/kvstore",
         IMAGE, *sidecar_args, *(a for s in scaled for a in ("--set", s)),
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if _get(f"http://127.0.0.1:{metrics}/readyz") == 200:
-                    break
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the sidecar never became ready: {_podman('logs', name).stderr[-2000:]}")
+        _wait_for(f"http://127.0.0.1:{metrics}/readyz", name)
         assert _get(f"http://127.0.0.1:{metrics}/healthz") == 200
         assert (data / "kvstore.lock").exists() and (data / "nvme").is_dir()  # data_dir is the volume
         socket_file = run / "kvstore.sock"
@@ -139,6 +149,61 @@ def test_the_image_serves_an_engine_beside_it_as_the_pod_does(tmp_path: Path) ->
         # SIGTERM drains and exits 0.
         assert _podman("stop", "-t", "30", name).returncode == 0
         assert _podman("inspect", name, "--format", "{{.State.ExitCode}}").stdout.strip() == "0"
+        assert "Traceback" not in _podman("logs", name).stderr
+    finally:
+        _podman("rm", "-f", name)
+
+
+@needs_image
+def test_the_image_routes_as_the_router_deployment_runs_it(tmp_path: Path) -> None:
+    """router.yaml in the image: the init container makes the 0600 keys file out of a Secret
+    mounted 0440 under fsGroup, and the router starts on it with the Deployment's args, its
+    port open (the kubelet's probe) and /metrics open to the ops key only (Prometheus')."""
+    from benchmarks.tiny_model import build_tiny_llama  # torch: only where this test runs
+
+    uid = dm.image_uid()
+    secrets = dm.secret_values()
+    deployment = dm.pod(dm.find("Deployment", "kvstore-router"))
+    init, router = dm.container(deployment, "keys"), dm.container(deployment, "router")
+    secret_dir, run = tmp_path / "secrets", tmp_path / "run"
+    secret_dir.mkdir()
+    run.mkdir()
+    os.chown(run, uid, uid)
+    keys = secret_dir / "router-keys"
+    keys.write_text(secrets["router-keys"])
+    os.chown(keys, 0, uid)  # what the kubelet makes of the Secret volume under fsGroup
+    keys.chmod(0o440)
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    copied = _podman(
+        "run", "--rm", *LOCKED_DOWN, "--user", f"{uid}:{uid}",
+        "-v", f"{secret_dir}:{mounts['keys-secret']}:ro", "-v", f"{run}:{mounts['router-run']}",
+        "--entrypoint", init["command"][0], IMAGE, *init["command"][1:],
+    )  # fmt: skip
+    assert copied.returncode == 0, copied.stderr
+    copy_ = run / Path(init["command"][-1]).name
+    assert (copy_.stat().st_uid, copy_.stat().st_mode & 0o777) == (uid, 0o600)
+    model = next(a.split("=", 1)[1] for a in router["args"] if a.startswith("--model="))
+    build_tiny_llama(tmp_path / "model", seed=0)
+    port = _free_port()
+    args = [f"--listen=127.0.0.1:{port}" if a.startswith("--listen=") else a for a in router["args"]]
+    token_key = next(v for v in router["env"] if v["name"] == "KVSTORE_TOKEN")["valueFrom"]["secretKeyRef"][
+        "key"
+    ]
+    name = f"kvstore-router-test-{os.getpid()}"
+    started = _podman(
+        "run", "-d", "--name", name, "--network", "host", *LOCKED_DOWN,
+        "-e", f"KVSTORE_TOKEN={secrets[token_key]}",
+        "-v", f"{run}:{mounts['router-run']}:ro", "-v", f"{tmp_path / 'model'}:{model}:ro",
+        IMAGE, *args,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    try:
+        ops, user = secrets["ops-key"], next(k for k, t in dm.key_lines(secrets["router-keys"]) if t != "ops")
+        _wait_for(f"http://127.0.0.1:{port}/metrics", name, token=ops)
+        assert _get(f"http://127.0.0.1:{port}/metrics", token=user) == 403
+        # the replicas (vllm-0.vllm, ...) do not exist here: /health says none is up
+        assert _get(f"http://127.0.0.1:{port}/health", token=ops) == 503
+        assert _podman("stop", "-t", "30", name).returncode == 0
         assert "Traceback" not in _podman("logs", name).stderr
     finally:
         _podman("rm", "-f", name)
