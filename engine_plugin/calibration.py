@@ -7,7 +7,11 @@ A ``Calibration`` holds one ``TierCost`` per tier and a ``PrefillModel``. It sta
   (exponentially weighted, so a changed disk or a busy link shows up within a few restores);
 - ``observe_prefill(prefix, suffix, seconds)`` keeps the latest observations and refits the
   three prefill coefficients by non-negative least squares over them and the file's measured
-  points (those stay: they span prompt shapes a busy engine may not see for a while);
+  points (those stay: they span prompt shapes a busy engine may not see for a while). Before
+  there are enough points for that fit, the first observations already correct the starting
+  curve (the file's, or the defaults, 3-7x off for the tiny test model on CPU): with prompts
+  of one size seen, the curve is scaled by the median of measured over predicted; with two
+  sizes at least 2x apart, its fixed and per-token parts are fitted;
 - ``reload_if_changed()`` re-reads the file when it was rewritten (a new ``kvstore bench
   calibrate`` run reaches running engines); the online observations start over then.
 
@@ -53,6 +57,7 @@ class Calibration:
             raise ValueError("ewma_weight must be in (0, 1]")
         self._tiers = dict(tiers)
         self._prefill = prefill
+        self._prior = prefill  # the starting curve, scaled by the first observations until a fit
         self._anchors = [(int(p), int(s), float(t)) for p, s, t in points or []]
         self._weight = ewma_weight
         self._points: deque[tuple[int, int, float]] = deque(maxlen=ONLINE_POINTS)
@@ -87,6 +92,7 @@ class Calibration:
             return False
         with self._lock:
             self._tiers, self._prefill, self._anchors = tiers, prefill, points
+            self._prior = prefill
             self._points.clear()
             self._stamp = stamp
         log.info("calibration %s changed: reloaded", self.path)
@@ -129,16 +135,22 @@ class Calibration:
         with self._lock:
             self._points.append((prefix_tokens, suffix_tokens, seconds))
             points = self._anchors + list(self._points)
+            suffixes = [s for _, s, _ in points]
             if len(points) >= MIN_FIT_POINTS and len({(p, s) for p, s, _ in points}) >= 3:
                 self._prefill = fit_prefill(points)
+            elif max(suffixes) >= 2 * min(suffixes):
+                self._prefill = fit_prefill(points, terms=2)
+            else:
+                self._prefill = scale_prefill(self._prior, list(self._points))
 
 
-def fit_prefill(points: list[tuple[int, int, float]]) -> PrefillModel:
+def fit_prefill(points: list[tuple[int, int, float]], terms: int = 3) -> PrefillModel:
     """Least-squares fit of (fixed, per_token, per_token_context) to (prefix, suffix, seconds),
-    with every coefficient kept non-negative (a negative one would reward longer prompts)."""
+    with every coefficient kept non-negative (a negative one would reward longer prompts);
+    ``terms=2`` leaves the context term out (too few shapes to tell it from the others)."""
     rows = np.array([[1.0, s, s * (2 * p + s) / 2] for p, s, _ in points])
     times = np.array([t for _, _, t in points])
-    active = [0, 1, 2]
+    active = list(range(terms))
     coef = np.zeros(3)
     while active:
         solution, *_ = np.linalg.lstsq(rows[:, active], times, rcond=None)
@@ -148,6 +160,16 @@ def fit_prefill(points: list[tuple[int, int, float]]) -> PrefillModel:
             break
         active.pop(int(np.argmin(solution)))
     return PrefillModel(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def scale_prefill(prior: PrefillModel, points: list[tuple[int, int, float]]) -> PrefillModel:
+    """``prior`` with every coefficient multiplied by the median of measured over predicted
+    seconds of ``points``: its shape kept, its speed this engine's."""
+    ratios = sorted(t / prior.seconds(p, s) for p, s, t in points if prior.seconds(p, s) > 0)
+    if not ratios:
+        return prior
+    r = ratios[len(ratios) // 2]
+    return PrefillModel(prior.fixed_s * r, prior.per_token_s * r, prior.per_token_context_s * r)
 
 
 def _stamp(path: str | Path) -> tuple[int, int]:

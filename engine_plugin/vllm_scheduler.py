@@ -114,6 +114,7 @@ class _RankHit:
 
 
 _NO_HIT = _RankHit(0, ())
+_UNANSWERED = _RankHit(0, ())  # no hit because the sidecar did not say (told apart by identity)
 
 
 def _in_place(lookups: Sequence[Lookup], n: int) -> list[InPlace | None]:
@@ -208,6 +209,7 @@ class SchedulerSide:
         # vLLM's BlockStored events of a save job's blocks (req_id, first, last), where vLLM
         # publishes KV events (engine_plugin.vllm_events; set by the connector)
         self.announce: Callable[[str, int, int], list[Any]] | None = None
+        self._warmed_up = False  # the engine's first timed prefill is not learned from
 
     def _request_keys(self, request: Request) -> list[list[BlockKey]]:
         """The request's block keys under each rank's fingerprint."""
@@ -239,7 +241,8 @@ class SchedulerSide:
         snap = self.calibration.snapshot()
         hit = self._lookup(rank_keys, local_blocks, prompt, snap.prefill)
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
-        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[self._policy_of(request)]
+        policy = self._policy_of(request)
+        forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[policy]
         plan = plan_restore(
             hit.tiers,
             self._block_bytes,
@@ -251,8 +254,11 @@ class SchedulerSide:
             local_tokens=local,
         )
         further = max(0, len(rank_keys[0]) - local_blocks)
+        why = f"the policy is {policy}" if policy != "auto" else ""
+        if hit is _UNANSWERED:
+            why = "the sidecar gave no answer to the lookup: down, slow, or its breaker open"
         tracked.decision = DecisionRecord(
-            request.request_id, plan, hit.hit_blocks, further, prompt, time.perf_counter()
+            request.request_id, plan, hit.hit_blocks, further, prompt, time.perf_counter(), hit.tiers, why
         )
         tracked.saved_blocks = local_blocks + hit.hit_blocks
         load_blocks = plan.restore_blocks
@@ -286,7 +292,7 @@ class SchedulerSide:
             lookup_deadline_s(prefill.seconds(local, prompt_tokens - local)),
             lambda kv: _lookup_ranks(kv, self._fingerprints, further),
         )
-        return _NO_HIT if found is None else found
+        return _UNANSWERED if found is None else found
 
     def _policy_of(self, request: Request) -> Policy:
         policy = self.policy
@@ -393,7 +399,12 @@ class SchedulerSide:
             for tier, nbytes, seconds in observed.transfers:
                 self.calibration.observe_transfer(tier, nbytes, seconds)
             for prefix, new, seconds in observed.prefills:
-                self.calibration.observe_prefill(prefix, new, seconds)
+                if self._warmed_up:
+                    self.calibration.observe_prefill(prefix, new, seconds)
+                # An engine's first forward pass warms it up: 1.8-3.4 s for a 1000-token prompt
+                # of the tiny test model on vLLM CPU, with or without this connector, which then
+                # takes 0.11 s. Not a figure of prefill speed.
+                self._warmed_up = True
             self._calibration_changed = True
             for req_id, _agree, mismatch, largest in observed.audits:
                 if mismatch and not self.restores_off:

@@ -158,4 +158,8 @@ DEFAULT_TIERS = {
     "nvme": TierCost(1e9, 0.001),
     "remote": TierCost(0.5e9, 0.002),
 }
-DEFAULT_PREFILL = PrefillModel(fixed_s=0.002, per_token_s=0.0004, per_token_context_s=0.0)
+# The fixed part is an engine's cost of a request before its first token whatever its length:
+# 11-13 ms with vLLM CPU for a restored prompt of the tiny test model (2 ms before, which made
+# a first restore's prediction 2-8x short). The per-token part differs by model and device
+# beyond any default; the connector fits both from its first timed prefills.
+DEFAULT_PREFILL = PrefillModel(fixed_s=0.010, per_token_s=0.0004, per_token_context_s=0.0)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh), then runs the main job: the service with embedded defaults and a
-# short end-to-end demonstration against it, the store's own demonstration (restart included),
+# short end-to-end demonstration against it, a vLLM engine restored from it after a restart
+# (where vLLM is installed: ./scripts/setup.sh --with-vllm), the store's own demonstration (restart included),
 # and the tier benchmark in quick mode (results in bench-results/tiers-quick.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,8 @@ done
 TCP=$(sed -n 's/.* and \(127\.0\.0\.1:[0-9]*\).*/\1/p' "$DEMO_DIR/serve.log" | head -1)
 echo "== kvstore serve (embedded defaults) on unix://$DEMO_DIR/serve/kvstore.sock and $TCP"
 kvstore demo --service "unix://$DEMO_DIR/serve/kvstore.sock" --tcp "$TCP" --token "$TOKEN"
+echo "== vLLM with the connector: one prompt, then an engine restart (tiny random model, vLLM CPU)"
+python -m kvstore.cli.demo_engine "unix://$DEMO_DIR/serve/kvstore.sock"
 kill -TERM $SERVER && wait $SERVER && echo "server drained and exited 0"
 trap - EXIT
 echo "== the store: prefix hits, stale-model and tenant isolation, restart"

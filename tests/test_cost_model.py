@@ -207,3 +207,21 @@ def test_local_and_remote_parts_are_restored_only_where_each_pays(
     plan = plan_restore(hits, BLOCK_BYTES, TPB, 4000, costs, PREFILL)
     assert plan.restore_blocks == restored
     assert math.isclose(plan.predicted_ttft_s, brute_force(hits, 4000, costs))
+
+
+def test_the_first_observed_prefills_correct_the_starting_curve() -> None:
+    from kvstore.cost_model import DEFAULT_PREFILL
+
+    # The tiny test model on vLLM CPU: ~11 ms a request, 0.1 ms a token; the defaults said
+    # 2 ms and 0.4 ms, 3.6x too slow for a 1000-token prompt and 2.5x too fast for a restore.
+    truth = PrefillModel(0.011, 0.0001, 0.0)
+    cal = Calibration(dict(FAST), DEFAULT_PREFILL)
+    assert DEFAULT_PREFILL.seconds(0, 1000) / truth.seconds(0, 1000) > 3
+    cal.observe_prefill(0, 1000, truth.seconds(0, 1000))  # one size seen: the curve is scaled
+    scaled = cal.snapshot().prefill
+    assert scaled.seconds(0, 1000) == pytest.approx(truth.seconds(0, 1000))
+    assert 0.67 < scaled.seconds(0, 400) / truth.seconds(0, 400) < 1.5
+    cal.observe_prefill(992, 8, truth.seconds(992, 8))  # a restore's short suffix: both parts fitted
+    fitted = cal.snapshot().prefill
+    for p, s in [(0, 1000), (992, 8), (0, 300), (512, 64)]:
+        assert fitted.seconds(p, s) == pytest.approx(truth.seconds(p, s), rel=0.05)

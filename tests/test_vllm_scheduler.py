@@ -389,3 +389,86 @@ def test_a_mismatch_stops_lookups_restores_and_saves_and_invalidates() -> None:
 def test_audit_fraction_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ValueError, match="audit_fraction"):
         Harness({"hbm": FAST}, audit_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    ("stored", "policy", "local", "says"),
+    [
+        ({}, None, 0, "recompute all 133 tokens (a full miss: none of the 8 blocks is in kvstore; predicted"),
+        ({"blocks": 8}, None, 0, "restore 128 tokens from hbm, compute 5 (predicted "),
+        (
+            {"blocks": 8, "tier": "dram"},
+            None,
+            0,
+            "recompute all 133 tokens (restoring the 128 hit tokens from dram predicted ",
+        ),
+        (
+            {"blocks": 8, "tier": "dram", "fast_head": 3},
+            None,
+            0,
+            "restore 48 of 128 hit tokens from hbm, compute 85",
+        ),
+        ({"blocks": 8}, "recompute", 0, "recompute all 133 tokens (the policy is recompute; predicted"),
+        (
+            {"blocks": 8},
+            None,
+            4 * BLOCK_SIZE,
+            "vLLM's own cache holds 64 tokens; restore 64 tokens from hbm, compute 5 (predicted ",
+        ),
+        (
+            {},
+            None,
+            8 * BLOCK_SIZE,
+            "vLLM's own cache holds 128 tokens; recompute the other 5 (nothing to restore: vLLM's own",
+        ),
+    ],
+    ids=["full-miss", "restore", "slower-restore", "partial", "policy", "after-vllms-own", "vllm-holds-all"],
+)
+def test_each_decision_is_one_log_line_that_says_what_happened(
+    harness: Harness,
+    caplog: pytest.LogCaptureFixture,
+    stored: dict[str, Any],
+    policy: str | None,
+    local: int,
+    says: str,
+) -> None:
+    if stored:
+        harness.put(**stored)
+    r = request(policy=policy)
+    caplog.set_level("INFO", logger="vllm.engine_plugin.vllm_decisions")
+    restored = harness.ask(r, local_tokens=local)
+    harness.alloc(r, restored)
+    harness.schedule(r, computed=local + restored, scheduled=len(PROMPT) - local - restored)
+    harness.step_done()
+    harness.finish(r)
+    lines = [rec.getMessage() for rec in caplog.records if rec.name.endswith("vllm_decisions")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("request r1: ") and says in lines[0], lines[0]
+    assert "measured " in lines[0] and "recompute 0 tokens" not in lines[0]
+
+
+def test_a_sidecar_that_does_not_answer_is_the_logged_reason(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.put(8)
+    harness.client.down = True
+    caplog.set_level("INFO", logger="vllm.engine_plugin.vllm_decisions")
+    r = request()
+    assert harness.ask(r) == 0
+    harness.finish(r)
+    [line] = [rec.getMessage() for rec in caplog.records if rec.name.endswith("vllm_decisions")]
+    assert "recompute all 133 tokens (the sidecar gave no answer to the lookup" in line
+    assert "not measured" in line  # it finished before its prefill ran
+
+
+def test_the_engines_first_timed_prefill_is_not_learned_but_the_next_one_scales_the_curve(
+    harness: Harness,
+) -> None:
+    start = harness.side.calibration.snapshot().prefill
+    harness.step_done(ObservedWork(prefills=[(0, 1000, 2.0)]))  # the warm-up: 20x the truth
+    assert harness.side.calibration.snapshot().prefill == start
+    truth_s = start.seconds(0, 1000) / 4  # the engine is 4x faster than the starting curve
+    harness.step_done(ObservedWork(prefills=[(0, 1000, truth_s)]))
+    learned = harness.side.calibration.snapshot().prefill
+    assert learned.seconds(0, 1000) == pytest.approx(truth_s)
+    assert learned.seconds(0, 300) == pytest.approx(start.seconds(0, 300) / 4)  # its shape kept
