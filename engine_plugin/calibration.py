@@ -138,10 +138,14 @@ class Calibration:
             suffixes = [s for _, s, _ in points]
             if len(points) >= MIN_FIT_POINTS and len({(p, s) for p, s, _ in points}) >= 3:
                 self._prefill = fit_prefill(points)
-            elif max(suffixes) >= 2 * min(suffixes):
-                self._prefill = fit_prefill(points, terms=2)
             else:
-                self._prefill = scale_prefill(self._prior, list(self._points))
+                # Two sizes whose times a noisy stretch inverted fit no per-token cost at all,
+                # and a curve without one never restores: the scaled curve then stands.
+                two = fit_prefill(points, terms=2) if max(suffixes) >= 2 * min(suffixes) else None
+                if two is not None and two.per_token_s > 0:
+                    self._prefill = two
+                else:
+                    self._prefill = scale_prefill(self._prior, list(self._points))
 
 
 def fit_prefill(points: list[tuple[int, int, float]], terms: int = 3) -> PrefillModel:

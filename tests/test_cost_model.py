@@ -225,3 +225,7 @@ def test_the_first_observed_prefills_correct_the_starting_curve() -> None:
     fitted = cal.snapshot().prefill
     for p, s in [(0, 1000), (992, 8), (0, 300), (512, 64)]:
         assert fitted.seconds(p, s) == pytest.approx(truth.seconds(p, s), rel=0.05)
+    noisy = Calibration(dict(FAST), DEFAULT_PREFILL)
+    noisy.observe_prefill(0, 400, 0.5)  # a slow stretch of the machine
+    noisy.observe_prefill(0, 900, 0.25)  # longer, yet faster: no per-token cost would fit
+    assert noisy.snapshot().prefill.per_token_s > 0  # the scaled curve, which still restores
