@@ -125,11 +125,68 @@ def run(mode: str, sidecars: int, prompts: list[list[int]], folder: Path) -> dic
             server.stop()
 
 
+def store_cost(rounds: int = 5, blocks: int = 4000) -> list[str]:
+    """What publishing adds to the store path as an engine sees it: a same-host client's ``put``
+    (arena write and commit over the data socket) of chains of 8 blocks of 8 KiB into a
+    ``kvstore serve`` whose arena evicts, with events off, on (no subscriber: the publisher
+    still builds and sends every batch) and on with a subscriber reading. Rounds alternate;
+    the median and best time per block (this machine's noise: see each round's)."""
+    import zmq
+
+    variants = ("off", "on", "on + subscriber")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    settings = {"dram.capacity_bytes": str(2048 * BLOCK), "dram.page_bytes": "1MiB", "dram.prefault": "false"}
+    settings["nvme.enabled"] = "false"
+    with tempfile.TemporaryDirectory(prefix="kvs-ev-", dir="/tmp") as folder:
+        for r in range(rounds):
+            for name in variants:
+                feed = f"ipc://{folder}/cost-{r}"
+                extra = {} if name == "off" else {"events.publish_address": feed}
+                server = ServerProcess({**settings, **extra})
+                ctx = zmq.Context()
+                sub = ctx.socket(zmq.SUB)
+                if name == "on + subscriber":
+                    sub.setsockopt(zmq.SUBSCRIBE, b"")
+                    sub.setsockopt(zmq.RCVHWM, 0)
+                    sub.connect(feed)
+                try:
+                    with connect(server.unix) as kv:
+                        fp = kv.register(MODEL)
+                        chains = [
+                            block_keys(fp, list(range(i * 128, (i + 1) * 128)), 16)
+                            for i in range(blocks // 8)
+                        ]
+                        data = [bytes(BLOCK)] * 8
+                        start = time.perf_counter()
+                        for keys in chains:
+                            kv.put(fp, keys, data)
+                        times[name].append(time.perf_counter() - start)
+                finally:
+                    sub.close(linger=0)
+                    ctx.term()
+                    server.stop()
+    base = statistics.median(times["off"])
+    return [
+        f"store path: a same-host client's put of {blocks} blocks (chains of 8, {BLOCK} B) into kvstore serve "
+        f"(arena of 2,048 blocks, evicting), {rounds} rounds alternating:",
+        *(
+            f"  events {name:<16} median {statistics.median(t) * 1e6 / blocks:6.1f} us/block "
+            f"({statistics.median(t) / base - 1:+.1%} against off), best {min(t) * 1e6 / blocks:6.1f}; rounds "
+            + ", ".join(f"{x * 1e6 / blocks:.0f}" for x in t)
+            + ")"
+            for name, t in times.items()
+        ),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sidecars", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--store-cost", action="store_true", help="also time the store path with events off and on"
+    )
     args = parser.parse_args(argv)
     prompts = replay(args.prompts)
     with tempfile.TemporaryDirectory(prefix="kvs-ev-", dir="/tmp") as folder:
@@ -138,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"kvstore route: asking {args.sidecars} sidecars per prompt vs following their KV event feeds",
         f"replay: {args.prompts} prompts, {HEADS} shared heads of {HEAD_BLOCKS} blocks + 2-6 own, "
         f"{MODEL.tokens_per_block} tokens/block, {BLOCK} B blocks",
-        f"python -m benchmarks.kv_events --sidecars {args.sidecars} --prompts {args.prompts}; "
+        f"python -m benchmarks.kv_events --sidecars {args.sidecars} --prompts {args.prompts}"
+        f"{' --store-cost' if args.store_cost else ''}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
         f"load {os.getloadavg()[0]:.1f}",
         "",
@@ -151,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r['lookup_calls'] / r['wall_s']:>10.0f}{r['probe_p50_ms']:>9.3f}ms{r['probe_p99_ms']:>9.3f}ms"
             f"{r['wall_s']:>10.2f}{r['agreement']:>8.1%}{r['events']:>9.0f}{r['gaps']:>6.0f}"
         )
+    if args.store_cost:
+        lines += ["", *store_cost()]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
