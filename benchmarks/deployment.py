@@ -25,6 +25,7 @@ import numpy as np
 from rich.console import Console
 
 from benchmarks.common import Result, gbps, print_results, write_json
+from kvstore.address import Address
 from kvstore.client import Client, connect
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
@@ -38,7 +39,7 @@ LOOKUP_KEYS = 64
 
 
 def run_deployment_bench(
-    address: str,
+    address: Address,
     token: str | None,
     tls: ClientTls | None,
     blocks: int,
@@ -52,7 +53,7 @@ def run_deployment_bench(
     lookups = lookups or 100 * rounds
     with connect(address, token=token, tls=tls) as kv:
         info = kv.server_info()
-        unix = address.startswith("unix:")
+        unix = address.same_host
         if unix:
             path = "data socket" if info["data_socket"] else "gRPC"
         else:
@@ -70,7 +71,7 @@ def run_deployment_bench(
     title = f"kvstore bench service --address {address}"
     print_results(title, results)
     if json_path:
-        write_json(json_path, results, {"command": title, "address": address, "path": path})
+        write_json(json_path, results, {"command": title, "address": str(address), "path": path})
     return 0 if all(r.value is not None for r in results) else 1
 
 

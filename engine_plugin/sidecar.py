@@ -116,7 +116,7 @@ class SidecarSettings:
         return cls(address, _token(extra, where, env), tls)
 
     def connect(self) -> Client:
-        return connect(self.address.target, token=self.token, tls=self.tls)
+        return connect(self.address, token=self.token, tls=self.tls)
 
 
 def _token(extra: Mapping[str, Any], where: str, env: Mapping[str, str]) -> str | None:

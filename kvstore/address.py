@@ -2,7 +2,7 @@
 
     address = parse_address("unix:///run/kvstore/kvstore.sock")   # UnixAddress("/run/kvstore/kvstore.sock")
     address = parse_address("10.0.0.7:50051")                     # TcpAddress("10.0.0.7", 50051)
-    connect(address.target, ...)                                   # the text gRPC and the client take
+    connect(address, ...)                                          # the client takes it as it is
 
 The two kinds differ in more than syntax: the Unix socket is same-host (blocks can move through
 the server's mapped arena, TLS does not apply, a token is optional), TCP is not. Code asks the
@@ -54,9 +54,10 @@ class TcpAddress:
 Address = UnixAddress | TcpAddress
 
 
-def parse_address(text: str, setting: str = "address") -> Address:
+def parse_address(text: str, setting: str = "address", listener: bool = False) -> Address:
     """``unix:///absolute/path`` or ``host:port``; anything else is ``InvalidArgument`` naming
-    ``setting`` and the two forms."""
+    ``setting`` and the two forms. A ``listener``'s address (one a server binds) may also leave
+    the host empty (every interface) and name port 0 (any free port)."""
     forms = f"{setting} is unix:///absolute/path or host:port, got {text!r}"
     if text.startswith("unix:"):
         path = text[len(_UNIX) :] if text.startswith(_UNIX) else ""
@@ -64,6 +65,9 @@ def parse_address(text: str, setting: str = "address") -> Address:
             raise InvalidArgument(forms)
         return UnixAddress(path)
     host, sep, port = text.rpartition(":")
-    if not sep or not host or "://" in text or not port.isdigit() or not 0 < int(port) < 65536:
+    lowest = 0 if listener else 1
+    if not sep or not (host or listener) or "://" in text or not port.isdigit():
+        raise InvalidArgument(forms)
+    if not lowest <= int(port) < 65536:
         raise InvalidArgument(forms)
     return TcpAddress(host, int(port))

@@ -213,8 +213,7 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
 ) -> None:
     import time
 
-    from kvstore.client import client as client_module
-    from kvstore.client import inplace
+    from kvstore.client import inplace, transport
 
     real_copy = inplace._copy_spans
 
@@ -232,8 +231,8 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         fp = kv.register(MODEL)
         keys = chain(2, salt="slow")
         kv.write(fp, keys, blocks_for(keys))
-        monkeypatch.setattr(client_module, "READ_TTL_S", 1.0)
-        monkeypatch.setattr(client_module, "READ_MARGIN_S", 0.5)
+        monkeypatch.setattr(transport, "READ_TTL_S", 1.0)
+        monkeypatch.setattr(transport, "READ_MARGIN_S", 0.5)
         monkeypatch.setattr(inplace, "_copy_spans", slow_copy)
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(LeaseExpired, match="outlasted"):
@@ -571,14 +570,15 @@ def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
     """A client that shares the socket but not the server's /dev/shm (another container), or a
     server that has no arena to map: ``get`` and ``put`` work through the socket, and the
     client asks to map the arena once."""
-    from kvstore.client import client as client_module
+    from kvstore.client import mapping
+    from kvstore.client.translate import translated
     from kvstore.errors import FailedPrecondition
 
     tried: list[str] = []
 
     def unmappable(name: str, pin_with_cuda: bool) -> None:
         tried.append(name)
-        with client_module.translated(f"mapping the server's arena {name}"):
+        with translated(f"mapping the server's arena {name}"):
             raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{name}")
 
     def no_arena() -> None:
@@ -588,7 +588,7 @@ def test_a_same_host_get_that_cannot_map_the_arena_reads_through_the_socket(
     if why == "no arena":
         monkeypatch.setattr(served.server.service, "_arena", no_arena)
     else:
-        monkeypatch.setattr(client_module, "_map_arena", unmappable)
+        monkeypatch.setattr(mapping, "_map", unmappable)
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
         keys = chain(3, salt="no shm")

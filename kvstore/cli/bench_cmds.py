@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvstore.address import parse_address
 from kvstore.cli.common import client_tls, token
 from kvstore.errors import InvalidArgument
 
@@ -155,11 +156,12 @@ def _service(args: argparse.Namespace) -> int:
     if args.address:
         from benchmarks.deployment import run_deployment_bench
 
-        args.tried_address = args.address  # an unreachable one is named in the error line
+        address = parse_address(args.address, "--address")
+        args.tried_address = address  # an unreachable one is named in the error line
         return run_deployment_bench(
-            args.address,
+            address,
             token=token(args),
-            tls=client_tls(args),
+            tls=client_tls(args, address),
             blocks=args.blocks or (16 if args.quick else 64),
             rounds=3 if args.quick else 7,
             json_path=args.json,

@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import Any
 
+from kvstore.address import Address, UnixAddress, parse_address
 from kvstore.errors import InvalidArgument
 from kvstore.server.config import Settings, load_settings
 
@@ -57,8 +58,13 @@ def settings(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=overrides(args))
 
 
-def address(args: argparse.Namespace) -> str:
-    return str(args.address or os.environ.get("KVSTORE_ADDRESS") or f"unix://{settings(args).socket_path}")
+def address(args: argparse.Namespace) -> Address:
+    """The server's address: --address, else $KVSTORE_ADDRESS, else this host's socket."""
+    if args.address:
+        return parse_address(str(args.address), "--address")
+    if text := os.environ.get("KVSTORE_ADDRESS"):
+        return parse_address(text, "KVSTORE_ADDRESS")
+    return UnixAddress(str(settings(args).socket_path.absolute()))
 
 
 def client(args: argparse.Namespace) -> Any:
@@ -67,23 +73,24 @@ def client(args: argparse.Namespace) -> Any:
     from kvstore.client import connect
 
     args.tried_address = address(args)
-    return connect(args.tried_address, token=token(args), timeout_s=10.0, tls=client_tls(args))
+    return connect(
+        args.tried_address, token=token(args), timeout_s=10.0, tls=client_tls(args, args.tried_address)
+    )
 
 
 def token(args: argparse.Namespace) -> str | None:
     return str(args.token) if args.token else os.environ.get("KVSTORE_TOKEN")
 
 
-def client_tls(args: argparse.Namespace) -> Any:
-    """The client's TLS from the flags or their variables; None on a Unix socket or without a CA
-    or certificate."""
+def client_tls(args: argparse.Namespace, address: Address) -> Any:
+    """The client's TLS for ``address`` from the flags or their variables; None on a Unix socket
+    or without a CA or certificate."""
     from kvstore.tls import ClientTls
 
     ca = args.tls_ca or os.environ.get("KVSTORE_TLS_CA", "")
     cert = args.tls_cert or os.environ.get("KVSTORE_TLS_CERT", "")
     key = args.tls_key or os.environ.get("KVSTORE_TLS_KEY", "")
-    on_unix = str(getattr(args, "tried_address", args.address or "")).startswith("unix:")
-    return ClientTls(ca, cert, key) if (ca or cert) and not on_unix else None
+    return ClientTls(ca, cert, key) if (ca or cert) and not address.same_host else None
 
 
 def size(n: float) -> str:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore import __version__
+from kvstore.address import Address, UnixAddress
 from kvstore.cli import admin_cmds, bench_cmds, config_cmd, stats_cmd
 from kvstore.cli.common import common_parser, remote_parser, settings
 from kvstore.errors import InvalidArgument, KvStoreError, Unavailable
@@ -235,11 +236,9 @@ def _fail(args: argparse.Namespace, exc: BaseException, line: str) -> int:
     return 2
 
 
-def _why_unreachable(address: str, exc: BaseException) -> str:
-    if address.startswith("unix:"):
-        path = address.removeprefix("unix:").removeprefix("//")
-        if not os.path.exists(path):
-            return f"no socket at {path}"
+def _why_unreachable(address: Address, exc: BaseException) -> str:
+    if isinstance(address, UnixAddress) and not os.path.exists(address.path):
+        return f"no socket at {address.path}"
     text = str(exc)
     for reason in ("Connection refused", "Permission denied", "deadline exceeded", "Deadline Exceeded"):
         if reason in text:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvstore.address import Address, TcpAddress
 from kvstore.client.dataport import DataPortClient
 from kvstore.client.translate import translated
 from kvstore.tls import ClientTls
@@ -31,14 +32,14 @@ class DataConnections:
 
     def __init__(
         self,
-        address: str,
+        address: Address,
         token: str | None,
         tls: ClientTls | None,
         deadline: Callable[[], float | None],
         server_info: Callable[[], dict[str, Any]],
     ) -> None:
-        self._unix = address.startswith("unix:")
-        self._host = "" if self._unix else address.rpartition(":")[0].strip("[]")
+        self._unix = address.same_host
+        self._host = address.host.strip("[]") if isinstance(address, TcpAddress) else ""
         self._token = token
         self._tls = tls
         self._ssl_context = tls.ssl_context() if tls is not None else None

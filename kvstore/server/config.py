@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstore.address import parse_address
 from kvstore.errors import InvalidArgument
 from kvstore.store import StoreConfig
 from tiers.base import Codec
@@ -263,22 +264,22 @@ def _check(settings: Settings) -> None:
     listeners["server.data_address"] = "" if s.data_address == "auto" else s.data_address
     for setting, address in listeners.items():
         if address:
-            _check_address(address, setting, lowest_port=0)
+            _check_address(address, setting, listener=True)
     for node in settings.remote.nodes if settings.remote.backend else ():
-        _check_address(node, "remote.nodes", lowest_port=1)
+        _check_address(node, "remote.nodes", listener=False)
     events = settings.events.publish_address
     if events and not events.startswith(("tcp://", "ipc://")):
         raise InvalidArgument(f"events.publish_address is tcp://host:port or ipc:///path, not {events!r}")
 
 
-def _check_address(address: str, setting: str, lowest_port: int) -> None:
-    if address.startswith("unix:"):
-        return
-    _, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not lowest_port <= int(port) <= 65535:
+def _check_address(address: str, setting: str, listener: bool) -> None:
+    """The address parses as the server and its clients will parse it (``kvstore.address``)."""
+    try:
+        parse_address(address, setting, listener=listener)
+    except InvalidArgument:
         raise InvalidArgument(
-            f"{setting}: {address!r} is not HOST:PORT with a port from {lowest_port} to 65535"
-        )
+            f"{setting}: {address!r} is not HOST:PORT with a port from {0 if listener else 1} to 65535"
+        ) from None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, cast
 
+from kvstore.address import Address, UnixAddress
 from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.server.answering import AnsweringLoop, Outcome, Parked
@@ -91,13 +92,13 @@ class DataPort:
     def __init__(
         self,
         auth: Authenticator,
-        address: str,
+        address: Address,
         plane: DataPlane,
         ssl_context: ssl.SSLContext | None = None,
         spin_s: float = 0.0,
         shares: TenantShares | None = None,
     ) -> None:
-        """``address`` is ``host:port`` (TCP) or ``unix:/path`` (a socket file made mode 0600);
+        """``address``: TCP, or a Unix socket (its file made mode 0600);
         ``ssl_context``: TLS on every connection (TCP only), the handshake within HELLO_S.
         ``spin_s``: how long a connection in the middle of a same-host write polls for its
         next request before it sleeps (one connection at a time; never on a single CPU).
@@ -118,8 +119,8 @@ class DataPort:
         self.on_request: Callable[[str, float], None] | None = None
         self.unix_path: str | None = None
         self.port = 0
-        if address.startswith("unix:"):
-            self.unix_path = address.removeprefix("unix:").removeprefix("//")
+        if isinstance(address, UnixAddress):
+            self.unix_path = address.path
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)  # a stale socket of a process that died
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -130,8 +131,7 @@ class DataPort:
                 os.umask(old_umask)
             self._listener.listen(64)
         else:
-            host, _, port = address.rpartition(":")
-            self._listener = socket.create_server((host or "127.0.0.1", int(port)))
+            self._listener = socket.create_server((address.host or "127.0.0.1", address.port))
             self.port = self._listener.getsockname()[1]
         self._threads: set[threading.Thread] = set()
         self._idle: set[socket.socket] = set()  # connections waiting for their next request

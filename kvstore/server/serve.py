@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.address import Address, TcpAddress, UnixAddress, parse_address
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.extras import require
 from kvstore.server.audit import AuditLog
@@ -70,6 +71,7 @@ class RunningServer:
     data_port: DataPort | None = None
     data_socket: DataPort | None = None
     events: EventPublisher | None = None  # events.publish_address (kvstore.server.events)
+    socket_path: str = ""  # the file of unix_address, removed at stop
 
     def stop(self) -> None:
         """Drain and close; idempotent."""
@@ -94,7 +96,7 @@ class RunningServer:
         if self.metrics is not None:
             self.metrics.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.unix_address.removeprefix("unix://"))
+            os.unlink(self.socket_path)
         log.info("stopped")
 
     def wait(self) -> None:
@@ -187,30 +189,34 @@ def _start_listeners(
         raise InvalidArgument(f"server.socket_path {socket_path}: cannot make its folder: {exc}") from None
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()  # a dead server's (the data folder's lock says none is alive)
-    unix_address = f"unix://{socket_path}"
+    unix = UnixAddress(str(socket_path))
+    unix_address = unix.target
     old_umask = os.umask(0o177)  # the socket is born 0600: only this user reaches the sidecar
     try:
-        _listen(server, unix_address, "server.socket_path")
+        _listen(server, unix, "server.socket_path")
     finally:
         os.umask(old_umask)
     tls = _server_tls(settings)
     tcp_address = None
+    tcp: TcpAddress | None = None  # as bound: the port chosen when it was 0
     if settings.server.tcp_address:
-        host, _, _ = settings.server.tcp_address.rpartition(":")
-        port = _listen(server, settings.server.tcp_address, "server.tcp_address (--tcp)", tls)
-        tcp_address = f"{host}:{port}"
-        if tls is None and host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+        tcp = _tcp(settings.server.tcp_address, "server.tcp_address")
+        tcp = TcpAddress(tcp.host, _listen(server, tcp, "server.tcp_address (--tcp)", tls))
+        tcp_address = tcp.target
+        if tls is None and tcp.host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
             log.warning(
                 "TCP listener %s without TLS: tokens and KV bytes cross the network in clear text; "
                 "set server.tls_cert_file and server.tls_key_file",
                 tcp_address,
             )
     data_port = None
-    data_address = settings.server.data_address
-    if data_address == "auto":
-        data_address = f"{tcp_address.rpartition(':')[0]}:0" if tcp_address else ""
-    if data_address:
-        data_port = _data_port(auth, service, data_address, "server.data_address", tls)
+    data: TcpAddress | None = None
+    if settings.server.data_address == "auto":
+        data = TcpAddress(tcp.host, 0) if tcp is not None else None  # beside the TCP listener
+    elif settings.server.data_address:
+        data = _tcp(settings.server.data_address, "server.data_address")
+    if data is not None:
+        data_port = _data_port(auth, service, data, "server.data_address", tls)
         undo.callback(data_port.close, 0.0)
         service.data_port = data_port.port
     data_socket = None
@@ -218,9 +224,10 @@ def _start_listeners(
     if data_socket_path == "auto":
         data_socket_path = str(Path(settings.data_dir) / "kvstore-data.sock")
     if data_socket_path:
-        address = f"unix:{data_socket_path}"
         spin_s = settings.server.data_spin_s
-        data_socket = _data_port(auth, service, address, "server.data_socket_path", spin_s=spin_s)
+        data_socket = _data_port(
+            auth, service, UnixAddress(data_socket_path), "server.data_socket_path", spin_s=spin_s
+        )
         undo.callback(data_socket.close, 0.0)
         service.data_socket = data_socket_path
     server.start()
@@ -229,10 +236,10 @@ def _start_listeners(
     service.connections = Connections({"data port": data_port, "data socket": data_socket}, str(socket_path))
     if metrics is not None:
         metrics.watch_connections(partial(service.connections.figures, Caller("", admin=True)))
-    if data_port is not None:
-        service.addresses.append(f"data port {data_address.rpartition(':')[0]}:{data_port.port}")
+    if data_port is not None and data is not None:
+        service.addresses.append(f"data port {TcpAddress(data.host, data_port.port)}")
     if data_socket is not None:
-        service.addresses.append(f"data socket unix://{data_socket_path}")
+        service.addresses.append(f"data socket {UnixAddress(data_socket_path)}")
     metrics_port = None
     if metrics is not None:
         metrics_port = metrics.port
@@ -262,6 +269,7 @@ def _start_listeners(
         data_port,
         data_socket,
         events=events,
+        socket_path=unix.path,
     )
 
 
@@ -316,14 +324,14 @@ def _server_tls(settings: Settings) -> ServerTls | None:
     return ServerTls(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
 
 
-def _listen(server: grpc.Server, address: str, setting: str, tls: ServerTls | None = None) -> int:
+def _listen(server: grpc.Server, address: Address, setting: str, tls: ServerTls | None = None) -> int:
     """Bind one gRPC listener (TLS on TCP when configured); a refusal names the setting."""
     _check_free(address, setting)
     try:
-        if tls is not None and not address.startswith("unix:"):
-            port = server.add_secure_port(address, tls.grpc_credentials())
+        if tls is not None and not address.same_host:
+            port = server.add_secure_port(address.target, tls.grpc_credentials())
         else:
-            port = server.add_insecure_port(address)
+            port = server.add_insecure_port(address.target)
     except RuntimeError as exc:  # grpcio raises this where older versions returned 0
         raise FailedPrecondition(f"cannot listen on {address} ({exc}): change {setting}") from None
     if port == 0:
@@ -333,18 +341,24 @@ def _listen(server: grpc.Server, address: str, setting: str, tls: ServerTls | No
     return int(port)
 
 
-def _check_free(address: str, setting: str) -> None:
+def _tcp(text: str, setting: str) -> TcpAddress:
+    """A TCP listener's address (port 0: any free port)."""
+    address = parse_address(text, setting, listener=True)
+    if not isinstance(address, TcpAddress):
+        raise InvalidArgument(f"{setting} is host:port, got {text!r}")
+    return address
+
+
+def _check_free(address: Address, setting: str) -> None:
     """Refuse a TCP port in use with a clear line (gRPC's own refusal says little)."""
-    if address.startswith("unix:"):
+    if not isinstance(address, TcpAddress) or address.port == 0:
         return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or int(port) == 0:
-        return
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    host = address.host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host.strip("[]") or "0.0.0.0", int(port)))
+            probe.bind((host or "0.0.0.0", address.port))
         except OSError as exc:
             raise FailedPrecondition(
                 f"cannot listen on {address} ({_reason(exc)}): change {setting}"
@@ -354,12 +368,12 @@ def _check_free(address: str, setting: str) -> None:
 def _data_port(
     auth: Authenticator,
     service: KvStoreService,
-    address: str,
+    address: Address,
     setting: str,
     tls: ServerTls | None = None,
     spin_s: float = 0.0,
 ) -> DataPort:
-    context = tls.ssl_context() if tls is not None and not address.startswith("unix:") else None
+    context = tls.ssl_context() if tls is not None and not address.same_host else None
     try:
         # One set of places per tenant across both data ports and gRPC: a tenant's flood on one
         # transport waits its turn there, not everyone's on another.
