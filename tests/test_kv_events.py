@@ -223,3 +223,64 @@ def _wait(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not done() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert done()
+
+
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_a_feeds_index_matches_what_the_store_holds_after_random_work(
+    tmp_path: Path, write_behind: bool
+) -> None:
+    """Puts, re-puts, reads (promotions out of nvme), deletes, demotions, evictions from a small
+    arena, the cleaner or write-behind copying below: the index kept from the feed alone ends up
+    naming exactly the blocks the store holds, each in its fastest tier."""
+    import random
+
+    from kvstore.kv_events import decoder, sequence_of
+    from kvstore.routing.events import SidecarIndex
+    from kvstore.server.events import EventPublisher
+    from tests.tier_factories import make_dram, make_nvme
+
+    endpoint = f"ipc://{tmp_path}/events"
+    publisher = EventPublisher(EventsSettings(publish_address=endpoint), ["dram", "nvme"])
+    sub = Subscriber(endpoint)
+    config = StoreConfig(write_behind=write_behind)
+    store = TieredStore([make_dram(tmp_path, 2 << 20), make_nvme(tmp_path, 64 << 20)], config)
+    index = SidecarIndex()
+    decode = decoder().decode
+
+    def follow(quiet_s: float) -> None:
+        while sub.sock.poll(int(quiet_s * 1000)):
+            _topic, seq, payload = sub.sock.recv_multipart()
+            index.apply(sequence_of(seq), decode(payload))
+
+    try:
+        store.listen(publisher)
+        scope = Scope("t/a", MODEL.fingerprint())
+        probe = block_keys(scope.fingerprint, list(range(16)), 16)
+        deadline = time.monotonic() + 10
+        while not index.copies and time.monotonic() < deadline:  # the slow joiner
+            store.put(scope, probe, [bytes(BLOCK)])
+            follow(0.2)
+        rng = random.Random(3)
+        heads = [[rng.randrange(1000) for _ in range(16 * 8)] for _ in range(40)]
+        for _ in range(400):
+            keys = block_keys(scope.fingerprint, rng.choice(heads)[: 16 * rng.randint(1, 8)], 16)
+            op = rng.random()
+            if op < 0.6:
+                store.put(scope, keys, [bytes(BLOCK)] * len(keys))
+            elif op < 0.8:
+                store.get(scope, keys)
+            elif op < 0.95:
+                store.delete(scope, keys[rng.randrange(len(keys)) :])
+            else:
+                store.demote("dram")
+        store.flush()
+        follow(1.0)
+        held = {key: tier for _scope, key, tier in store.blocks()}
+        assert len(held) > 100  # the work left a store worth comparing
+        followed = {key: index.prefix_tiers([key])[0] for key in index.copies}
+        assert followed == held
+        assert index.gaps == 0 and publisher.dropped == 0
+    finally:
+        store.close()
+        publisher.close()
+        sub.close()
