@@ -79,7 +79,7 @@ class SidecarIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.copies.clear()
 
-    def prefix_tiers(self, keys: Sequence[bytes]) -> tuple[str, ...]:
+    def prefix_tiers(self, keys: Sequence[bytes | int]) -> tuple[str, ...]:
         """The tier of each leading key held (its fastest copy), up to the first not held."""
         out: list[str] = []
         for key in keys:
