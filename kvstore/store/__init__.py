@@ -8,6 +8,7 @@ lists the calls and their order. The rooms behind it, one role each:
     eviction    prefix-aware GreedyDual-Size-Frequency victims
     pins        the one owner of pin counts, leases, and what a last release does
     placement   which tier gets a copy, making room, demotion, spill
+    held        the line paced writes wait in, each holding the arena room it waited for
     governance  per-namespace quotas and retention
     arena       the same-host two-phase calls (resolve, reserve / commit / abort)
     rebuild     indexing the persistent tiers at start

@@ -212,9 +212,10 @@ class ArenaCalls:
         ttl_s = p.pins.ttl(ttl_s)
         a, arena = p.arena()
         with p.locked():
-            needed = p.new_bytes(p.index.intern(scope), keys, sizes)
-        p.placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
+            needed = p.new_sizes(p.index.intern(scope), keys, sizes)
+        held = p.placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
         with p.locked():
+            p.placement.use(held)  # the room it waited for, taken by _take_slots under this same hold
             scope = p.index.intern(scope)
             p.expire()
             pinned_parent = p.index.visible((scope, parent)) if parent is not None else None

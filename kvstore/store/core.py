@@ -331,9 +331,10 @@ class TieredStore:
         # its new blocks only: a block stored already needs none).
         for first, end in slices(sizes, PACE_SLICE_BYTES):
             with p.locked():
-                needed = p.new_bytes(scope, keys[first:end], sizes[first:end])
-            p.placement.pace(0, needed, PACE_S)
+                needed = p.new_sizes(scope, keys[first:end], sizes[first:end])
+            held = p.placement.pace(0, needed, PACE_S)
             with p.locked():
+                p.placement.use(held)  # the room it waited for, taken below under this same hold
                 p.expire()
                 now = p.wall()  # each block's birth, in the metadata its tiers keep
                 for i in range(first, end):

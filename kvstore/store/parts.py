@@ -97,16 +97,16 @@ class StoreParts:
         self.governance.retire(block)  # past its retention, as the sweep would find it
         return self.index.get(ident)
 
-    def new_bytes(self, scope: Scope, keys: Sequence[BlockKey], sizes: Sequence[int]) -> int:
-        """Under the lock: the bytes of the blocks a write of ``keys`` would store, those with no
+    def new_sizes(self, scope: Scope, keys: Sequence[BlockKey], sizes: Sequence[int]) -> list[int]:
+        """Under the lock: the sizes of the blocks a write of ``keys`` would store, those with no
         entry standing in the way (``vacate``): what that write needs room for, and all its pacing
         should wait for. A second store of stored blocks needs none."""
-        total = 0
+        new: list[int] = []
         for key, size in zip(keys, sizes, strict=True):
             block = self.index.get((scope, key))
             if block is None or not (block.doomed or self.index.visible((scope, key)) is not None):
-                total += size
-        return total
+                new.append(size)
+        return new
 
     def count(self, scope: Scope, name: str, n: int = 1) -> None:
         self.counters[name] += n

@@ -4,9 +4,12 @@ Calls (store lock held, but pace):
     place(block, data, lowest, highest, evict)  a copy into the first tier in [lowest, highest]
                                                 that has room or (``evict``) can make it
     make_room(t, size)     evict from tier t until size fits; whether it does
-    pace(t, size, timeout) (lock NOT held) before a write: wait for the write queue of the tier
-                           below t that room in t will demote into, when it is full, and for
-                           the disk to write what the victims' retired slots wait for
+    pace(t, sizes, timeout) (lock NOT held) before a write of blocks of ``sizes``: wait for the
+                           write queue of the tier below t that room in t will demote into, when
+                           it is full, and for the disk to write what the victims' retired slots
+                           wait for; the room it waited for in an arena comes back ``Held``
+    use(held)              first thing under the lock in the write that paced: the held room goes
+                           back to the arena for that write to take, under the same lock hold
     demote(block, t)       move a block's only copy out of t into the next tier with free room
                            (nothing evicted for it); whether it left t
     forget_tier(block, t)  the copy in t goes; a block left with no copy leaves the index
@@ -21,6 +24,10 @@ Calls (store lock held, but pace):
 Retired slots: an arena block evicted while its copy below is still in the disk's write queue
 keeps its slot (and its journal record) until the disk has written that copy, so a kill -9
 never loses it with the queue; the write that wanted the room waits for the disk in ``pace``.
+
+Held room (``kvstore.store.held``): what a paced write waited for is its own. Paced writes
+wait in line per arena, first come first served; slots that ``settle`` frees go to the line
+first, held so that a writer beside it cannot take them between the wait and the write.
 
 Eviction demotes a block to the next tier while there is one and drops it from the last; a
 block whose only copy cannot move and whose removal would strand a resident child stays.
@@ -42,6 +49,7 @@ from contextlib import AbstractContextManager
 from kvstore.asleep import asleep
 from kvstore.store.changes import BlockChanges
 from kvstore.store.eviction import Eviction
+from kvstore.store.held import Held, RoomLine
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block
 from kvstore.store.pins import Pins
@@ -83,6 +91,7 @@ class Placement:
             if tier.as_arena() is not None and below:
                 self._queued_below[t] = below[0]
         self.retired_bytes = 0  # bytes of arena slots retired so far, all told
+        self._line = RoomLine()  # paced writes waiting for arena room, in order
         self.changes: BlockChanges | None = None  # told of every copy added or gone (events)
 
     def make_room(
@@ -120,13 +129,25 @@ class Placement:
                 self._eviction.push(block)
 
     def settle(self, t: int) -> int:
-        """Free the retired slots of arena tier ``t`` whose copies below are written; how many."""
+        """Free the retired slots of arena tier ``t`` whose copies below are written; how many.
+        The paced writes waiting in line hold what came free first (``_hold``)."""
         d = self._queued_below.get(t)
         if d is None:
             return 0
         arena = self.tiers[t].as_arena()
         assert arena is not None
-        return arena.settle(self.tiers[d].written_mark())
+        freed = arena.settle(self.tiers[d].written_mark())
+        if freed:
+            self._line.hold(t, arena)
+        return freed
+
+    def use(self, held: Held | None) -> None:
+        """Under the lock, first thing in the write that paced: its held room goes back to the
+        arena, for that write to take under this same hold of the lock (nobody else can)."""
+        if held is not None:
+            arena = self.tiers[held.t].as_arena()
+            assert arena is not None
+            self._line.let_go(held, arena)
 
     def _unretire(self, block: Block) -> None:
         """A block leaving the store (dropped, deleted) takes any arena slot it retired with it:
@@ -153,25 +174,29 @@ class Placement:
                     return
         self.tiers[t].delete(block.tkey)
 
-    def pace(self, t: int, size_bytes: int, timeout_s: float) -> None:
-        """Outside the lock, before a write that will need ``size_bytes`` of room in tier ``t``:
-        when making that room will demote into a tier whose write queue is full, wait (at most
-        ``timeout_s``) for the queue to drain, so that the writer, not every caller, waits for
-        the disk and its victims are demoted rather than dropped. Only the victims that would be
-        demoted count: one with a copy below already (the cleaner's work) is evicted by
-        forgetting its copy here, and a write whose victims are all clean does not wait for a
-        busy disk at all. Advisory: it reads the tiers without the store lock (the victims under
-        it, briefly, and only when the queue is full now), and the placements under it never
-        wait whatever it found."""
+    def pace(self, t: int, sizes: Sequence[int], timeout_s: float) -> Held | None:
+        """Outside the lock, before a write that will need room in tier ``t`` for new blocks of
+        ``sizes``: when making that room will demote into a tier whose write queue is full, wait
+        (at most ``timeout_s``) for the queue to drain, so that the writer, not every caller,
+        waits for the disk and its victims are demoted rather than dropped. Only the victims
+        that would be demoted count: one with a copy below already (the cleaner's work) is
+        evicted by forgetting its copy here, and a write whose victims are all clean does not
+        wait for a busy disk at all. Advisory: it reads the tiers without the store lock (the
+        victims under it, briefly, and only when the queue is full now), and the placements
+        under it never wait whatever it found. In an arena whose victims' slots retire, the
+        room it made or waited for comes back held (see the module docstring): the caller's
+        next step is ``use`` under the lock; None when it holds nothing."""
         tier = self.tiers[t]
+        size_bytes = sum(sizes)
         short = size_bytes - _free_bytes(tier)
         if short <= 0:
-            return  # room: the usual case
+            return None  # room: the usual case
         with asleep():  # on the disk: the caller's request place serves another meanwhile
-            self._pace_short(t, size_bytes, short, timeout_s)
+            return self._pace_short(t, sizes, short, timeout_s)
 
-    def _pace_short(self, t: int, size_bytes: int, short: int, timeout_s: float) -> None:
+    def _pace_short(self, t: int, sizes: Sequence[int], short: int, timeout_s: float) -> Held | None:
         tier = self.tiers[t]
+        size_bytes = sum(sizes)
         deadline = time.monotonic() + timeout_s
         if not self.wait_below(t, short, 0.0):
             with self._lock:
@@ -179,36 +204,55 @@ class Placement:
             looked = sum(b.size_bytes for b in victims)
             dirty = sum(b.size_bytes for b in victims if len(b.tiers) == 1) + max(0, short - looked)
             if dirty > 0 and not self.wait_below(t, dirty, timeout_s):
-                self._timed_out(t, size_bytes)
-                return
-        if t not in self._queued_below:
-            return
-        # The victims' slots come free only once the disk has written their copies (retired,
-        # ``_let_go``): evict now, briefly under the lock, and wait for the disk here, so that
-        # the write finds its room instead of stopping short.
-        with self._lock:
-            if self.make_room(t, size_bytes, lambda: _free_bytes(tier) >= size_bytes, size_bytes):
-                return
-        # A writer waiting beside this one may take the slot that came free first: then wait for
-        # the next one to retire (not evict again), while any does. Taking the first free slot
-        # and going on, the write found no room and went to the disk instead of the arena.
+                with self._lock:
+                    self._timed_out(t, size_bytes)
+                return None
+        d = self._queued_below.get(t)
         arena = tier.as_arena()
-        while self.wait_retired(t, size_bytes, deadline - time.monotonic()):
+        if d is None or arena is None:
+            return None
+        # The victims' slots come free only once the disk has written their copies (retired,
+        # ``_let_go``): evict now, briefly under the lock, and wait for the disk here, in line,
+        # so that the write finds its room instead of stopping short.
+        held = Held(t, list(sizes))
+        try:
             with self._lock:
-                self.settle(t)
-                if _free_bytes(tier) >= size_bytes:
-                    return
-        if arena is not None and arena.retiring_mark(size_bytes):  # still retiring: out of time
-            self._timed_out(t, size_bytes)
+                self._line.join(held)
+                self.make_room(t, size_bytes, lambda: _free_bytes(tier) >= size_bytes, size_bytes)
+                self._line.hold(t, arena)
+            while held.sizes:
+                with self._lock:
+                    # The room of the writes ahead in line comes first, then this one's.
+                    mark = arena.retiring_mark(self._line.wanted_through(held))
+                if not mark:
+                    break  # nothing retires: no room on its way; the write makes its own
+                written = self.tiers[d].wait_written(mark, max(0.0, deadline - time.monotonic()))
+                with self._lock:
+                    self.settle(t)
+                    if held.sizes and not written:  # out of time: what retires goes unwritten
+                        self._timed_out(t, self._line.wanted_through(held))
+                        break
+        except BaseException:
+            with self._lock:
+                self._line.let_go(held, arena)  # nothing of it stays held, and the line goes on
+                self._line.hold(t, arena)
+            raise
+        with self._lock:
+            if self._line.leave(held):  # it goes on with what it holds (perhaps nothing)
+                self._line.hold(t, arena)  # and the writes behind it may have room now
+        return held if held.keys else None
 
     def _timed_out(self, t: int, size_bytes: int) -> None:
-        """A disk behind past the pace stalls nobody: victims are dropped rather than demoted,
-        and retired slots go unwritten, as they went before slots retired (a kill -9 now would
-        lose those blocks with the write queue)."""
+        """Under the lock. A disk behind past the pace stalls nobody: victims are dropped rather
+        than demoted, and ``size_bytes`` of retired slots go unwritten, as they went before slots
+        retired (a kill -9 now would lose those blocks with the write queue)."""
         self._counters["pace_timeouts"] += 1
         arena = self.tiers[t].as_arena()
         if arena is not None and t in self._queued_below:
-            self._counters["retired_slots_freed_unwritten"] += arena.settle(arena.retiring_mark(size_bytes))
+            freed = arena.settle(arena.retiring_mark(size_bytes))
+            self._counters["retired_slots_freed_unwritten"] += freed
+            if freed:
+                self._line.hold(t, arena)
 
     def wait_retired(self, t: int, size_bytes: int, timeout_s: float) -> bool:
         """Outside the lock: wait (at most ``timeout_s``) until the disk has written the copies
