@@ -322,6 +322,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         side = self._scheduler or self._worker
         assert side is not None
         side.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

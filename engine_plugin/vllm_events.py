@@ -23,9 +23,11 @@ Threads: the scheduler side runs on vLLM's scheduler thread, the worker side on 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
+    BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVConnectorKVEvents,
@@ -36,6 +38,8 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
+
+from engine_plugin.sidecar_feed import SidecarFeed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,9 +94,10 @@ def worker_events(events: list[Any]) -> KvstoreKVEvents | None:
 class SavedBlockEvents:
     """The scheduler side's events: see the module docstring."""
 
-    def __init__(self, block_size: int, locality: str) -> None:
+    def __init__(self, block_size: int, locality: str, feed: SidecarFeed | None = None) -> None:
         self._block_size = block_size
         self._locality = locality
+        self._feed = feed  # the sidecar's own feed: its evictions of announced blocks
         self._requests: dict[str, Request] = {}
         self._ready: list[KVCacheEvent] = []
 
@@ -102,14 +107,18 @@ class SavedBlockEvents:
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    def announce(self, req_id: str, first: int, last: int) -> list[Any]:
+    def announce(self, req_id: str, first: int, last: int, keys: Sequence[bytes] = ()) -> list[Any]:
         """A ``BlockStored`` for blocks [first, last) of the request, or none where vLLM has not
-        hashed them (a request it never showed the connector)."""
+        hashed them (a request it never showed the connector); ``keys``: their kvstore keys (rank
+        0), watched on the sidecar's feed."""
         request = self._requests.get(req_id)
         if request is None or len(request.block_hashes) < last or last <= first:
             return []
         size = self._block_size
         hashes = request.block_hashes
+        if self._feed is not None:
+            for key, block_hash in zip(keys, hashes[first:last], strict=False):
+                self._feed.watch(bytes(key), maybe_convert_block_hash(block_hash))
         lora = request.lora_request
         extra = [
             generate_block_hash_extra_keys(request, i * size, (i + 1) * size, 0)[0]
@@ -138,9 +147,25 @@ class SavedBlockEvents:
             self._ready.extend(events.aggregate().get_all_events())
 
     def take(self) -> list[KVCacheEvent]:
-        """``take_events``: what was collected since the last call."""
+        """``take_events``: what was collected since the last call, and the announced blocks the
+        sidecar let go meanwhile."""
         ready, self._ready = self._ready, []
+        removed = self._feed.take_removed() if self._feed is not None else []
+        if removed:
+            ready.append(
+                BlockRemoved(
+                    block_hashes=removed,
+                    medium=MEDIUM,
+                    group_idx=0,
+                    locality=self._locality,
+                    ownership=OWNERSHIP,
+                )
+            )
         return ready
+
+    def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
 
 
 def saved_block_events(
@@ -150,6 +175,8 @@ def saved_block_events(
     config = vllm_config.kv_events_config
     if scheduler is None or config is None or not config.enable_kv_cache_events:
         return None
-    events = SavedBlockEvents(block_size, "LOCAL" if same_host else "REMOTE")
+    endpoint = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("sidecar_events")
+    feed = SidecarFeed(str(endpoint)) if endpoint else None
+    events = SavedBlockEvents(block_size, "LOCAL" if same_host else "REMOTE", feed)
     scheduler.announce = events.announce
     return events

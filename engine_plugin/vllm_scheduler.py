@@ -206,9 +206,9 @@ class SchedulerSide:
         self._fingerprints = [identity.fingerprint() for identity in identities]
         self._requests: dict[str, _Request] = {}
         self._calibration_changed = True  # report the start figures
-        # vLLM's BlockStored events of a save job's blocks (req_id, first, last), where vLLM
-        # publishes KV events (engine_plugin.vllm_events; set by the connector)
-        self.announce: Callable[[str, int, int], list[Any]] | None = None
+        # vLLM's BlockStored events of a save job's blocks (req_id, first, last, rank 0's keys),
+        # where vLLM publishes KV events (engine_plugin.vllm_events; set by the connector)
+        self.announce: Callable[[str, int, int, Sequence[BlockKey]], list[Any]] | None = None
         self._warmed_up = False  # the engine's first timed prefill is not learned from
 
     def _request_keys(self, request: Request) -> list[list[BlockKey]]:
@@ -374,7 +374,7 @@ class SchedulerSide:
             timeout_s = save_deadline_s((last - first) * self._block_bytes)
             job = TransferJob(tracked.req_id, rank_keys, tracked.block_ids[first:last], timeout_s, parents)
             if self.announce is not None:
-                job.announce = self.announce(tracked.req_id, first, last)
+                job.announce = self.announce(tracked.req_id, first, last, rank_keys[0])
             meta.saves.append(job)
             tracked.saved_blocks = last
 

@@ -20,12 +20,17 @@ Needs msgspec (the ``events`` extra, with pyzmq).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
 import msgspec
 
 # vLLM's medium names (vllm.distributed.kv_events.MEDIUM_*) for kvstore's tier names
 MEDIUM_OF_TIER = {"hbm": "GPU", "dram": "CPU", "nvme": "STORAGE"}
 OWNERSHIP = "kvstore"
 LOCAL = "LOCAL"
+_TIER_OF_MEDIUM = {medium: tier for tier, medium in MEDIUM_OF_TIER.items()}
+_FASTEST_FIRST = tuple(MEDIUM_OF_TIER.values())  # GPU, CPU, STORAGE
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -64,6 +69,51 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[KVCacheEvent]
     data_parallel_rank: int | None = None
+
+
+class SidecarIndex:
+    """What one sidecar holds, by key, kept from its feed: copies per medium (the same key held
+    for two tenants is two copies). A sequence that starts over (a restarted sidecar) empties
+    it; a gap is counted. Not thread-safe: its user locks."""
+
+    def __init__(self) -> None:
+        self.copies: dict[bytes | int, Counter[str]] = {}
+        self.last_seq = -1
+        self.gaps = 0
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        if seq <= self.last_seq:  # the sequence started over: a restarted sidecar
+            self.copies.clear()
+        elif self.last_seq >= 0 and seq != self.last_seq + 1:
+            self.gaps += 1
+        self.last_seq = seq
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                for key in event.block_hashes:
+                    self.copies.setdefault(key, Counter())[event.medium or ""] += 1
+            elif isinstance(event, BlockRemoved):
+                for key in event.block_hashes:
+                    held = self.copies.get(key)
+                    if held is None:
+                        continue
+                    held[event.medium or ""] -= 1
+                    if held[event.medium or ""] <= 0:
+                        del held[event.medium or ""]
+                    if not held:
+                        del self.copies[key]
+            elif isinstance(event, AllBlocksCleared):
+                self.copies.clear()
+
+    def prefix_tiers(self, keys: Sequence[bytes | int]) -> tuple[str, ...]:
+        """The tier of each leading key held (its fastest copy), up to the first not held."""
+        out: list[str] = []
+        for key in keys:
+            held = self.copies.get(key)
+            if not held:
+                break
+            medium = next((m for m in _FASTEST_FIRST if held.get(m)), next(iter(held)))
+            out.append(_TIER_OF_MEDIUM.get(medium, medium.lower()))
+        return tuple(out)
 
 
 def sequence_bytes(seq: int) -> bytes:

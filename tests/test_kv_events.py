@@ -234,8 +234,7 @@ def test_a_feeds_index_matches_what_the_store_holds_after_random_work(
     naming exactly the blocks the store holds, each in its fastest tier."""
     import random
 
-    from kvstore.kv_events import decoder, sequence_of
-    from kvstore.routing.events import SidecarIndex
+    from kvstore.kv_events import SidecarIndex, decoder, sequence_of
     from kvstore.server.events import EventPublisher
     from tests.tier_factories import make_dram, make_nvme
 

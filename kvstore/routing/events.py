@@ -23,72 +23,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
 import zmq
 
 from kvstore.keys import Fingerprint
-from kvstore.kv_events import (
-    MEDIUM_OF_TIER,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decoder,
-    sequence_of,
-)
+from kvstore.kv_events import SidecarIndex, decoder, sequence_of
 from kvstore.routing.router import SidecarProbe
 
 log = logging.getLogger("kvstore.route")
 
-_TIER_OF_MEDIUM = {medium: tier for tier, medium in MEDIUM_OF_TIER.items()}
-_FASTEST_FIRST = tuple(MEDIUM_OF_TIER.values())  # GPU, CPU, STORAGE
 _POLL_MS = 200
-
-
-class SidecarIndex:
-    """What one sidecar holds, by key: copies per medium. Not thread-safe (the probe locks)."""
-
-    def __init__(self) -> None:
-        self.copies: dict[bytes | int, Counter[str]] = {}
-        self.last_seq = -1
-        self.gaps = 0
-
-    def apply(self, seq: int, batch: KVEventBatch) -> None:
-        if seq <= self.last_seq:  # the sequence started over: a restarted sidecar
-            self.copies.clear()
-        elif self.last_seq >= 0 and seq != self.last_seq + 1:
-            self.gaps += 1
-        self.last_seq = seq
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                for key in event.block_hashes:
-                    self.copies.setdefault(key, Counter())[event.medium or ""] += 1
-            elif isinstance(event, BlockRemoved):
-                for key in event.block_hashes:
-                    held = self.copies.get(key)
-                    if held is None:
-                        continue
-                    held[event.medium or ""] -= 1
-                    if held[event.medium or ""] <= 0:
-                        del held[event.medium or ""]
-                    if not held:
-                        del self.copies[key]
-            elif isinstance(event, AllBlocksCleared):
-                self.copies.clear()
-
-    def prefix_tiers(self, keys: Sequence[bytes | int]) -> tuple[str, ...]:
-        """The tier of each leading key held (its fastest copy), up to the first not held."""
-        out: list[str] = []
-        for key in keys:
-            held = self.copies.get(key)
-            if not held:
-                break
-            medium = next((m for m in _FASTEST_FIRST if held.get(m)), next(iter(held)))
-            out.append(_TIER_OF_MEDIUM.get(medium, medium.lower()))
-        return tuple(out)
 
 
 class FollowedProbe(SidecarProbe):
