@@ -14,6 +14,7 @@ import pytest
 from kvstore.errors import KvStoreError, LeaseExpired, LeaseNotFound
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Reservation, Scope, StoreConfig, TieredStore
+from kvstore.store.held import KEY_PREFIX as HELD_KEY_PREFIX
 from tiers import Tier, TierKey
 from tiers.dram import Arena, DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
@@ -389,6 +390,7 @@ def test_a_writer_waits_for_a_disk_that_is_behind_outside_the_lock(
         assert counters["demotions"] == 4 and counters.get("nvme_busy_skipped_blocks", 0) == 0
         everything = first + second + third
         assert [s.tier_of(A, k) for k in everything] == ["nvme"] * 4 + ["dram"] * 3  # none lost
+        assert not _held_slots(s)
     finally:
         gate.set()
         s.close()
@@ -445,6 +447,7 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
         counters = s.stats().counters
         assert counters["demotions"] == 2 and counters.get("nvme_busy_skipped_blocks", 0) == 0
         assert [s.tier_of(A, k) for k in first] == ["dram"] * 2 + ["nvme"] * 2  # none lost (tail first)
+        assert not _held_slots(s)  # each write took the room held for it
     finally:
         commits.release(100)
         s.close()
@@ -471,9 +474,16 @@ def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
         assert s.lookup(A, third).hit_blocks == 2
         present = sum(s.lookup(A, [k]).hit_blocks for k in first + second)
         assert present == 6 - 2  # of the four victims two were demoted, two dropped
+        assert not _held_slots(s)  # a write out of time holds no room past its own write
     finally:
         gate.set()
         s.close()
+
+
+def _held_slots(s: TieredStore) -> list[bytes]:
+    """The arena slots held for paced writes (``kvstore.store.held``) that no write has taken."""
+    _, arena = s._p.arena()
+    return [key for key in arena._pending if key.startswith(HELD_KEY_PREFIX)]  # type: ignore[attr-defined]
 
 
 def test_a_write_of_blocks_already_stored_never_waits_for_a_disk_that_is_behind(
