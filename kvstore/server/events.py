@@ -162,7 +162,8 @@ class EventPublisher:
                 kind, tier, blocks = self._queue.popleft()
             except IndexError:  # cleared meanwhile
                 break
-            if kind == _CLEARED:
+            if kind == _CLEARED:  # what this batch holds so far is moot too
+                events.clear()
                 events.append(AllBlocksCleared())
                 continue
             medium = self._media[tier]

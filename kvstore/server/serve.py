@@ -240,6 +240,8 @@ def _start_listeners(
         service.addresses.append(f"data port {TcpAddress(data.host, data_port.port)}")
     if data_socket is not None:
         service.addresses.append(f"data socket {UnixAddress(data_socket_path)}")
+    if events is not None:
+        service.addresses.append(f"events {events.endpoint}")  # the port bound, where it was 0
     metrics_port = None
     if metrics is not None:
         metrics_port = metrics.port
