@@ -15,7 +15,8 @@ sidecar lets go alone is not announced. The feed has no history: blocks evicted 
 scheduler was not subscribed (before it started) are not announced.
 
 Threads: ``watch`` and ``take_removed`` on vLLM's scheduler thread, the follower on its own;
-one lock between them. Needs pyzmq and msgspec (vLLM brings both).
+one lock between them. Needs pyzmq and msgspec (vLLM brings both), imported when a feed is
+followed, so that the module imports wherever the connector's other modules do.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from typing import Any
 
-import zmq
-
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, SidecarIndex, decoder, sequence_of
+from kvstore.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,18 @@ class SidecarFeed:
     """See the module docstring."""
 
     def __init__(self, endpoint: str) -> None:
+        for module in ("zmq", "msgspec"):
+            require(module, 'kv_connector_extra_config["sidecar_events"]')
+        import zmq
+
+        from kvstore.kv_events import SidecarIndex
+
         self._lock = threading.Lock()
         self._index = SidecarIndex()
         self._watched: collections.OrderedDict[bytes, bytes | int] = collections.OrderedDict()
         self._removed: list[bytes | int] = []
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._ctx: Any = zmq.Context()
+        self._sub: Any = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
         self._stop = threading.Event()
@@ -64,6 +70,8 @@ class SidecarFeed:
         return removed
 
     def _follow(self) -> None:
+        from kvstore.kv_events import AllBlocksCleared, BlockRemoved, decoder, sequence_of
+
         decode = decoder().decode
         while not self._stop.is_set():
             if not self._sub.poll(_POLL_MS):
