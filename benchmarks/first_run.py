@@ -24,6 +24,7 @@ from typing import Any
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from kvstore.cli.demo_engine import decision_lines
+from kvstore.cost_model import DEFAULT_TIERS
 from kvstore.server.config import load_settings
 from kvstore.server.datadir import remove_shm_files
 from kvstore.server.serve import start_server
@@ -85,7 +86,8 @@ def serve_all(engine: Engine, label: str) -> list[dict[str, object]]:
     return rows
 
 
-def run() -> list[dict[str, object]]:
+def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
+    """The rows, and the bytes and seconds of the restarted engine's restores from dram."""
     folder = Path(tempfile.mkdtemp(prefix="kvfirst-"))
     data_dir = tempfile.mkdtemp(prefix="kvfirst-sidecar-", dir="/tmp")
     settings = {
@@ -103,9 +105,11 @@ def run() -> list[dict[str, object]]:
             engine = Engine(model, server.unix_address)
             try:
                 rows += serve_all(engine, label)
+                metrics = engine.metrics()
             finally:
                 close(engine)
-        return rows
+        restored = metrics.get("kvstore_connector_restored_bytes_total{tier=dram}", 0.0)
+        return rows, (restored, metrics.get("kvstore_connector_restore_seconds_sum{tier=dram}", 0.0))
     finally:
         server.stop()
         remove_shm_files(data_dir)
@@ -113,7 +117,7 @@ def run() -> list[dict[str, object]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def report(rows: list[dict[str, object]], seconds: float) -> str:
+def report(rows: list[dict[str, object]], restores: tuple[float, float], seconds: float) -> str:
     lines = [
         "benchmarks/first_run.py: the connector's predicted vs measured ttft, request by request,",
         "from its built-in calibration (no file), tiny random model on vLLM CPU",
@@ -133,9 +137,23 @@ def report(rows: list[dict[str, object]], seconds: float) -> str:
         "request 1 of each engine is its warm-up (vLLM's first forward pass), which no calibration predicts",
         f"requests 2-{len(LENGTHS)} of both engines: median ratio {statistics.median(later):.2f}x, "
         f"range {min(later):.2f}x to {max(later):.2f}x",
+        _restore_line(*restores, sum(r["decision"] == "restore" for r in rows)),
         f"{seconds:.0f} s in all",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _restore_line(nbytes: float, seconds: float, count: int) -> str:
+    """The restores' measured load time against what the built-in dram cost predicts for it."""
+    if not nbytes or not seconds:
+        return "no restores from dram measured"
+    dram = DEFAULT_TIERS["dram"]
+    predicted = count * dram.latency_s + nbytes * dram.seconds_per_byte()
+    return (
+        f"restores from dram after the restart: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
+        f"({nbytes / seconds / 1e9:.2f} GB/s); the built-in dram cost ({dram.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
+        f"{dram.latency_s * 1e3:.1f} ms a restore) predicts {predicted * 1e3:.1f} ms: {seconds / predicted:.2f}x"
+    )
 
 
 def main() -> None:
@@ -143,7 +161,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
     start = time.monotonic()
-    text = report(run(), time.monotonic() - start)
+    text = report(*run(), time.monotonic() - start)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

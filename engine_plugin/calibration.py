@@ -12,6 +12,8 @@ A ``Calibration`` holds one ``TierCost`` per tier and a ``PrefillModel``. It sta
   curve (the file's, or the defaults, 3-7x off for the tiny test model on CPU): with prompts
   of one size seen, the curve is scaled by the median of measured over predicted; with two
   sizes at least 2x apart, its fixed and per-token parts are fitted;
+- ``start_from_probe(per_token_s)`` sets the starting curve's per-token cost to the one the
+  worker measured at start, for the requests before any of that (no file only);
 - ``reload_if_changed()`` re-reads the file when it was rewritten (a new ``kvstore bench
   calibrate`` run reaches running engines); the online observations start over then.
 
@@ -127,6 +129,19 @@ class Calibration:
             observed = nbytes / spent
             blended = (1 - self._weight) * cost.bandwidth_bytes_per_s + self._weight * observed
             self._tiers[tier] = replace(cost, bandwidth_bytes_per_s=blended)
+
+    def start_from_probe(self, per_token_s: float) -> None:
+        """Take the per-token cost the worker's probe measured at start (engine_plugin.
+        prefill_probe) into the starting curve, for the engine's first requests: the built-in
+        one is 3-20x off by model and device. A calibration file's curve, measured on this
+        machine, stands; timed prefills already seen keep correcting the new curve."""
+        if self.path is not None or not per_token_s > 0:
+            return
+        with self._lock:
+            self._prior = replace(self._prior, per_token_s=per_token_s)
+            if not self._points:
+                self._prefill = self._prior
+        log.info("prefill curve from the probe at start: %.3g ms a token", per_token_s * 1e3)
 
     def observe_prefill(self, prefix_tokens: int, suffix_tokens: int, seconds: float) -> None:
         """Record one measured prefill; refit the model once the points span enough shapes."""

@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_plugin.calibration import Calibration
+from engine_plugin.prefill_probe import shapes_from_vllm
 from engine_plugin.sidecar import SidecarLink, SidecarSettings
 from engine_plugin.vllm_events import KvstoreKVEvents, saved_block_events, worker_events
 from engine_plugin.vllm_hybrid import check_kv_cache_groups
@@ -217,6 +218,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_blocks,
                 config.audit_tolerance,
                 config.layerwise_load,
+                shapes_from_vllm(vllm_config),
             )
         same_host = config.sidecar.address.same_host
         self._kv_events = saved_block_events(vllm_config, self._scheduler, block_size, same_host)

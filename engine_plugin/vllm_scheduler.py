@@ -396,6 +396,8 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         observed = connector_output.kv_connector_worker_meta
         if isinstance(observed, ObservedWork):
+            if observed.prefill_per_token_s:
+                self.calibration.start_from_probe(observed.prefill_per_token_s)
             for tier, nbytes, seconds in observed.transfers:
                 self.calibration.observe_transfer(tier, nbytes, seconds)
             for prefix, new, seconds in observed.prefills:

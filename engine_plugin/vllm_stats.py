@@ -64,17 +64,23 @@ class ObservedWork(KVConnectorWorkerMetadata):  # type: ignore[misc]
     prefills: list[tuple[int, int, float]] = field(default_factory=list)  # prefix, new tokens, seconds
     # req_id, blocks that agree, blocks that do not, the largest difference seen
     audits: list[tuple[str, int, int, float]] = field(default_factory=list)
+    # the prefill probe at the worker's start (engine_plugin.prefill_probe): seconds a token
+    prefill_per_token_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, ObservedWork):
-            # Tensor-parallel ranks move their own shards at the same time: one restore each.
+            # Tensor-parallel ranks move their own shards at the same time: one restore each;
+            # they compute together, at the pace of the slowest.
             return ObservedWork(
-                self.transfers + other.transfers, self.prefills + other.prefills, self.audits + other.audits
+                self.transfers + other.transfers,
+                self.prefills + other.prefills,
+                self.audits + other.audits,
+                max(self.prefill_per_token_s, other.prefill_per_token_s),
             )
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.transfers or self.prefills or self.audits)
+        return bool(self.transfers or self.prefills or self.audits or self.prefill_per_token_s)
 
 
 def _empty() -> dict[str, Any]:

@@ -229,3 +229,24 @@ def test_the_first_observed_prefills_correct_the_starting_curve() -> None:
     noisy.observe_prefill(0, 400, 0.5)  # a slow stretch of the machine
     noisy.observe_prefill(0, 900, 0.25)  # longer, yet faster: no per-token cost would fit
     assert noisy.snapshot().prefill.per_token_s > 0  # the scaled curve, which still restores
+
+
+def test_the_probe_at_start_sets_the_starting_per_token_cost_but_not_a_files(tmp_path: Path) -> None:
+    from kvstore.cost_model import DEFAULT_PREFILL
+
+    cal = Calibration(dict(FAST), DEFAULT_PREFILL)  # no file: the built-in curve
+    cal.start_from_probe(0.0001)
+    probed = cal.snapshot().prefill
+    assert probed == PrefillModel(DEFAULT_PREFILL.fixed_s, 0.0001, DEFAULT_PREFILL.per_token_context_s)
+    # the engine's timed prefills still correct it: one size seen scales the probed curve
+    cal.observe_prefill(0, 400, 2 * probed.seconds(0, 400))
+    assert cal.snapshot().prefill.seconds(0, 200) == pytest.approx(2 * probed.seconds(0, 200))
+    cal.start_from_probe(0.5)  # a probe arriving after timed prefills does not undo them
+    assert cal.snapshot().prefill.seconds(0, 200) == pytest.approx(2 * probed.seconds(0, 200))
+
+    # a calibration file was measured on this machine (`kvstore bench calibrate`): it stands
+    path = tmp_path / "calibration.json"
+    Calibration(dict(FAST), PREFILL).save(path)
+    from_file = Calibration.load(path)
+    from_file.start_from_probe(0.0001)
+    assert from_file.snapshot().prefill == PREFILL

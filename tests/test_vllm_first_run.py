@@ -81,14 +81,17 @@ def test_a_full_miss_is_logged_as_one_and_never_as_recompute_0_tokens(story: dic
 
 
 def test_the_first_predictions_are_not_several_times_off(story: dict[str, Any]) -> None:
-    """The built-in curve was 3-7x off for this model (0.25-0.3x measured over predicted here
-    when the machine is quiet); the connector corrects it from its first timed prefill (the
-    engine's very first, vLLM's warm-up, excepted): requests 3-5 are predicted from request 2's."""
+    """The built-in curve was 3-7x off for this model (0.2-0.3x measured over predicted here
+    when the machine is quiet; 20x the other way for the small model): request 2, the first
+    after the engine's warm-up, is predicted from the per-token cost the worker's probe
+    measured at start (engine_plugin.prefill_probe), requests 3-5 from the timed prefills too.
+    Within 3x: a loaded machine slows the engine and the probe alike, though not evenly."""
     cold = story["cold"]
     assert all(len(r["lines"]) == 1 for r in cold)  # one line per request decision
-    assert cold[1]["predicted"] == pytest.approx(DEFAULT_PREFILL.seconds(0, 400))  # not learned yet
+    assert cold[1]["predicted"] != pytest.approx(DEFAULT_PREFILL.seconds(0, 400))  # the probe's
     assert cold[2]["predicted"] != pytest.approx(cold[1]["predicted"])  # learned from request 2
-    ratios = [r["measured"] / r["predicted"] for r in cold[2:]]
+    ratios = [r["measured"] / r["predicted"] for r in cold[1:]]
+    assert 1 / 3 < ratios[0] < 3, ratios  # request 2
     assert 1 / 3 < statistics.median(ratios) < 3, ratios
 
 
