@@ -443,6 +443,9 @@ def serve(settings: Settings, ready: Callable[[RunningServer], None] | None = No
         + (f"; metrics {running.metrics.url}/metrics" if running.metrics is not None else ""),
         flush=True,
     )
-    stop_requested.wait()
+    # Woken at least twice a second: a SIGTERM the kernel hands to another thread only flags it for
+    # the main thread, which an untimed wait would never see (a CI run's drain never began)
+    while not stop_requested.wait(0.5):
+        pass
     running.stop()
     return 0
