@@ -118,20 +118,21 @@ def test_a_copy_past_its_retention_is_a_counted_miss_and_deleted(
 def test_a_keys_expiry_is_the_retention_its_block_has_left(
     make_tier: Callable[..., RemoteTier], cluster: RedisClusterProcess
 ) -> None:
-    """PX from the block's birth and deadline, not the put: born 1 s ago with 2 s left (a
-    retention of 3 s), its key lives 2 s; ``ttl_s`` caps it further."""
-    tier, capped = make_tier(), make_tier(ttl_s=0.5)
+    """PX from the block's birth and deadline, not the put: born 100 s ago with 500 s left (a
+    retention of 600 s), its key lives 500 s; ``ttl_s`` caps it further. The spans are long so
+    that a slow machine cannot see a key expire before it is asked."""
+    tier, capped = make_tier(), make_tier(ttl_s=60)
     now = time.time()
-    b = RemoteBlock(key("a", 1), FP, os.urandom(1024), born_s=now - 1, expires_s=now + 2)
-    c = RemoteBlock(key("a", 2), FP, os.urandom(1024), born_s=now - 1, expires_s=now + 2)
+    b = RemoteBlock(key("a", 1), FP, os.urandom(1024), born_s=now - 100, expires_s=now + 500)
+    c = RemoteBlock(key("a", 2), FP, os.urandom(1024), born_s=now - 100, expires_s=now + 500)
     assert tier.put_many([b]) == 1 and capped.put_many([c]) == 1
     raw = redis.cluster.RedisCluster(host="127.0.0.1", port=int(cluster.nodes[0].rsplit(":", 1)[1]))
     try:
         asked_s = time.time()
         pttl = raw.pttl(tier._key(b.key))  # type: ignore[attr-defined]
         answered_s = time.time()
-        assert (now + 2 - answered_s) * 1000 - 1 <= pttl <= (now + 2 - asked_s) * 1000 + 1
-        assert 0 < raw.pttl(capped._key(c.key)) <= 500  # type: ignore[attr-defined]
+        assert (now + 500 - answered_s) * 1000 - 1 <= pttl <= (now + 500 - asked_s) * 1000 + 1
+        assert 0 < raw.pttl(capped._key(c.key)) <= 60_000  # type: ignore[attr-defined]
     finally:
         raw.close()
 
