@@ -232,23 +232,6 @@ class Stream:
         self._timeout_s = 0.0
         self._armed_at = -math.inf
 
-    def take_buffered(self) -> bytes:
-        """The bytes read past the last message consumed, handed to another reader (a native
-        loop on the same socket); the stream holds none after."""
-        data = bytes(self._view[self._start : self._end])
-        self._start = self._end = 0
-        return data
-
-    def give_back(self, data: bytes) -> None:
-        """What that reader read and did not consume: read first, before the socket."""
-        left = bytes(self._view[self._start : self._end])
-        data += left
-        if len(data) > len(self._buf):
-            self._buf = bytearray(len(data))
-            self._view = memoryview(self._buf)
-        self._buf[: len(data)] = data
-        self._start, self._end = 0, len(data)
-
     def read(self, n: int) -> bytes:
         if n > len(self._buf):  # larger than the buffer: a buffer of its own
             out = bytearray(n)

@@ -85,27 +85,15 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(inplace, name, 2 * BLOCK)
 
 
-@pytest.mark.parametrize("copies", ["native loop", "native copies", "python"])
+@pytest.mark.parametrize("copies", ["native copies", "python"])
 def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
     served: Served, small_chunks: None, copies: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the native write loop (``kvstore.client._writeloop``, from the second chunk on),
-    the Python loop with native copies, and the Python one a build without a C compiler runs."""
+    """With native copies, and with the Python ones a build without a C compiler runs."""
     from kvstore.client import inplace
 
-    if copies != "native loop":
-        monkeypatch.setattr(inplace, "_writeloop", None)
     if copies == "python":
         monkeypatch.setattr(inplace, "_gather", None)
-    reached: list[int] = []
-    real_steps = inplace._native_steps
-
-    def steps(*args: Any) -> tuple[int, int]:
-        k, stored = real_steps(*args)
-        reached.append(k)
-        return k, stored
-
-    monkeypatch.setattr(inplace, "_native_steps", steps)
     store = served.server.store
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -113,14 +101,11 @@ def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
         blocks = blocks_for(keys)
         assert kv.write(fp, [*keys[:1]], blocks[:1]) == 1  # the chain's root stored before
         assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 8
-        if copies == "native loop":
-            assert inplace._writeloop is not None, "kvstore.client._writeloop is not built: no C compiler?"
-            assert reached == [4]  # every chunk after the first, and every answer read, in C
         assert kv.write(fp, keys[1:], blocks[1:], parent=keys[0]) == 0  # all there
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         assert kv.read_into(fp, keys, outs) == 9
         assert [bytes(o) for o in outs] == blocks
-    index = store._p.index
+    index = store._index
     found = [b for b in index.blocks.values() if b.key in set(keys)]
     assert sorted((b.depth, b.parent) for b in found) == [(0, None), *((i, keys[i - 1]) for i in range(1, 9))]
     assert _leases_drop_to_zero(store)  # the read's release went out without its answer, and landed
@@ -131,7 +116,6 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
 ) -> None:
     from kvstore.client import inplace
 
-    monkeypatch.setattr(inplace, "_writeloop", None)  # the Python loop's copies fail here
     copies = []
     real_copy = inplace._copy_spans
 
@@ -167,15 +151,11 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
         assert [bytes(o) for o in outs][present:] == blocks[present:]
 
 
-def test_a_native_write_loop_hands_a_chunk_it_cannot_copy_to_the_python_loop(
+def test_a_pipelined_write_given_a_block_it_cannot_copy_fails_and_gives_its_slots_back(
     served: Served, small_chunks: None
 ) -> None:
-    """A block the C loop cannot take as it is (here not contiguous): it stops before that
-    chunk, unconsumed, and the Python loop fails the write as it always has: the chunks before
-    stay committed, the reservations sent ahead are given back, the connection is usable."""
-    from kvstore.client import inplace
-
-    assert inplace._writeloop is not None, "kvstore.client._writeloop is not built: no C compiler?"
+    """A block the copy cannot take as it is (here not contiguous) fails the write: the chunks
+    before stay committed, the reservations sent ahead are given back, the connection is usable."""
     arena = served.server.store.arena
     assert arena is not None
     with connect(served.unix) as kv:
@@ -1097,7 +1077,7 @@ def test_a_remote_put_in_small_steps_keeps_its_chain(served: Served, monkeypatch
     with connect(served.tcp, token="tok-a") as kv:
         assert kv.put(fp, keys, stored) == 9
         assert [bytes(b) for b in kv.get(fp, keys)] == stored
-    found = {b.key: b for b in store._p.index.blocks.values() if b.key in set(keys)}
+    found = {b.key: b for b in store._index.blocks.values() if b.key in set(keys)}
     assert [(found[k].depth, found[k].parent) for k in keys] == [
         (0, None),
         *((i, keys[i - 1]) for i in range(1, 9)),

@@ -101,24 +101,6 @@ class DataPortClient:
             raise
         self._stream.begin(None)
 
-    def hand_off(self) -> tuple[int, float, float, bytes] | None:
-        """For a native loop that reads and writes this connection's socket itself: (file
-        descriptor, deadline as ``time.monotonic()`` or -1, the per-operation timeout without
-        one, the bytes read and not consumed yet), or None over TLS. ``take_back`` afterwards."""
-        if isinstance(self.sock, ssl.SSLSocket):
-            return None
-        deadline = self._stream.deadline
-        return (
-            self.sock.fileno(),
-            -1.0 if deadline is None else deadline,
-            IO_TIMEOUT_S,
-            self._stream.take_buffered(),
-        )
-
-    def take_back(self, leftover: bytes) -> None:
-        """What the native loop read and did not consume: the next answers' start."""
-        self._stream.give_back(leftover)
-
     def begin(self, deadline: float | None) -> None:
         """The next operation ends by ``deadline`` (``time.monotonic()``; None: IO_TIMEOUT_S
         per socket operation)."""

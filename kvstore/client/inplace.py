@@ -21,13 +21,6 @@ out and its answer being needed: a server thread descheduled for less than that 
 With one chunk between (AHEAD = 2) a 512 x 256 KiB write ran 2% slower here, in each of three
 runs measured against a copy into the very slots it used (BENCHMARKS.md "Service").
 
-From the second chunk on (the arena known from the first answer), the loop runs in C when
-``kvstore.client._writeloop`` is built (``native/writeloop.c``): the same steps, reading and
-sending on the connection's socket itself, without the ~10 us of Python a chunk. It stops
-before anything but the plain case (an error status, a block without a slot, another arena, a
-block it cannot take as it is) and this loop goes on from there, so every such case is handled
-in one place, here; the Python loop is also what a build without a C compiler runs.
-
 A reserve reaches the server before the chunks before it are committed, so it cannot hold its
 parent (not stored yet); the server takes the depth of a chain's blocks from the parent at
 commit time, when it is there (``kvstore.store.arena``).
@@ -76,10 +69,6 @@ try:
     from tiers import _gather  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler: the copies run in Python, block by block
     _gather = None
-try:
-    from kvstore.client import _writeloop  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: a write's every step runs in Python
-    _writeloop = None
 
 # The chunks of a write: the first FIRST_CHUNK_BYTES, each next one twice the one before up to
 # CHUNK_BYTES, and the last ones halving down to LAST_CHUNK_BYTES; at least one block each.
@@ -185,14 +174,7 @@ def write_pipelined(
         reserve_bytes(k) for k in range(first_sends, len(parts))
     ]
     chunk_blocks = [list(blocks[first:end]) for first, end in parts]
-    native = _writeloop is not None and len(parts) > 1  # from chunk 1 on, once the arena is known
-    k = 0
-    while k < len(parts):
-        if native and k > 0:
-            native = False  # after it stops, this loop goes on to the end
-            k, n = _native_steps(conn, regions, coming, parts, requests, chunk_blocks, unconfirmed, k)
-            stored += n
-            continue
+    for k in range(len(parts)):
         first = parts[k][0]
         while k not in answers:
             read_next()
@@ -222,48 +204,9 @@ def write_pipelined(
             coming.append(k + AHEAD)
         else:
             conn.send([commit_request(reservation_id)])
-        k += 1
     while coming:
         read_next()
     return stored, skipped
-
-
-def _native_steps(
-    conn: DataPortClient,
-    regions: dict[str, memoryview],
-    coming: list[int],
-    parts: Sequence[tuple[int, int]],
-    requests: list[bytes | None],
-    chunk_blocks: list[list[Data]],
-    unconfirmed: list[int],
-    k: int,
-) -> tuple[int, int]:
-    """``write_pipelined``'s loop from chunk ``k`` in ``kvstore.client._writeloop`` (one C call,
-    the same steps): (the chunk it stopped at, blocks its commits stored). It stops at anything
-    but the plain case, which the Python loop then handles as ever; over TLS or with more than
-    one arena mapped it does nothing."""
-    handed = conn.hand_off() if len(regions) == 1 else None
-    if handed is None:
-        return k, 0
-    fd, deadline, timeout_s, buffered = handed
-    ((name, region),) = regions.items()
-    k, stored, leftover = _writeloop.steps(
-        fd,
-        region,
-        name.encode(),
-        deadline,
-        timeout_s,
-        buffered,
-        coming,
-        [end - first for first, end in parts],
-        requests,
-        chunk_blocks,
-        unconfirmed,
-        k,
-        AHEAD,
-    )
-    conn.take_back(leftover)  # (a failure raised instead: the pool drops the connection)
-    return k, stored
 
 
 FIRST_READ_KEYS = 16  # the first chunk of a pipelined read
