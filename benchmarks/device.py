@@ -16,6 +16,8 @@ For 256 KiB and 2 MiB blocks and a working set of ``total`` bytes, block by bloc
   the connector made before (one ``copy_`` per layer slice of every block) has its own row.
 - The connector's remote restore (the data port of a ``kvstore serve`` on 127.0.0.1) into those
   caches through its pinned staging buffer, against the same through pageable buffers.
+- A layer-wise restore beside a stand-in forward against the whole restore before it
+  (``benchmarks.device_layerwise``).
 - The ``hbm`` tier: put from and get into pinned host memory, against the pinned tensor's copies;
   a slot copied into another device buffer (device to device) against torch's copy of the same
   bytes between two device buffers.
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Result, gbps, interleaved, print_results, size_label, write_json
+from benchmarks.device_layerwise import bench_layerwise
 from engine_plugin import kv_layout
 from tiers import TierKey
 from tiers.dram import Arena, DramConfig, DramTier
@@ -336,6 +339,7 @@ def run_device_bench(quick: bool, json_path: str | None) -> int:
             results += bench_arena_copies(size, total, rounds)
         results += bench_connector(64 if quick else 256, rounds)
         results.append(bench_remote_restore(64 if quick else 256, rounds))
+        results.append(bench_layerwise(64 if quick else 256, rounds, _timed))
         for size in (256 * KiB, 2 * MiB):
             results += bench_hbm(size, total, rounds)
         results.append(bench_registration(4 * GiB))

@@ -9,12 +9,17 @@ dispatch than in moving bytes (measured on an H200, 2 MiB blocks of a 32-layer k
 slice of all the staged blocks in one kernel (``index_copy_`` / ``index_select`` on the
 caches' rows, in the widest words every slice is made of).
 
-On CUDA the host copies run on a side stream, two stages alternating: the copy of one batch
-overlaps the kernels of the one before; events order each stage's reuse. Everything issued is
-joined into the current stream before a call returns, so one ``synchronize`` of the current
-stream (``BlockCopier.synchronize``) covers it; until then the host buffers must stay as they
-are (the caller holds the lease or the reservation). On the CPU the same code runs in order,
-no streams: that is how it is tested without a GPU.
+On CUDA nothing runs on the engine's stream and nothing waits for the whole device: a copy
+runs on the copier's own copy stream, which first waits (on the device) for what the engine's
+current stream had issued: the forward's writes a save reads, earlier reads of blocks a load
+overwrites. Its host copies run on a side stream, two stages alternating: the copy of one batch
+overlaps the kernels of the one before; events order each stage's reuse. A call ends by
+recording an event after all of it (``done``); the engine's current stream waits for that event
+on the device (a whole copy) or for one event per layer (``scatter_by_layer``, each awaited by
+``wait_for_layer_load``), and the host waits for ``done`` alone (``synchronize``) before a slot
+is released or committed: until then the host buffers must stay as they are (the caller holds
+the lease or the reservation). On the CPU the same code runs in order, no streams, no events:
+that is how it is tested without a GPU.
 
 A full batch's kernels (a slice of each layer: 64 for a 32-layer kv-split model) cost more to
 issue from Python than to run: measured on an H200, 256 blocks of 2 MiB, 6.5 ms of issuing
@@ -24,6 +29,9 @@ kernels one by one, they are captured into a CUDA graph over that stage's buffer
 index tensor, and every later full batch of that stage is one replay (``replays`` counts
 them). Partial batches and layer-wise restores issue their kernels as before; a capture that
 fails leaves the copier issuing them one by one.
+
+A layer-wise restore stages whole blocks as a whole restore does, so its first layer waits for
+every block's bytes to reach the device; what overlaps the forward is the layers' kernels.
 
 Thread rules: one call at a time per copier (the connector's worker thread).
 """
@@ -72,15 +80,39 @@ class StagedCopier:
         self._graph_ids: torch.Tensor | None = None
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
         self.replays = 0
+        self._done: torch.cuda.Event | None = None  # recorded after the last call's work
 
     def scatter(
         self, sources: Sequence[Buffer], block_ids: Sequence[int], layers: Sequence[int] | None = None
     ) -> None:
-        """Stored blocks ``sources`` into blocks ``block_ids`` (checked by the caller)."""
+        """Stored blocks ``sources`` into blocks ``block_ids`` (checked by the caller); the
+        engine's stream waits for them on the device."""
+        with self._copy_stream(join=True):
+            self._scatter(sources, block_ids, layers)
+
+    def scatter_by_layer(self, sources: Sequence[Buffer], block_ids: Sequence[int]) -> DeviceLayerCopy:
+        """``scatter`` every layer, the engine's stream not joined: it waits for each layer's
+        event (``DeviceLayerCopy.wait_for``) where that layer is read."""
+        marks: list[torch.cuda.Event] = []
+        with self._copy_stream(join=False, timed=True) as start:
+            self._scatter(sources, block_ids, None, marks)
+        assert start is not None and self._done is not None
+        return DeviceLayerCopy(self.device, start, marks, self._done, list(sources))
+
+    def _scatter(
+        self,
+        sources: Sequence[Buffer],
+        block_ids: Sequence[int],
+        layers: Sequence[int] | None,
+        marks: list[torch.cuda.Event] | None = None,
+    ) -> None:
+        """``marks`` (CUDA): filled with an event per layer, recorded once every block's
+        layer is in; the kernels then go a layer at a time."""
         ids = self._ids(block_ids)
         lanes = _Lanes(self.device)
         stages = self._stages(len(sources))
-        for n, first in enumerate(range(0, len(sources), self.stage_blocks)):
+        firsts = range(0, len(sources), self.stage_blocks)
+        for n, first in enumerate(firsts):
             batch = sources[first : first + self.stage_blocks]
             words, raw = stages[n % 2]
             with lanes.side(n % 2):  # once the kernels that last read this stage are done
@@ -88,7 +120,12 @@ class StagedCopier:
                     raw[start : start + count].view(-1).copy_(host, non_blocking=True)
             lanes.main_waits_side()
             batch_ids = ids[first : first + len(batch)]
-            if layers is None:
+            if marks is not None:
+                for layer in range(len(self._rows)):
+                    self._scatter_kernels(batch_ids, words, (layer,))
+                    if n == len(firsts) - 1:
+                        marks.append(_event_on(torch.cuda.current_stream(self.device)))
+            elif layers is None:
                 self._kernels("scatter", n % 2, batch_ids, words)
             else:
                 self._scatter_kernels(batch_ids, words, layers)
@@ -97,6 +134,10 @@ class StagedCopier:
 
     def gather(self, block_ids: Sequence[int], targets: Sequence[Buffer]) -> None:
         """Blocks ``block_ids`` into ``targets`` (writable, checked by the caller)."""
+        with self._copy_stream(join=True):
+            self._gather(block_ids, targets)
+
+    def _gather(self, block_ids: Sequence[int], targets: Sequence[Buffer]) -> None:
         ids = self._ids(block_ids)
         lanes = _Lanes(self.device)
         stages = self._stages(len(targets))
@@ -110,6 +151,32 @@ class StagedCopier:
                     host.copy_(raw[start : start + count].view(-1), non_blocking=True)
             lanes.side_done(n % 2)
         lanes.join()
+
+    def synchronize(self) -> None:
+        """The host waits until the last call's copies are done: for them alone, not for the
+        engine's stream or the device (nothing to wait for on the CPU)."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    @contextlib.contextmanager
+    def _copy_stream(self, join: bool, timed: bool = False) -> Iterator[torch.cuda.Event | None]:
+        """On CUDA: the block's work issued on the copy stream, after what the engine's current
+        stream issued so far; ``done`` recorded after it, and with ``join`` the engine's stream
+        waits for it on the device. Yields an event recorded first when ``timed``."""
+        if self.device.type != "cuda":
+            yield None
+            return
+        engine = torch.cuda.current_stream(self.device)
+        copy = _stream(self.device, "copy")
+        copy.wait_stream(engine)
+        start = _event_on(copy, timed) if timed else None
+        try:
+            with torch.cuda.stream(copy):
+                yield start
+        finally:
+            self._done = _event_on(copy, timed)
+            if join:
+                engine.wait_event(self._done)
 
     def _scatter_kernels(
         self, ids: torch.Tensor, words: torch.Tensor, layers: Sequence[int] | range | None = None
@@ -201,8 +268,8 @@ class _Lanes:
         self._cuda = device.type == "cuda"
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}
         if self._cuda:
-            self._main = torch.cuda.current_stream(device)
-            self._side = _side_stream(device)
+            self._main = torch.cuda.current_stream(device)  # the copy stream, in a copier's call
+            self._side = _stream(device, "side")
             # The kept stages outlive a call: no copy of this one may overtake the kernels of
             # the one before on them (its own copies the main stream waited for at its end).
             self._side.wait_stream(self._main)
@@ -242,19 +309,63 @@ class _Lanes:
 
     def _record(self, lane: str, stage: int) -> None:
         if self._cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._main if lane == "main" else self._side)
-            self._events[(lane, stage)] = event
+            self._events[(lane, stage)] = _event_on(self._main if lane == "main" else self._side)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+class DeviceLayerCopy:
+    """A restore into caches on a GPU under way a layer at a time (``scatter_by_layer``): the
+    same calls as ``kv_layout.HostLayerCopy``, on events. Thread rules: the engine's thread."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        start: torch.cuda.Event,
+        marks: list[torch.cuda.Event],
+        done: torch.cuda.Event,
+        keep: list[Buffer],
+    ) -> None:
+        self.num_layers = len(marks)
+        self._device = device
+        self._start, self._marks, self._done = start, marks, done
+        self._keep = keep  # the stored blocks, alive while the copy reads them
+
+    def layers_done(self) -> int:
+        done = 0
+        for mark in self._marks:
+            if not mark.query():  # type: ignore[no-untyped-call]
+                break
+            done += 1
+        return done
+
+    def wait_for(self, layers: int) -> None:
+        """The engine's current stream waits, on the device, until ``layers`` layers are in;
+        the host does not wait."""
+        if layers > 0 and self._marks:
+            torch.cuda.current_stream(self._device).wait_event(self._marks[min(layers, self.num_layers) - 1])
+
+    def wait(self) -> float:
+        """The host waits until every layer is in (this copy alone); its seconds on the device."""
+        self._done.synchronize()
+        self._keep = []
+        return float(self._start.elapsed_time(self._done)) / 1e3
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """The process's ``role`` stream on ``device`` ("copy": the copiers' kernels; "side": their
+    host copies), made once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-    return _SIDE_STREAMS[index]
+    if (index, role) not in _STREAMS:
+        _STREAMS[(index, role)] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+    return _STREAMS[(index, role)]
+
+
+def _event_on(stream: torch.cuda.Stream, timed: bool = False) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=timed)  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
 
 
 def rows_of(

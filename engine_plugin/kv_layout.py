@@ -1,22 +1,13 @@
 """How one kvstore block maps onto vLLM's paged KV cache tensors, per layer.
 
 A kvstore block is one vLLM block (``block_size`` tokens) of every layer of this rank, layer
-after layer in the order vLLM registered its caches; within a layer, the bytes of that block as
-the cache lays them out. Two arrangements of a layer's cache tensor are supported:
-
-- ``block-major``: the block index is the outermost dimension and ``cache[b]`` is contiguous.
-  vLLM's CPU layout ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` and the CUDA layouts
-  ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (NHD) or ``[..., kv_heads, block_size,
-  head_dim]`` (HND). One contiguous slice per layer and block.
-- ``kv-split``: keys and values in separate halves, ``[2, num_blocks, ...]`` (FlashAttention's
-  classic CUDA layout). Two contiguous slices per layer and block: K, then V — the same bytes
-  as the block-major NHD layout, so the two share stored blocks.
-
-Anything else (a block not contiguous in memory) is refused when the caches are registered,
-with the shape in the message. Copies run on whatever device the cache lives on: host to host
-on CPU; on CUDA, host to device from the pinned arena (and back for saves) on the current
-stream, with ``synchronize`` once per batch before the bytes are used or committed. The CUDA
-paths are exercised by the ``gpu``-marked tests.
+after layer in the order vLLM registered its caches; within a layer, the bytes of that block
+where the cache lays them out, in memory order: its *places* (``engine_plugin.cache_layout``,
+which says which layouts are accepted — every one vLLM 0.32 hands a connector — and refuses any
+other when the caches are registered, with the list). Copies run on whatever device the cache
+lives on: host to host on CPU; on CUDA, between the pinned arena (or a pinned staging buffer)
+and the device on the copier's own streams, the engine's stream waiting on events, never the
+device (``engine_plugin.device_copy``). The CUDA paths are exercised by the ``gpu``-marked tests.
 
 Many blocks at once (``BlockCopier``, what the connector uses): on CPU caches, by address, every
 id and size checked first. With the native copier (``engine_plugin/native/blockcopy.c``, built by
@@ -40,12 +31,16 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 
 from engine_plugin import host_buffers
+from engine_plugin.cache_layout import BLOCK_MAJOR as BLOCK_MAJOR
+from engine_plugin.cache_layout import KV_SPLIT as KV_SPLIT
+from engine_plugin.cache_layout import LayerLayout as LayerLayout
+from engine_plugin.cache_layout import describe as describe
 from engine_plugin.device_copy import StagedCopier, rows_of
 from engine_plugin.host_buffers import Buffer, address
 
@@ -54,8 +49,6 @@ try:
 except ImportError:  # built without a C compiler: the numpy copies
     _blockcopy = None
 
-BLOCK_MAJOR = "block-major"
-KV_SPLIT = "kv-split"
 # Threads for a whole-block copy of PARALLEL_BYTES or more, where cores are to spare: inside a vLLM
 # CPU engine on 2 cores, two threads copied a 3,000-token restore slower than one (2.4-3.9 ms
 # against 2.1-2.5), the engine's own threads holding the other core.
@@ -68,37 +61,17 @@ PARALLEL_BYTES = 8 << 20
 POLL_S = 20e-6
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    kind: str  # BLOCK_MAJOR or KV_SPLIT
-    block_bytes: int  # this layer's bytes of one block
-
-
-def describe(cache: torch.Tensor, num_blocks: int) -> LayerLayout:
-    """The arrangement of one layer's cache of ``num_blocks`` blocks; ValueError otherwise."""
-    shape = tuple(cache.shape)
-    if len(shape) >= 2 and shape[0] == num_blocks and cache[0].is_contiguous():
-        return LayerLayout(BLOCK_MAJOR, cache[0].numel() * cache.element_size())
-    if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and cache[0, 0].is_contiguous():
-        return LayerLayout(KV_SPLIT, 2 * cache[0, 0].numel() * cache.element_size())
-    raise ValueError(
-        f"unsupported KV cache layout: shape {shape}, strides {tuple(cache.stride())} for "
-        f"{num_blocks} blocks (supported: a contiguous block per index of the first dimension, "
-        "or [2, num_blocks, ...] with contiguous K and V blocks)"
-    )
-
-
 def block_views(
     caches: Sequence[torch.Tensor], layouts: Sequence[LayerLayout], block_id: int
 ) -> list[torch.Tensor]:
     """The byte views (uint8, flat) that make up block ``block_id``, in stored order."""
     views = []
     for cache, layout in zip(caches, layouts, strict=True):
-        if layout.kind == BLOCK_MAJOR:
-            views.append(cache[block_id].reshape(-1).view(torch.uint8))
-        else:
-            views.append(cache[0, block_id].reshape(-1).view(torch.uint8))
-            views.append(cache[1, block_id].reshape(-1).view(torch.uint8))
+        flat = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage())
+        first = int(cache.storage_offset()) * cache.element_size()
+        for start, stride, size in layout.places:
+            at = first + start + block_id * stride
+            views.append(flat[at : at + size])
     return views
 
 
@@ -176,16 +149,7 @@ class BlockCopier:
             raise ValueError("the native block copier is not built (no C compiler at install)")
         self.native = self.by_address and (_blockcopy is not None if native is None else native)
         self._slices: list[list[_Slice]] = []  # per layer
-        places_of = []  # per layer: (start, stride, size) of each slice, in bytes
-        for cache, layout in zip(self._caches, self._layouts, strict=True):
-            es = cache.element_size()
-            if layout.kind == BLOCK_MAJOR:
-                places_of.append([(0, cache.stride(0) * es, layout.block_bytes)])
-            else:  # K then V: [2, num_blocks, ...]
-                half = layout.block_bytes // 2
-                places_of.append(
-                    [(0, cache.stride(1) * es, half), (cache.stride(0) * es, cache.stride(1) * es, half)]
-                )
+        places_of = [layout.places for layout in self._layouts]  # per layer, in bytes
         offset = 0
         for cache, places in zip(self._caches, places_of, strict=True):
             parts = []
@@ -238,11 +202,14 @@ class BlockCopier:
         self, sources: Sequence[Buffer], block_ids: Sequence[int], loader: Executor
     ) -> LayerCopy:
         """Start ``scatter``ing a layer at a time beside the forward pass, every block's layer
-        ``l`` before any of ``l + 1``: natively on a C thread of its own that never takes the
-        GIL (so neither its start nor its layers wait for the forward, which holds it);
-        otherwise ``scatter`` layer by layer on ``loader``. The caller keeps ``sources``
+        ``l`` before any of ``l + 1``: on a GPU, issued now on the copy stream with an event per
+        layer (``device_copy.DeviceLayerCopy``); natively on a C thread of its own that never
+        takes the GIL (so neither its start nor its layers wait for the forward, which holds
+        it); otherwise ``scatter`` layer by layer on ``loader``. The caller keeps ``sources``
         unchanged until the copy's ``wait`` returns."""
         self.check(sources, block_ids)
+        if self._staged is not None:  # caches on a GPU: an event per layer
+            return self._staged.scatter_by_layer(sources, block_ids)
         progress = np.zeros(2, dtype=np.int64)  # layers done; the native copy's nanoseconds
         if self.native:
             assert _blockcopy is not None
@@ -253,9 +220,9 @@ class BlockCopier:
                 self._layer_starts,
                 progress,
             )
-            return LayerCopy(self.num_layers, progress, None, list(sources))
+            return HostLayerCopy(self.num_layers, progress, None, list(sources))
         future = loader.submit(self._scatter_by_layer, list(sources), list(block_ids), progress)
-        return LayerCopy(self.num_layers, progress, future, list(sources))
+        return HostLayerCopy(self.num_layers, progress, future, list(sources))
 
     def _scatter_by_layer(
         self, sources: Sequence[Buffer], block_ids: Sequence[int], progress: np.ndarray
@@ -307,7 +274,9 @@ class BlockCopier:
         )
 
     def synchronize(self) -> None:
-        synchronize(self._caches)
+        """Wait for this copier's copies to be done (on a GPU: their event, not the device)."""
+        if self._staged is not None:
+            self._staged.synchronize()
 
     def _layers(self, layers: Sequence[int] | None) -> Sequence[int]:
         return range(len(self._caches)) if layers is None else layers
@@ -325,8 +294,23 @@ class BlockCopier:
                 )
 
 
-class LayerCopy:
-    """A copy into the caches a layer at a time, under way (``BlockCopier.start_by_layer``)."""
+class LayerCopy(Protocol):
+    """A copy into the caches a layer at a time, under way (``BlockCopier.start_by_layer``):
+    ``wait_for(l)`` before the forward reads layer ``l - 1`` (on a GPU it returns at once and
+    the engine's stream waits), ``wait`` once the forward is done, before the stored blocks go;
+    it returns the copy's seconds and raises what the copy raised."""
+
+    num_layers: int
+
+    def layers_done(self) -> int: ...
+
+    def wait_for(self, layers: int) -> None: ...
+
+    def wait(self) -> float: ...
+
+
+class HostLayerCopy:
+    """A copy into host caches a layer at a time: the native copier's thread, or ``loader``."""
 
     def __init__(
         self, num_layers: int, progress: np.ndarray, future: Future[float] | None, keep: list[Buffer]

@@ -14,9 +14,10 @@ them and checks that lookup's lease held, one round trip after the copy instead 
 (or aborts on any failure). Remote (``host:port``): ``fetch`` reads the bytes off the data
 port and copies them in; ``store`` gathers each block into a host buffer and puts them (with
 caches on a GPU, through a pinned staging buffer of this side's, a chunk of up to
-``device_copy.STAGE_BYTES`` at a time). Either way the copies are ``engine_plugin.kv_layout``'s,
-and the device copies are synchronized before a slot is released or committed, or
-``fetch``/``store`` returns, a copy that failed midway too.
+``device_copy.STAGE_BYTES`` at a time). Either way the copies are ``engine_plugin.kv_layout``'s;
+on a GPU they run on the copier's own stream, and the host waits for their event (not for the
+device, nor the engine's stream) before a slot is released or committed, or ``fetch``/``store``
+returns, a copy that failed midway too.
 
 Buffers: no view of the arena outlives a call. Errors: every ``KvStoreError`` passes to the
 caller (``engine_plugin.sidecar.SidecarLink.call`` turns it into a recompute or a skipped save),
@@ -223,9 +224,9 @@ class BlockTransfer:
 
     @property
     def layerwise(self) -> bool:
-        """Whether loads can be staged and copied a layer at a time (``stage``): same host, and
-        host caches (a copy on a CUDA stream from another thread would need events per layer)."""
-        return self._same_host and self._copier.by_address
+        """Whether loads can be staged and copied a layer at a time (``stage``): same host
+        (into host caches, or caches on a GPU with an event per layer)."""
+        return self._same_host
 
     def stage(
         self,

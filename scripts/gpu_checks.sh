@@ -39,11 +39,15 @@ gcc -O3 -shared -fPIC -pthread -I"$inc" engine_plugin/native/blockcopy.c -o "eng
     echo "native blockcopy: not built"
 
 GPU_FILES=(tests/test_kv_layout.py tests/test_memory_tiers.py tests/test_builder.py tests/test_tier_contract.py
-    tests/test_bench_device.py)
+    tests/test_bench_device.py tests/test_cache_layouts.py)
 echo "== gpu-marked tests"
 timeout 100 $PY -m pytest -q -p no:cacheprovider -m gpu "${GPU_FILES[@]}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+# the connector's worker on GPU caches (layer-wise loads on events) where vLLM is installed
+if $PY -c 'import vllm' 2>/dev/null; then
+    timeout 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_layerwise.py 2>&1 | tail -5
+else echo "vllm not installed: tests/test_vllm_layerwise.py's gpu test not run"; fi
 
-echo "== kvstore bench device"
+echo "== kvstore bench device (its layer-wise row: the A/B behind layerwise_load on GPU hosts)"
 timeout 110 $PY -m kvstore bench device --json "$OUT/device.json" 2>&1 | tee "$OUT/device.txt"
 
 # `gpu_checks.sh quick`: the two parts above only.

@@ -106,6 +106,29 @@ def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: Runnin
         side.shutdown()
 
 
+@pytest.mark.gpu
+def test_a_layerwise_load_into_gpu_caches_lands_each_layer_its_event_orders(sidecar: RunningServer) -> None:
+    """On a GPU the copy is issued on the copy stream before the forward; each wait makes the
+    engine's stream wait for that layer's event (what it reads next sees the layer), and the
+    slots go only after the copy's last event, at the step's end."""
+    keys, source = stored_prefix(sidecar, 3000)
+    target = {name: cache.cuda() for name, cache in caches().items()}
+    side = worker(sidecar, target)
+    try:
+        side.step_started()
+        side.start_load_kv(loading(keys, [5, 3, 4]))
+        assert side._loading is not None  # loading a layer at a time, not whole
+        for name in LAYERS:
+            side.wait_for_layer_load(name)
+            for dst, src in ((5, 0), (3, 1), (4, 2)):
+                assert torch.equal(target[name][dst].cpu(), source[name][src])
+        side.wait_for_save(KvstoreConnectorMetadata())
+        assert side.get_block_ids_with_load_errors() == set()
+        assert leases_after_release(sidecar) == 0
+    finally:
+        side.shutdown()
+
+
 def test_a_layer_read_without_waiting_makes_its_blocks_load_errors(sidecar: RunningServer) -> None:
     keys, _ = stored_prefix(sidecar, 2000)
     side = worker(sidecar, caches())
