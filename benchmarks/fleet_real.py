@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from benchmarks.fleet_sim import Prompt, agent
 from benchmarks.server_process import ServerProcess
 from benchmarks.service import TOKEN, bench_server
+from benchmarks.traces import Request
 from kvstore.client import Client, connect
 from kvstore.keys import ModelIdentity
 from kvstore.routing import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin, Router, SidecarProbe
@@ -39,9 +40,11 @@ class ReplayFigures:
     hit_rate: float
     replicas_used: int
     seconds: float
+    request_s: tuple[float, ...] = ()  # each request's restore and store, in order
+    blocks: int = 0  # blocks the requests asked for
 
 
-def _policy(name: str, names: Sequence[str]) -> Policy:
+def _policy(name: str, names: Sequence[str], model: ModelIdentity = MODEL) -> Policy:
     from benchmarks.fleet import GPU_PREFILL, LOCAL_RESTORE
 
     if name == "round-robin":
@@ -52,7 +55,7 @@ def _policy(name: str, names: Sequence[str]) -> Policy:
         return BoundedRendezvous(names)
     tiers = {"dram": LOCAL_RESTORE, "nvme": LOCAL_RESTORE, "remote": LOCAL_RESTORE}
     return CostAware(
-        names, tiers, GPU_PREFILL, MODEL.block_bytes, MODEL.tokens_per_block, queue_penalty_s=0.05
+        names, tiers, GPU_PREFILL, model.block_bytes, model.tokens_per_block, queue_penalty_s=0.05
     )
 
 
@@ -65,7 +68,17 @@ def _tokens(prompt: Prompt) -> list[int]:
     return out
 
 
-def replay(policy_name: str, remote: bool, sessions: int) -> ReplayFigures:
+def replay(
+    policy_name: str,
+    remote: bool,
+    sessions: int,
+    *,
+    trace: Sequence[Request] = (),
+    model: ModelIdentity = MODEL,
+    speedup: float = 0.0,
+) -> ReplayFigures:
+    """The agent trace of ``sessions`` sessions, or ``trace`` (``benchmarks.traces``: each request
+    sent at its arrival time divided by ``speedup``; 0: back to back), blocks of ``model``."""
     shared = bench_server(arena_bytes=1 << 30) if remote else None
     settings = {"dram.prefault": "false", "nvme.capacity_bytes": "2GiB"}
     if shared is not None:
@@ -82,41 +95,53 @@ def replay(policy_name: str, remote: bool, sessions: int) -> ReplayFigures:
         names = [f"replica-{i}" for i in range(REPLICAS)]
         probe = SidecarProbe([s.unix for s in sidecars], timeout_s=1.0)
         clients = [connect(s.unix) for s in sidecars]
-        fingerprint = clients[0].register(MODEL)
+        fingerprint = clients[0].register(model)
         for kv in clients[1:]:
-            kv.register(MODEL)
-        router = Router(names, _policy(policy_name, names), fingerprint, MODEL.tokens_per_block, probe=probe)
-        trace = agent(random.Random(7), sessions, system_tokens=512, turn_tokens=128)
-        # sessions interleave: turn t of every session before turn t + 1 of any
-        order = [s[t] for t in range(max(len(s) for s in trace)) for s in trace if t < len(s)]
-        hit = total = 0
+            kv.register(model)
+        router = Router(
+            names, _policy(policy_name, names, model), fingerprint, model.tokens_per_block, probe=probe
+        )
+        order = [(r.arrival_s, list(r.tokens)) for r in trace] or _agent_order(sessions)
+        hit = total = blocks = 0
         used: set[int] = set()
+        request_s: list[float] = []
         started = time.perf_counter()
-        for prompt in order:
-            tokens = _tokens(prompt)
+        for arrival_s, tokens in order:
+            if speedup > 0:
+                time.sleep(max(0.0, started + arrival_s / speedup - time.perf_counter()))
             request, keys = router.request_for(tokens)
             routed = router.admit(request)
             try:
                 kv = clients[routed.replica]
                 used.add(routed.replica)
-                outs = [memoryview(bytearray(MODEL.block_bytes)) for _ in keys]
+                began = time.perf_counter()
+                outs = [memoryview(bytearray(model.block_bytes)) for _ in keys]
                 n = kv.read_into(fingerprint, keys, outs)
                 if n < len(keys):
                     missing = keys[n:]
                     kv.write(
                         fingerprint,
                         missing,
-                        [os.urandom(MODEL.block_bytes) for _ in missing],
+                        [os.urandom(model.block_bytes) for _ in missing],
                         parent=keys[n - 1] if n else None,
                     )
-                hit += n * MODEL.tokens_per_block
+                request_s.append(time.perf_counter() - began)
+                blocks += len(keys)
+                hit += n * model.tokens_per_block
                 total += len(tokens)
             finally:
                 router.finish(routed)
             if shared is not None:
                 _drain(kv)
         return ReplayFigures(
-            policy_name, remote, len(order), hit / max(1, total), len(used), time.perf_counter() - started
+            policy_name,
+            remote,
+            len(order),
+            hit / max(1, total),
+            len(used),
+            time.perf_counter() - started,
+            tuple(request_s),
+            blocks,
         )
     finally:
         for kv in clients:
@@ -127,6 +152,12 @@ def replay(policy_name: str, remote: bool, sessions: int) -> ReplayFigures:
             side.stop()
         if shared is not None:
             shared.stop()
+
+
+def _agent_order(sessions: int) -> list[tuple[float, list[int]]]:
+    """The short agent trace, sessions interleaved: turn t of every session before turn t + 1 of any."""
+    trace = agent(random.Random(7), sessions, system_tokens=512, turn_tokens=128)
+    return [(0.0, _tokens(s[t])) for t in range(max(len(s) for s in trace)) for s in trace if t < len(s)]
 
 
 def _drain(kv: Client, timeout_s: float = 10.0) -> None:

@@ -21,6 +21,11 @@ JSONL format (``--trace FILE``), one request per line:
 
 Blank lines and lines starting with ``#`` are skipped. A line that is not such an object, or a
 token id outside the model's vocabulary, is refused with its line number.
+
+``--trace`` also reads the field's formats (``benchmarks.traces``, told apart by their first
+line): Mooncake's (each hash id ``tokens_per_id`` tokens, one vLLM block by default) and
+multi-turn chat (text through the tokenizer; without one, a token per word). Their prompts are cut to the model's context and
+their outputs to ``DEFAULT_MAX_TOKENS``; their timestamps are not used (one request at a time).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.fleet_sim import Prompt, agent, chats, rag, tenants
+from benchmarks.traces import detect_format, read_chat, read_mooncake, token_hit_rate_unbounded, word_ids
 from kvstore.errors import InvalidArgument
 
 DEFAULT_MAX_TOKENS = 16
@@ -89,6 +95,36 @@ def distinct_tokens(requests: Sequence[TraceRequest], block_tokens: int) -> int:
         for end in range(block_tokens, len(request.tokens) + 1, block_tokens):
             seen.add((request.salt, end, hash(request.tokens[:end])))
     return len(seen) * block_tokens
+
+
+def unbounded_hit_rate(requests: Sequence[TraceRequest], block_tokens: int) -> float:
+    """The trace's token hit rate with unbounded capacity (``benchmarks.traces``), each salt a
+    cache of its own."""
+    by_salt: dict[str | None, list[tuple[int, ...]]] = {}
+    for request in requests:
+        by_salt.setdefault(request.salt, []).append(request.tokens)
+    hit = sum(
+        token_hit_rate_unbounded(prompts, block_tokens) * sum(map(len, prompts))
+        for prompts in by_salt.values()
+    )
+    return hit / max(1, sum(len(r.tokens) for r in requests))
+
+
+def read_trace(
+    path: Path, vocab: int, tokenizer: Path | None, tokens_per_id: int, max_prompt_tokens: int = 4079
+) -> list[TraceRequest]:
+    """A trace in any format ``--trace`` reads (the module's docstring)."""
+    kind = detect_format(path)
+    if kind == "tokens":
+        return read_jsonl(path, vocab, tokenizer)
+    if kind == "mooncake":
+        requests = read_mooncake(path, vocab, tokens_per_id)
+    else:
+        requests = read_chat(path, _encoder(tokenizer, str(path)) if tokenizer else word_ids(vocab))
+    return [
+        TraceRequest(r.tokens[:max_prompt_tokens], None, min(r.output_tokens, DEFAULT_MAX_TOKENS))
+        for r in requests
+    ]
 
 
 def _segment(cache: dict[str, list[int]], what: str, count: int, vocab: int) -> list[int]:

@@ -72,6 +72,21 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, remote: argparse.Argu
     fleet.add_argument(
         "--calibration", default="", metavar="FILE", help="prefill curve from kvstore bench calibrate"
     )
+    fleet.add_argument(
+        "--trace",
+        metavar="JSONL",
+        help="only this Mooncake or chat trace (format: benchmarks/traces.py): local caches vs a "
+        "shared tier, simulated and through real sidecars",
+    )
+    fleet.add_argument(
+        "--tokens-per-id", type=int, default=16, help="tokens per Mooncake hash id (default 16: one block)"
+    )
+    fleet.add_argument(
+        "--speedup",
+        type=float,
+        default=0.0,
+        help="send each request at its timestamp divided by this (default 0: back to back)",
+    )
     fleet.set_defaults(func=_fleet)
     _add_replay(bench_sub, common)
 
@@ -117,9 +132,16 @@ def _add_replay(bench_sub: Any, common: argparse.ArgumentParser) -> None:
         "--plot", metavar="PNG", help="draw hit rate and p95 TTFT per workload and configuration"
     )
     replay.add_argument(
-        "--trace", metavar="JSONL", help="your own trace (format: benchmarks/replay_traces.py)"
+        "--trace",
+        metavar="JSONL",
+        help="your own trace, or a Mooncake or chat one (formats: benchmarks/replay_traces.py, traces.py)",
     )
-    replay.add_argument("--tokenizer", metavar="DIR", help='tokenizer for "text" lines (default: the model)')
+    replay.add_argument(
+        "--tokenizer", metavar="DIR", help='tokenizer for "text" lines and chat traces (default: the model)'
+    )
+    replay.add_argument(
+        "--tokens-per-id", type=int, default=32, help="tokens per Mooncake hash id (default 32: one block)"
+    )
     replay.add_argument(
         "--workloads", help="comma list of agent, chats, rag, tenants (default: all; quick: two)"
     )
@@ -198,6 +220,12 @@ def _decisions(args: argparse.Namespace) -> int:
 
 
 def _fleet(args: argparse.Namespace) -> int:
+    if args.trace:
+        from pathlib import Path
+
+        from benchmarks.fleet_traces import run_trace
+
+        return run_trace(Path(args.trace), args.tokens_per_id, args.speedup, args.quick, args.json)
     from benchmarks.fleet import run_fleet
 
     return run_fleet(args.quick, args.json, args.calibration, args.plot)
@@ -213,6 +241,7 @@ def _replay(args: argparse.Namespace) -> int:
         plot_path=args.plot,
         trace=args.trace,
         tokenizer=args.tokenizer,
+        tokens_per_id=args.tokens_per_id,
         workloads=args.workloads.split(",") if args.workloads else None,
         peers=args.peers,
         configs=args.configs.split(",") if args.configs else None,
