@@ -328,6 +328,11 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._kv_events.close()
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load runs between the layers: a full CUDA graph would replay past it
+        return extra_config.get("layerwise_load") is True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KvstoreConnectorStats(data)
 

@@ -69,7 +69,7 @@ class WorkerSide:
     ) -> None:
         self._link = link
         self._shapes = shapes  # the model's linear layers, for the prefill probe at start
-        self._layerwise = layerwise  # same-host loads on host caches copy a layer at a time
+        self._layerwise = layerwise  # same-host loads copy a layer at a time (on a GPU: events)
         self._loading: _Loading | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         self._layer_index: dict[str, int] = {}

@@ -106,6 +106,14 @@ def test_a_layerwise_load_lands_every_layer_once_each_is_awaited(sidecar: Runnin
         side.shutdown()
 
 
+def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """A full CUDA graph replays the forward without the waits between its layers."""
+    from engine_plugin.vllm_connector import KvstoreConnector
+
+    assert KvstoreConnector.requires_piecewise_for_cudagraph({"layerwise_load": True})
+    assert not KvstoreConnector.requires_piecewise_for_cudagraph({})
+
+
 @pytest.mark.gpu
 def test_a_layerwise_load_into_gpu_caches_lands_each_layer_its_event_orders(sidecar: RunningServer) -> None:
     """On a GPU the copy is issued on the copy stream before the forward; each wait makes the
