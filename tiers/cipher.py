@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # cryptography is the encryption extra: imported when a ciphe
 NONCE_BYTES = 12
 TAG_BYTES = 16
 OVERHEAD_BYTES = NONCE_BYTES + TAG_BYTES
+KEY_ID_BYTES = 8
+# a key's id is its GCM tag over nothing under this nonce: random nonces (2^-96 of hitting it)
+# never meet it with a payload, so it reveals nothing of the key or of any block
+_KEY_ID_NONCE = b"kvstore-kid\0"
 
 
 class BlockCipher:
@@ -49,6 +53,10 @@ class BlockCipher:
         # each key file there is, at start or once loaded or made: (path, (device, inode))
         self._files: dict[str, tuple[str, tuple[int, int]]] = dict(_key_files(self._dir))
         self._lock = threading.Lock()
+
+    def namespace_of(self, key: bytes) -> str:
+        """The namespace whose key seals ``key``."""
+        return self._namespace_of(key)
 
     def key_path(self, namespace: str) -> Path:
         return self._dir / f"{namespace.encode().hex()}.key"
@@ -100,6 +108,15 @@ class BlockCipher:
                 self._keys[namespace] = None
                 del self._files[namespace]
         return forgotten
+
+    def key_id(self, key: bytes) -> bytes | None:
+        """``KEY_ID_BYTES`` naming the key of ``key``'s namespace here, None without one (shredded,
+        never made): a copy tagged with another id was sealed under another key and will not
+        open, which a lookup can tell from the copy's first bytes (``tiers.sealed_remote``)."""
+        aead = self._aead(key, create=False)
+        if aead is None:
+            return None
+        return aead.encrypt(_KEY_ID_NONCE, b"", b"kvstore key id")[:KEY_ID_BYTES]
 
     def seal_into(self, key: bytes, payload: memoryview, out: memoryview) -> None:
         """nonce ‖ ciphertext ‖ tag of ``payload`` under its namespace's key, into ``out``

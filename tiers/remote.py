@@ -9,6 +9,13 @@ Calls (keys are ``TierKey``s: the store's keys, which carry the tenant namespace
 fingerprint, so two tenants' blocks never share a remote key):
 
     contains(keys)          -> per key, whether it is held (no payload moves)
+    heads(keys, fp, not_before_s, n)
+                            -> what a lookup may promise: per key, the first ``n`` payload bytes
+                               of a copy ``get_many`` would not refuse by its header (another
+                               fingerprint, born before ``not_before_s``), else None; a copy
+                               refused is deleted and counted as by ``get_many``. Backends with
+                               a ranged read (Redis ``GETRANGE``) move the header and ``n``
+                               bytes; the others read whole values (the default)
     get_many(keys, fp, not_before_s, born)
                             -> per key, the payload (its header checked), or None for a miss;
                                a copy born before ``not_before_s`` is expired (below); ``born``,
@@ -117,6 +124,14 @@ class RemoteTier(ABC):
         ``fingerprint``, or born before ``not_before_s``, is a miss. ``born`` gets each key's
         birth time appended (0.0 for a miss)."""
 
+    def heads(
+        self, keys: Sequence[TierKey], fingerprint: bytes, not_before_s: float = 0.0, n: int = 0
+    ) -> list[bytes | None]:
+        """See the module docstring. This default reads whole values (``get_many``: the
+        payload moves, and a copy it refuses is deleted and counted there)."""
+        got = self.get_many(keys, fingerprint, not_before_s)
+        return [None if v is None else bytes(memoryview(v).cast("B")[:n]) for v in got]
+
     @abstractmethod
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int: ...
 
@@ -194,6 +209,60 @@ def unframe_born(value: BytesLike, key: TierKey, fingerprint: bytes) -> tuple[me
     if xxhash.xxh3_64_intdigest(payload) != bound_checksum(key, header.checksum):
         return None
     return payload, header.born_s
+
+
+HEAD_SLACK = 256  # bytes past the u16 a ranged read asks for: frame()'s header is 71
+
+
+def served_heads(
+    what: str,
+    keys: Sequence[TierKey],
+    values: Sequence[BytesLike | None] | None,
+    fingerprint: bytes,
+    not_before_s: float,
+    n: int,
+    count: Callable[[str, int], None],
+    delete_many: Callable[[Sequence[TierKey]], object],
+) -> list[bytes | None]:
+    """``heads`` for a backend that read the first ``2 + HEAD_SLACK + n`` bytes of each value
+    (None or empty: absent; ``values`` None: unreachable, every key a miss): each copy's first
+    ``n`` payload bytes, or None where ``get_many`` would refuse it by its header, which is then
+    deleted there and counted as ``get_many`` would (a header that does not parse or names
+    another fingerprint: a checksum failure; born before ``not_before_s``, or unknown under a
+    retention: expired). The payload's checksum needs the whole value: a ``get_many`` checks it."""
+    if values is None:
+        return [None] * len(keys)
+    out: list[bytes | None] = []
+    corrupt: list[TierKey] = []
+    expired: list[TierKey] = []
+    for key, value in zip(keys, values, strict=True):
+        head, header = None, _header_of(value) if value else None
+        if value and (header is None or header[0].fingerprint != fingerprint or len(value) < header[1] + n):
+            corrupt.append(key)
+        elif header is not None and not_before_s > 0 and header[0].born_s < not_before_s:
+            expired.append(key)
+        elif header is not None:
+            head = bytes(memoryview(value)[header[1] : header[1] + n])  # type: ignore[arg-type]
+        out.append(head)
+    if corrupt:
+        log.warning("%s tier: %d blocks failed their header check; deleted", what, len(corrupt))
+        count("checksum_failures", len(corrupt))
+    if expired:
+        count("expired", len(expired))
+    if corrupt or expired:
+        delete_many(corrupt + expired)
+    return out
+
+
+def _header_of(value: BytesLike) -> tuple[BlockHeader, int] | None:
+    """A framed value's header and where its payload starts, or None when it has none of ours."""
+    view = memoryview(value)
+    if len(view) < _HEADER_LEN.size:
+        return None
+    (header_len,) = _HEADER_LEN.unpack_from(view)
+    start = _HEADER_LEN.size + header_len
+    header = BlockHeader.unpack(view[_HEADER_LEN.size : start]) if start <= len(view) else None
+    return None if header is None or header.codec is not Codec.NONE else (header, start)
 
 
 def _framed(value: BytesLike) -> bool:

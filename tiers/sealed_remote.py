@@ -1,12 +1,13 @@
 """Encryption beyond the host: every copy a sidecar sends to the fleet's remote tier is sealed
 under its tenant's key, whatever the backend (kvstore nodes, Redis Cluster, Mooncake).
 
-``SealedRemote`` wraps a ``RemoteTier``: ``put_many`` hands the backend nonce ‖ ciphertext ‖ tag
-of each payload (``BlockCipher.seal_into``: AES-256-GCM under the key of the block's namespace,
-the tier key, which carries namespace, fingerprint and block key, as associated data), and
-``get_many`` opens what comes back. The backend frames the sealed bytes as it frames any payload
-(its header, checksum and any birth time stay its own), so sealing adds 28 bytes per block and
-changes nothing else on the medium.
+``SealedRemote`` wraps a ``RemoteTier``: ``put_many`` hands the backend key id ‖ nonce ‖
+ciphertext ‖ tag of each payload (``BlockCipher.seal_into``: AES-256-GCM under the key of the
+block's namespace, the tier key, which carries namespace, fingerprint and block key, as
+associated data; ``BlockCipher.key_id``: 8 bytes naming that key), and ``get_many`` opens what
+comes back. The backend frames the sealed bytes as it frames any payload (its header, checksum
+and any birth time stay its own), so sealing adds 36 bytes per block and changes nothing else on
+the medium.
 
 A copy that does not open (the tenant's key was shredded, this sidecar never had it, the bytes
 were altered, or moved under another key) is a miss: counted in ``usage().unsealable`` and
@@ -15,8 +16,11 @@ tier's (``nvme.encryption_keys_dir``): the sidecars of a fleet read one shared f
 made by one is used by all, and a shred at one (or deleting the file) is seen by every other
 within ``kvstore.server.shredding.KEY_CHECK_S``.
 
-``contains`` is not checked: presence is reported without opening (a lookup may say ``remote``
-and the restore then gets the shorter prefix, as the contract allows for any remote miss).
+``heads`` (what a lookup promises) reads each copy's key id with its header: a copy sealed under
+a key this sidecar does not hold (another, a shredded one, none) is not promised (counted and
+deleted, as a get would), so a lookup reports no more than a restore gets, short of a copy
+altered in place, which only opening the whole payload reveals. ``contains`` (raw presence) is
+the backend's.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import threading
 from collections.abc import Sequence
 
 from tiers.base import BytesLike, TierKey
-from tiers.cipher import OVERHEAD_BYTES, BlockCipher
+from tiers.cipher import KEY_ID_BYTES, OVERHEAD_BYTES, BlockCipher
 from tiers.remote import RemoteBlock, RemoteTier, RemoteUsage
+
+SEALED_OVERHEAD_BYTES = KEY_ID_BYTES + OVERHEAD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +66,74 @@ class SealedRemote(RemoteTier):
             return got
         out: list[BytesLike | None] = []
         unopened: list[TierKey] = []
+        ids = _KeyIds(self.cipher)
         for i, (key, sealed) in enumerate(zip(keys, got, strict=True)):
             if sealed is None:
                 out.append(None)
                 continue
             view = memoryview(sealed).cast("B")
-            plain = bytearray(max(0, len(view) - OVERHEAD_BYTES))
-            if self.cipher.open_into(bytes(key), view, memoryview(plain)) is None:
+            plain = bytearray(max(0, len(view) - SEALED_OVERHEAD_BYTES))
+            opened = bytes(view[:KEY_ID_BYTES]) == ids.of(key)  # another key's copy is not even tried
+            if (
+                not opened
+                or self.cipher.open_into(bytes(key), view[KEY_ID_BYTES:], memoryview(plain)) is None
+            ):
                 unopened.append(key)
                 out.append(None)
                 if born is not None:
                     born[first + i] = 0.0  # a miss has no birth time
             else:
                 out.append(plain)
-        if unopened:
+        self._unopened(unopened)
+        return out
+
+    def _unopened(self, keys: list[TierKey]) -> None:
+        """Count and delete copies that do not open here."""
+        if keys:
             log.warning(
                 "remote tier %s: %d copies did not open (key shredded or absent, or altered); deleted",
                 self.name,
-                len(unopened),
+                len(keys),
             )
             with self._lock:
-                self._unsealable += len(unopened)
-            self.inner.delete_many(unopened)
+                self._unsealable += len(keys)
+            self.inner.delete_many(keys)
+
+    def heads(
+        self, keys: Sequence[TierKey], fingerprint: bytes, not_before_s: float = 0.0, n: int = 0
+    ) -> list[bytes | None]:
+        """The backend's heads, less those of copies sealed under a key other than this
+        sidecar's for their namespace (each head is of the sealed bytes, after the key id):
+        those are counted and deleted, as ``get_many`` would."""
+        if fingerprint in self._plain:
+            return self.inner.heads(keys, fingerprint, not_before_s, n)
+        got = self.inner.heads(keys, fingerprint, not_before_s, KEY_ID_BYTES + n)
+        ids = _KeyIds(self.cipher)
+        out: list[bytes | None] = []
+        unopened: list[TierKey] = []
+        for key, head in zip(keys, got, strict=True):
+            if head is not None and head[:KEY_ID_BYTES] != ids.of(key):
+                unopened.append(key)
+                head = None
+            out.append(None if head is None else head[KEY_ID_BYTES:])
+        self._unopened(unopened)
         return out
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
         sealed: list[RemoteBlock] = []
+        ids = _KeyIds(self.cipher)
         for block in blocks:
             if block.fingerprint in self._plain:
                 sealed.append(block)
                 continue
             view = memoryview(block.payload).cast("B")
-            out = bytearray(len(view) + OVERHEAD_BYTES)
+            out = bytearray(len(view) + SEALED_OVERHEAD_BYTES)
             try:
-                self.cipher.seal_into(bytes(block.key), view, memoryview(out))
+                self.cipher.seal_into(bytes(block.key), view, memoryview(out)[KEY_ID_BYTES:])
+                kid = ids.of(block.key)  # after the seal, which makes a namespace's first key
+                if kid is None:
+                    raise ValueError("the key went while sealing")
+                out[:KEY_ID_BYTES] = kid
             except (ValueError, OSError) as exc:  # a bad or unwritable key file: never sent plain
                 log.warning("remote tier %s: a block not sealed, not sent: %s", self.name, exc)
                 continue
@@ -113,3 +153,17 @@ class SealedRemote(RemoteTier):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _KeyIds:
+    """Each namespace's key id, looked up once per batch."""
+
+    def __init__(self, cipher: BlockCipher) -> None:
+        self._cipher = cipher
+        self._ids: dict[str, bytes | None] = {}
+
+    def of(self, key: bytes) -> bytes | None:
+        namespace = self._cipher.namespace_of(key)
+        if namespace not in self._ids:
+            self._ids[namespace] = self._cipher.key_id(bytes(key))
+        return self._ids[namespace]

@@ -3,8 +3,12 @@ local tiers. Every remote call runs outside the store lock, bounded by the backe
 and a failing remote reads as misses: a dead shared store costs recomputation, never an error.
 
 Calls (from the facade):
-    more(scope, keys)        -> how many leading ``keys`` the remote holds (asked after the local
-                                prefix ends; ``lookup`` reports them as tier ``remote``)
+    more(scope, keys)        -> how many leading ``keys`` the remote holds that a read-through
+                                would take (asked after the local prefix ends; ``lookup``
+                                reports them as tier ``remote``): the tier's ``heads``, asked
+                                with the read-through's ``not_before_s``, so no copy past its
+                                retention, older than the scope's last invalidation or sealed
+                                under a key this sidecar lacks is promised
     read_through(scope, keys)
                              before a restore: fetch the remote blocks that continue the local
                                 prefix and store them locally (``put``, into the first tier
@@ -65,8 +69,10 @@ class RemoteCalls:
     def more(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         if not keys:
             return 0
-        present = self.tier.contains([tier_key(scope, k) for k in keys])
-        n = _leading(present)
+        heads = self.tier.heads(
+            [tier_key(scope, k) for k in keys], scope.fingerprint, self._not_before(scope)
+        )
+        n = _leading([h is not None for h in heads])
         if n:
             with self._p.locked():
                 self._p.count(scope, "remote_lookup_hit_blocks", n)
@@ -93,13 +99,9 @@ class RemoteCalls:
         rest = keys[start:]
         if not rest:
             return 0
-        retention = self._p.governance.retention_of(scope.namespace)
-        not_before_s = 0.0 if retention is None else self._p.wall() - retention
-        # a copy born before the scope's last invalidation (sent late by a lagging sidecar) too
-        not_before_s = max(not_before_s, self.marks.dead_before(scope))
         born: list[float] = []
         payloads = self.tier.get_many(
-            [tier_key(scope, k) for k in rest], scope.fingerprint, not_before_s, born
+            [tier_key(scope, k) for k in rest], scope.fingerprint, self._not_before(scope), born
         )
         n = _leading([b is not None for b in payloads])
         if not n:
@@ -110,6 +112,13 @@ class RemoteCalls:
         with self._p.locked():
             self._p.count(scope, "remote_filled_blocks", stored)
         return stored
+
+    def _not_before(self, scope: Scope) -> float:
+        """The oldest birth a remote copy of ``scope`` may have to be served: its retention's,
+        or the scope's last invalidation (a copy born before it, sent late by a lagging sidecar)."""
+        retention = self._p.governance.retention_of(scope.namespace)
+        not_before_s = 0.0 if retention is None else self._p.wall() - retention
+        return max(not_before_s, self.marks.dead_before(scope))
 
     def offer(self, block: Block) -> None:
         """Queue a new block for the remote (under the lock; never blocks)."""
