@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import struct
 import time
 from collections.abc import Callable
 
@@ -28,7 +27,7 @@ from benchmarks.noisy_tenant import Flood, Load
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint, block_keys
-from kvstore.wire import MAGIC, OK_FRAME, OP_LOOKUP
+from kvstore.wire import OK_FRAME, OP_LOOKUP, hello, keys_request, lookup_answer
 
 NOISY_TOKEN = "noisy-token"
 QUIET_TOKEN = "quiet-token"
@@ -78,11 +77,10 @@ def noisy_load() -> Load:
     token = NOISY_TOKEN.encode()
     keys = _keys(NOISY_KEYS, "noisy")
     return Load(
-        hello=MAGIC + struct.pack("<H", len(token)) + token + struct.pack("<H", 0),
-        request=struct.pack("<B32sI", OP_LOOKUP, FINGERPRINT, NOISY_KEYS)
-        + b"".join(keys)
-        + struct.pack("<d", 0.0),
-        answer_bytes=len(OK_FRAME) + 4 + NOISY_KEYS + 8,  # status, hit count, a tier a hit, lease id
+        hello=hello(token, b""),
+        hello_answer_bytes=len(OK_FRAME),
+        request=keys_request(OP_LOOKUP, FINGERPRINT, keys, 0.0),
+        answer_bytes=len(lookup_answer(NOISY_KEYS, ["dram"] * NOISY_KEYS, 0)),  # every key a hit, no pin
         depth=NOISY_DEPTH,
     )
 

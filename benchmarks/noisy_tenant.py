@@ -16,15 +16,15 @@ import time
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
 
-OK_FRAME_BYTES = 5  # kvstore.wire.OK_FRAME: status OK, no message
-
 
 @dataclass(frozen=True)
 class Load:
-    """What each connection sends: ``hello`` once, then ``depth`` copies of ``request`` in
-    flight, each answered by ``answer_bytes``."""
+    """What each connection sends: ``hello`` once (answered by ``hello_answer_bytes``), then
+    ``depth`` copies of ``request`` in flight, each answered by ``answer_bytes`` (the bytes made
+    by ``kvstore.wire`` in the parent: the workers import only the standard library)."""
 
     hello: bytes
+    hello_answer_bytes: int
     request: bytes
     answer_bytes: int
     depth: int
@@ -41,7 +41,7 @@ def _flood(
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             socks.append(s)
             s.sendall(load.hello)
-            status = s.recv(OK_FRAME_BYTES, socket.MSG_WAITALL)
+            status = s.recv(load.hello_answer_bytes, socket.MSG_WAITALL)
             if status[:1] != b"\0":
                 raise RuntimeError(f"the noisy tenant's hello was refused: {status!r}")
         ready.set()

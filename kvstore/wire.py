@@ -1,6 +1,7 @@
-"""The data port's wire protocol, spoken by both ends (``kvstore.server.dataport`` serves it,
-``kvstore.client.dataport`` speaks it): the opcodes, the frames and the socket helpers that read
-and write them under a deadline.
+"""The data port's protocol, defined once: every message's opcode and layout, and the functions
+both ends encode and decode them with (``kvstore.server.dataport`` and ``answering`` serve it,
+``kvstore.client.dataport`` speaks it, through a ``kvstore.stream.Stream``). No other module
+packs or unpacks these bytes (``tests/test_wire.py`` checks it, and round-trips every message).
 
 Framing (little-endian), one request at a time per connection:
 
@@ -38,26 +39,27 @@ failure starts with its detail in brackets, ``[LeaseExpired] lease 7 expired ...
 the error class the server raised (``kvstore.status``), which the client raises again. A client
 that knows no details reads the code alone, as before, and shows the bracket as part of the text.
 
-Both ends send each message in one send (a reply's status with its body) and read through a
-``Stream``: one reused buffer, so a small message costs one recv, and a timeout armed per
-operation rather than per recv. A lookup's round trip is then a send and a recv on each side.
+Encoders return the bytes of a whole message (an answer's with its OK status in front), for one
+send. Decoders read a message's fields after its first byte (the op, or the status the reader
+checked) through ``read(n)``, a ``Stream.read``: a few reads of fixed parts, so a small message
+is parsed from the one recv that brought it.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import select
 import socket
-import ssl
 import struct
-import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
+from struct import Struct
+from typing import Protocol, cast
 
-from kvstore.errors import KvStoreError
+from kvstore.errors import InvalidArgument, KvStoreError
+from kvstore.keys import BlockKey, Fingerprint
 from kvstore.status import Status, error_for, status_of
+from kvstore.stream import Stream, recv_exact
 
 MAGIC = b"KVD2"  # 2: a get's blocks carry their checksum
-OK_FRAME = struct.pack("<BI", Status.OK, 0)  # a status frame: OK, no message
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
 OP_LOOKUP_SLOTS, OP_LEASE_HELD = 10, 11
@@ -74,245 +76,80 @@ OP_NAMES = {
     OP_COMMIT: "Commit",
     OP_ABORT: "Abort",
 }
+KEYS_OPS = frozenset((OP_GET, OP_LOOKUP, OP_LOOKUP_SLOTS, OP_RESOLVE))  # keys_request's
+ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD, OP_COMMIT, OP_ABORT))  # id_request's
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3, "remote": 4}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1  # the size that ends a get's blocks
 IDLE_S = 600.0  # the server closes a connection idle between requests longer than this
+KEY_BYTES = 32  # a key, a fingerprint, a parent: no length on the wire
+
+# Every layout, once. A request's op byte comes first and is read alone by the server.
+STATUS = Struct("<BI")  # code, message length; the UTF-8 message follows
+OK_FRAME = STATUS.pack(Status.OK, 0)  # the usual answer's start: OK, no message
+LENGTH = Struct("<H")  # a hello's token or scope, an arena's name: its length, then its bytes
+KEYS_HEAD = Struct("<32sI")  # fingerprint, key count; the keys follow, then the op's tail
+TTL = Struct("<d")  # the tail of a lookup or resolve: ttl_s (0: none)
+RESERVE_TAIL = Struct("<B32sd")  # has parent, parent, ttl_s; a u64 size per key follows
+ID = Struct("<Q")  # a lease or reservation id
+COUNT = Struct("<I")  # hit blocks; stored blocks
+RESOLVED = Struct("<QQB")  # offset, size, tier code
+RESERVED = Struct("<BQQ")  # given, offset, size (all 0: no slot, nothing to write)
+PLACE = Struct("<QQ")  # offset, size in the arena (all 0: none)
+BLOCK_HEAD = Struct("<QQ")  # size, xxh3-64 of the bytes; a size of END alone ends the blocks
+SIZE = Struct("<Q")
+PUT_HEAD = Struct("<32sB32sI")  # fingerprint, has parent, parent, key count
+PUT_RECORD = Struct("<32sQ")  # key, size: one per block, before the payloads
+
+_OP_KEYS_HEAD = Struct("<B" + KEYS_HEAD.format[1:])
+_OP_ID = Struct("<B" + ID.format[1:])
+_OP_PUT_HEAD = Struct("<B" + PUT_HEAD.format[1:])
+_ID_LENGTH = Struct("<" + ID.format[1:] + LENGTH.format[1:])  # a lookup's lease id, then the name
+_NO_SLOT = RESERVED.pack(0, 0, 0)
+_NO_PLACE = PLACE.pack(0, 0)
+BLOCKS_END = SIZE.pack(END) + OK_FRAME  # after a get's last block
+
+Read = Callable[[int], bytes]  # ``Stream.read``: exactly n bytes
+MalformedMessage = struct.error  # what a decoder raises on bytes that fit no layout
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf), deadline)
-    return bytes(buf)
-
-
-REARM_S = 0.25
-
-
-def _rearm(sock: socket.socket, deadline: float | None, armed_at: float) -> float:
-    """Bound the next socket operation by ``deadline``; returns when the timeout was armed.
-
-    A timeout armed at ``armed_at`` can end an operation at most (now - armed_at) past the
-    deadline: re-arm once that passes REARM_S, not per operation (a TLS socket returns one
-    16 KiB record per recv, and a settimeout per record costs). Without a deadline the socket's
-    own timeout applies."""
-    if deadline is None:
-        return armed_at
-    now = time.monotonic()
-    if now - armed_at > REARM_S:
-        sock.settimeout(time_left_s(deadline))
-        return now
-    return armed_at
-
-
-def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill ``view``; ``deadline`` (``time.monotonic()``) bounds the whole read, not each recv,
-    so a peer trickling bytes cannot stretch it. Without one the socket's own timeout applies."""
-    got = 0
-    armed_at = -math.inf
-    while got < len(view):
-        armed_at = _rearm(sock, deadline, armed_at)
-        n = sock.recv_into(view[got:], len(view) - got)
-        if not n:
-            raise ConnectionError("peer closed the data connection mid-message")
-        got += n
-
-
-# A yield that took longer than this gave the CPU to another thread: the spinning one shares its
-# CPU with a busy thread (often the very peer it waits for) and sleeps instead.
-SHARED_CPU_S = 0.00002
-
-
-class Stream:
-    """One end of a data connection: its reads through one reused buffer, its timeouts.
-
-    ``read(n)`` asks the socket for as much as the buffer holds, so a small message costs one
-    recv however many fields it has; what arrived past it stays buffered for the next read.
-    ``read_into(view)`` drains the buffer first, then reads straight into ``view`` (a block's
-    bytes never pass through the buffer beyond what one read brought along).
-
-    Timeouts: ``begin(deadline)`` starts an operation that must end by ``deadline`` (a
-    ``time.monotonic()`` value, or None: ``default_timeout_s`` per socket operation); every
-    read and every ``send`` until the next ``begin`` is bounded by it, re-armed as
-    ``recv_into_exact`` does. ``wait(timeout_s)`` waits that long for a next message to start.
-    A timeout raises TimeoutError and leaves the stream mid-message: close it, never reuse it.
-    Not for use from several threads at once.
-    """
-
-    def __init__(self, sock: socket.socket, default_timeout_s: float, buffer_bytes: int = 16 << 10) -> None:
-        self.sock = sock
-        self.deadline: float | None = None
-        self._default_timeout_s = default_timeout_s
-        self._buf = bytearray(buffer_bytes)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0  # the buffered bytes not read yet
-        self._armed_at = -math.inf
-        self._timeout_s: float | None = sock.gettimeout()  # what the socket has, when known
-        self._poller: select.poll | None = None  # for ``spin``, made on its first call
-        # While a list, ``send`` keeps what it is given there instead (to be sent together later).
-        self.held: list[bytes | bytearray | memoryview] | None = None
-
-    def begin(self, deadline: float | None) -> None:
-        self.deadline = deadline
-        self._armed_at = -math.inf
-
-    def _arm(self) -> None:
-        if self.deadline is not None:
-            self._armed_at = _rearm(self.sock, self.deadline, self._armed_at)
-            self._timeout_s = None
-        elif self._timeout_s != self._default_timeout_s:  # a syscall saved on the hot path
-            self.sock.settimeout(self._default_timeout_s)
-            self._timeout_s = self._default_timeout_s
-
-    def spin(self, seconds: float, yielding: bool = False) -> bool:
-        """Poll up to ``seconds`` for a next message without sleeping (the GIL free between
-        polls), so one that comes soon finds this thread awake, and its sender wakes nobody;
-        whether one came. ``yielding``: give the CPU to any other runnable thread between polls
-        (the peer, on a machine with fewer CPUs than busy threads)."""
-        if self._end > self._start:
-            return True
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock, select.POLLIN)
-        poll, now = self._poller.poll, time.monotonic
-        end = now() + seconds
-        while not poll(0):
-            before = now()
-            if before >= end:
-                return False
-            if yielding:
-                os.sched_yield()
-                if now() - before > SHARED_CPU_S:  # another thread ran here: let it have the CPU
-                    return bool(poll(0))  # (unless it was the peer, and its message is here)
-        return True
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether a next message starts within ``timeout_s`` (False: timed out, or the peer
-        closed between messages)."""
-        if self._end > self._start:
-            return True
-        self._start = self._end = 0
-        if self._timeout_s != timeout_s:
-            self.sock.settimeout(timeout_s)
-            self._timeout_s = timeout_s
-        self._armed_at = -math.inf
-        try:
-            self._end = self.sock.recv_into(self._view)
-        except TimeoutError:
-            return False
-        return self._end > 0
-
-    def buffered(self) -> memoryview:
-        """The bytes read and not consumed yet (valid until the next read)."""
-        return self._view[self._start : self._end]
+class Place(Protocol):
+    """A slot in the arena, as an answer names it."""
 
     @property
-    def capacity_bytes(self) -> int:
-        """The most a message may hold to be buffered whole."""
-        return len(self._buf)
+    def offset(self) -> int: ...
 
-    def fill_nowait(self) -> int | None:
-        """Read what a non-blocking socket holds into the buffer, after the bytes still buffered
-        (moved to its front: the start of a message whose rest comes now), without waiting: how
-        many bytes (0: the peer closed), None when it held none (or the buffer is full)."""
-        left = bytes(self._view[self._start : self._end])
-        self._buf[: len(left)] = left
-        self._start, self._end = 0, len(left)
-        if self._end == len(self._buf):
-            return None
-        try:
-            got = self.sock.recv_into(self._view[self._end :])
-        except BlockingIOError:
-            return None
-        self._end += got
-        return got
-
-    def forget_timeout(self) -> None:
-        """Someone else set the socket's timeout (or made it non-blocking): set ours again."""
-        self._timeout_s = 0.0
-        self._armed_at = -math.inf
-
-    def read(self, n: int) -> bytes:
-        if n > len(self._buf):  # larger than the buffer: a buffer of its own
-            out = bytearray(n)
-            self.read_into(memoryview(out))
-            return bytes(out)
-        if self._end - self._start < n:
-            self._fill(n)
-        start = self._start
-        self._start += n
-        return bytes(self._view[start : start + n])
-
-    def _fill(self, n: int) -> None:
-        """Buffer at least ``n`` bytes (``n`` at most the buffer's size)."""
-        if self._start + n > len(self._buf):  # no room past the leftover: move it to the front
-            left = bytes(self._view[self._start : self._end])
-            self._buf[: len(left)] = left
-            self._start, self._end = 0, len(left)
-        while self._end - self._start < n:
-            self._arm()
-            got = self.sock.recv_into(self._view[self._end :])
-            if not got:
-                raise ConnectionError("peer closed the data connection mid-message")
-            self._end += got
-
-    def read_into(self, view: memoryview) -> None:
-        have = min(self._end - self._start, len(view))
-        if have:
-            view[:have] = self._view[self._start : self._start + have]
-            self._start += have
-        if have < len(view):
-            if self.deadline is None:
-                self._arm()  # the default timeout; recv_into_exact arms a deadline itself
-            else:
-                self._timeout_s = None
-            recv_into_exact(self.sock, view[have:], self.deadline)
-
-    def read_status(self) -> tuple[int, str]:
-        """The code (a ``Status`` number) and message of a status frame, the detail left in."""
-        frame = self.read(5)
-        if frame == OK_FRAME:  # the usual answer: one compare, nothing unpacked
-            return Status.OK, ""
-        code, length = struct.unpack("<BI", frame)
-        return code, self.read(length).decode(errors="replace") if length else ""
-
-    def send(self, data: bytes | bytearray | memoryview) -> None:
-        if self.held is not None:
-            self.held.append(data)
-            return
-        self._arm()
-        self.sock.sendall(data)
-
-    def send_parts(self, head: bytes, body: memoryview) -> None:
-        self._arm()
-        send_parts(self.sock, head, body)
+    @property
+    def size_bytes(self) -> int: ...
 
 
-def send_parts(sock: socket.socket, head: bytes, body: memoryview) -> None:
-    """Header and payload in one gathered send (fewer syscalls than two sendall calls)."""
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS: two records
-        sock.sendall(head)
-        sock.sendall(body)
-        return
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(body):
-        sock.sendall(body[sent - len(head) :])
+# ------------------------------------------------------------------ status frames
 
 
-def send_error(sock: socket.socket, error: KvStoreError) -> None:
+def error_frame(error: KvStoreError) -> bytes:
     """The status frame of a failure: its code and, before its message, its detail."""
     code, detail = status_of(error)
     body = f"[{detail}] {error}".encode()
-    sock.sendall(struct.pack("<BI", code, len(body)) + body)
+    return STATUS.pack(code, len(body)) + body
+
+
+def send_error(sock: socket.socket, error: KvStoreError) -> None:
+    sock.sendall(error_frame(error))
 
 
 def read_status(sock: socket.socket, deadline: float | None = None) -> tuple[int, str]:
     """The code (a ``Status`` number) and message of a status frame, the detail left in."""
-    code, length = struct.unpack("<BI", recv_exact(sock, 5, deadline))
+    code, length = STATUS.unpack(recv_exact(sock, STATUS.size, deadline))
     return code, recv_exact(sock, length, deadline).decode(errors="replace")
+
+
+def read_stream_status(stream: Stream) -> tuple[int, str]:
+    """``read_status`` through a stream's buffer."""
+    frame = stream.read(STATUS.size)
+    if frame == OK_FRAME:  # the usual answer: one compare, nothing unpacked
+        return Status.OK, ""
+    code, length = STATUS.unpack(frame)
+    return code, stream.read(length).decode(errors="replace") if length else ""
 
 
 def status_error(code: int, message: str) -> KvStoreError:
@@ -323,10 +160,276 @@ def status_error(code: int, message: str) -> KvStoreError:
     return error_for(code, message)
 
 
-def time_left_s(deadline: float) -> float:
-    """Seconds until ``deadline``; TimeoutError once it has passed (a zero socket timeout would
-    mean non-blocking, not "no time left")."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the call's deadline passed")
-    return left
+# ------------------------------------------------------------------ requests: the client encodes
+
+
+def check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
+    """The framing has no lengths for ids: refuse a wrong one before it desynchronizes the stream."""
+    if len(fingerprint) != KEY_BYTES or not set(map(len, keys)) <= {KEY_BYTES}:
+        raise InvalidArgument("keys and fingerprints are 32 bytes")
+
+
+def hello(token: bytes, scope: bytes) -> bytes:
+    return b"".join([MAGIC, LENGTH.pack(len(token)), token, LENGTH.pack(len(scope)), scope])
+
+
+def keys_request(op: int, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float | None = None) -> bytes:
+    """A get (no ``ttl_s``), a lookup, a lookup with slots (``ttl_s``: the pin's) or a resolve."""
+    check_ids(fingerprint, keys)
+    head = _OP_KEYS_HEAD.pack(op, fingerprint, len(keys))
+    return b"".join([head, *keys] if ttl_s is None else [head, *keys, TTL.pack(ttl_s)])
+
+
+def reserve_request(
+    fingerprint: bytes, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None, ttl_s: float
+) -> bytes:
+    if len(sizes) != len(keys):
+        raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise InvalidArgument("parent must be a 32-byte key")
+    check_ids(fingerprint, keys)
+    tail = RESERVE_TAIL.pack(parent is not None, parent or bytes(KEY_BYTES), ttl_s) + _repeated(
+        "Q", len(sizes)
+    ).pack(*sizes)
+    return b"".join([_OP_KEYS_HEAD.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
+
+
+def id_request(op: int, id_: int) -> bytes:
+    """A release (answered or not), a lease check, a commit or an abort."""
+    return _OP_ID.pack(op, id_)
+
+
+def lookup_slots_request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
+    """A pinning lookup that names the arena slots of its hits (answered by its own layout)."""
+    return keys_request(OP_LOOKUP_SLOTS, fingerprint, keys, pin_ttl_s)
+
+
+def commit_request(reservation_id: int) -> bytes:
+    return _OP_ID.pack(OP_COMMIT, reservation_id)
+
+
+def release_request(lease_id: int) -> bytes:
+    """A release the server does not answer."""
+    return _OP_ID.pack(OP_RELEASE_NOWAIT, lease_id)
+
+
+def put_head(fingerprint: bytes, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None) -> bytes:
+    """A put up to its payloads, which follow back to back."""
+    check_ids(fingerprint, keys if parent is None else [*keys, parent])
+    head = [_OP_PUT_HEAD.pack(OP_PUT, fingerprint, parent is not None, parent or b"", len(keys))]
+    head.extend(PUT_RECORD.pack(key, size) for key, size in zip(keys, sizes, strict=True))
+    return b"".join(head)
+
+
+# ------------------------------------------------------------------ requests: the server decodes
+
+
+def read_op(read: Read) -> int:
+    """A request's first byte."""
+    return read(1)[0]
+
+
+def read_hello(read: Read) -> tuple[str, str]:
+    """(token, scope) of a hello, its magic first."""
+    if read(len(MAGIC)) != MAGIC:
+        raise InvalidArgument("not a kvstore data port client (bad magic)")
+    (token_len,) = LENGTH.unpack(read(LENGTH.size))
+    token = read(token_len).decode(errors="replace")
+    (scope_len,) = LENGTH.unpack(read(LENGTH.size))
+    return token, read(scope_len).decode(errors="replace")
+
+
+def read_keys(read: Read, max_keys: int) -> tuple[Fingerprint, list[BlockKey]]:
+    """The fingerprint and keys of a ``keys_request`` or ``reserve_request``: each key a slice
+    of the one read of them all."""
+    fingerprint, n = KEYS_HEAD.unpack(read(KEYS_HEAD.size))
+    if n > max_keys:
+        raise InvalidArgument(f"at most {max_keys} blocks per request, got {n}")
+    return Fingerprint(fingerprint), _split_keys(read(KEY_BYTES * n), n)
+
+
+def read_ttl(read: Read) -> float:
+    ttl_s: float = TTL.unpack(read(TTL.size))[0]
+    return ttl_s
+
+
+def read_reserve_tail(read: Read, n_keys: int) -> tuple[BlockKey | None, float, list[int]]:
+    """(parent, ttl_s, sizes) after a reserve's keys."""
+    has_parent, parent, ttl_s = RESERVE_TAIL.unpack(read(RESERVE_TAIL.size))
+    sizes = list(_repeated("Q", n_keys).unpack(read(SIZE.size * n_keys))) if n_keys else []
+    return (BlockKey(parent) if has_parent else None), ttl_s, sizes
+
+
+def read_id(read: Read) -> int:
+    id_: int = ID.unpack(read(ID.size))[0]
+    return id_
+
+
+def read_put_head(
+    read: Read, max_keys: int
+) -> tuple[Fingerprint, BlockKey | None, list[BlockKey], list[int]]:
+    """(fingerprint, parent, keys, sizes) of a put, up to its payloads."""
+    fingerprint, has_parent, parent, n = PUT_HEAD.unpack(read(PUT_HEAD.size))
+    if n > max_keys:
+        raise InvalidArgument(f"at most {max_keys} blocks per request, got {n}")
+    fields = _records(PUT_RECORD.format[1:], read(PUT_RECORD.size * n), n)  # key, size, key, ...
+    keys = cast(list[BlockKey], list(fields[0::2]))
+    return Fingerprint(fingerprint), (BlockKey(parent) if has_parent else None), keys, list(fields[1::2])
+
+
+def small_request_size(buffered: memoryview) -> int:
+    """The size of the ``id_request`` or lookup (``keys_request`` with a pin) at the front of
+    ``buffered``; -1 when more bytes must come to know."""
+    if buffered[0] in ID_OPS:
+        return _OP_ID.size
+    if len(buffered) < _OP_KEYS_HEAD.size:
+        return -1
+    n: int = COUNT.unpack_from(buffered, _OP_KEYS_HEAD.size - COUNT.size)[0]
+    return _OP_KEYS_HEAD.size + KEY_BYTES * n + TTL.size
+
+
+# ------------------------------------------------------------------ answers: the server encodes
+
+
+def resolve_answer(name: bytes, slots: Sequence[Place], tiers: Sequence[str], lease_id: int) -> bytes:
+    body = [OK_FRAME, LENGTH.pack(len(name)), name, COUNT.pack(len(slots))]
+    body.extend(
+        RESOLVED.pack(slot.offset, slot.size_bytes, TIER_CODES[tier])
+        for slot, tier in zip(slots, tiers, strict=True)
+    )
+    body.append(ID.pack(lease_id))
+    return b"".join(body)
+
+
+def reserve_answer(name: bytes, reservation_id: int, slots: Iterable[Place | None]) -> bytes:
+    body = [OK_FRAME, LENGTH.pack(len(name)), name, ID.pack(reservation_id)]
+    body.extend(_NO_SLOT if s is None else RESERVED.pack(1, s.offset, s.size_bytes) for s in slots)
+    return b"".join(body)
+
+
+def stored_answer(stored: int) -> bytes:
+    """A commit's or a put's: how many blocks it stored."""
+    return OK_FRAME + COUNT.pack(stored)
+
+
+def lookup_answer(
+    hit: int,
+    tiers: Sequence[str],
+    lease_id: int,
+    slots: Sequence[Place | None] | None = None,
+    name: bytes = b"",
+) -> bytes:
+    """A lookup's; with ``slots`` (one per hit at most, the rest none), a lookup with slots'."""
+    codes = bytes([TIER_CODES[t] for t in tiers])
+    body = [OK_FRAME, COUNT.pack(hit), codes, ID.pack(lease_id)]
+    if slots is not None:
+        body += [LENGTH.pack(len(name)), name]
+        body.extend(_NO_PLACE if s is None else PLACE.pack(s.offset, s.size_bytes) for s in slots)
+        body.append(_NO_PLACE * (hit - len(slots)))
+    return b"".join(body)
+
+
+def held_answer(held: bool) -> bytes:
+    return OK_FRAME + bytes([held])
+
+
+def block_head(size: int, checksum: int) -> bytes:
+    """Before each block of a get's answer (its status went first; ``BLOCKS_END`` after them)."""
+    return BLOCK_HEAD.pack(size, checksum)
+
+
+# ------------------------------------------------------------------ answers: the client decodes
+# (each after the answer's status, which the reader checked)
+
+
+def read_resolve_answer(read: Read) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
+    """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
+    (name_len,) = LENGTH.unpack(read(LENGTH.size))
+    name = read(name_len).decode()
+    (hit,) = COUNT.unpack(read(COUNT.size))
+    raw = read(RESOLVED.size * hit + ID.size)
+    slots, tiers = [], []
+    for offset, size, tier in RESOLVED.iter_unpack(raw[: RESOLVED.size * hit]):
+        slots.append((offset, size))
+        tiers.append(TIER_NAMES.get(tier, "unknown"))
+    (lease_id,) = ID.unpack_from(raw, RESOLVED.size * hit)
+    return name, slots, tuple(tiers), int(lease_id)
+
+
+def read_reserve_answer(
+    read: Read, n_keys: int
+) -> tuple[str, int, Sequence[int], Sequence[int], Sequence[int]]:
+    """(arena name, reservation id, and per key: given (0: no slot), offset, size)."""
+    (name_len,) = LENGTH.unpack(read(LENGTH.size))
+    raw = read(name_len + ID.size + RESERVED.size * n_keys)  # name, id and records: one read
+    (reservation_id,) = ID.unpack_from(raw, name_len)
+    fields = _records(RESERVED.format[1:], raw, n_keys, name_len + ID.size)
+    return raw[:name_len].decode(), int(reservation_id), fields[0::3], fields[1::3], fields[2::3]
+
+
+def read_stored(read: Read) -> int:
+    stored: int = COUNT.unpack(read(COUNT.size))[0]
+    return stored
+
+
+def read_lookup_answer(read: Read) -> tuple[int, bytes, int]:
+    """(hit blocks, the tier code of each hit (``TIER_NAMES``), lease id or 0)."""
+    (hit,) = COUNT.unpack(read(COUNT.size))
+    tiers = read(hit)
+    (lease_id,) = ID.unpack(read(ID.size))
+    return hit, tiers, lease_id
+
+
+def read_lookup_slots_answer(read: Read) -> tuple[int, bytes, int, str, Sequence[int], Sequence[int]]:
+    """(hit, tier codes, lease id, arena name, and per hit: offset, size (0: no slot))."""
+    (hit,) = COUNT.unpack(read(COUNT.size))
+    tiers = read(hit)
+    lease_id, name_len = _ID_LENGTH.unpack(read(_ID_LENGTH.size))
+    name = read(name_len).decode()
+    fields = _records(PLACE.format[1:], read(PLACE.size * hit), hit)
+    return hit, tiers, lease_id, name, fields[0::2], fields[1::2]
+
+
+def read_held(read: Read) -> bool:
+    return bool(read(1)[0])
+
+
+def read_block_head(read: Read) -> tuple[int, int] | None:
+    """(size, checksum) of a get's next block, or None after its last (its status follows)."""
+    (size,) = SIZE.unpack(read(SIZE.size))
+    if size == END:
+        return None
+    (checksum,) = SIZE.unpack(read(SIZE.size))
+    return size, checksum
+
+
+# ------------------------------------------------------------------ many records in one call
+
+RECORDS_PER_STRUCT = 1024  # records are unpacked by cached structs of up to this many
+
+
+def _records(fields: str, raw: bytes, count: int, start: int = 0) -> Sequence[int]:
+    """The fields of ``count`` little-endian records of ``fields`` in ``raw`` from ``start``, in
+    order: one unpack per RECORDS_PER_STRUCT records (~1 us for 32 where ``iter_unpack`` and a
+    tuple a record took ~3)."""
+    if count <= RECORDS_PER_STRUCT:
+        return _repeated(fields, count).unpack_from(raw, start)
+    out: list[int] = []
+    record = struct.calcsize("<" + fields)
+    for first in range(0, count, RECORDS_PER_STRUCT):
+        n = min(RECORDS_PER_STRUCT, count - first)
+        out.extend(_repeated(fields, n).unpack_from(raw, start + first * record))
+    return out
+
+
+def _split_keys(raw: bytes, n: int) -> list[BlockKey]:
+    """The ``n`` keys of ``raw``: in one C call for the usual request (a lookup's keys are most
+    of its work on the server), by slicing for a huge one."""
+    if n <= RECORDS_PER_STRUCT:
+        return list(_repeated("32s", n).unpack(raw))
+    return [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, KEY_BYTES * n, KEY_BYTES)]
+
+
+@lru_cache(maxsize=128)  # each at most ~100 KiB
+def _repeated(fields: str, count: int) -> Struct:
+    return Struct("<" + fields * count)

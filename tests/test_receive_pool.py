@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.client.pool import ReceivePool
-from kvstore.wire import Stream
+from kvstore.stream import Stream
 
 KiB = 1 << 10
 

@@ -1049,10 +1049,10 @@ def test_arena_slots_are_refused_over_tcp_at_the_wire(served: Served) -> None:
 @pytest.mark.parametrize("count", [5, 1100], ids=["parsed-in-one-call", "past-the-cached-layouts"])
 def test_requests_of_few_and_of_many_keys_parse_alike(served: Served, count: int) -> None:
     """The data port parses a request's keys (and a put's headers) in one struct call up to
-    PARSED_IN_ONE_CALL keys and by slicing past it: both give the same keys in the same order."""
-    from kvstore.server.dataport import PARSED_IN_ONE_CALL
+    RECORDS_PER_STRUCT keys and in several past it: both give the same keys in the same order."""
+    from kvstore.wire import RECORDS_PER_STRUCT
 
-    assert (count > PARSED_IN_ONE_CALL) == (count == 1100)
+    assert (count > RECORDS_PER_STRUCT) == (count == 1100)
     fp = MODEL.fingerprint()
     keys = chain(count, salt=f"parse-{count}")
     stored = [bytes([i % 251]) * BLOCK for i in range(count)]
@@ -1090,7 +1090,7 @@ def test_a_pipelined_write_keeps_its_connection_awake_between_chunks_only(
     """The data port polls for the next request while a write on that connection has a
     reservation open (a chunk being copied), and sleeps as before once the last commit is in, or
     after an abort, and after any other request."""
-    from kvstore.wire import Stream
+    from kvstore.stream import Stream
 
     port = served.server.data_socket
     assert port is not None
@@ -1122,7 +1122,7 @@ def test_a_spin_ends_when_the_next_message_comes_or_its_time_is_up(yielding: boo
     import threading
     import time
 
-    from kvstore.wire import Stream
+    from kvstore.stream import Stream
 
     a, b = socket.socketpair()
     with a, b:
@@ -1153,7 +1153,7 @@ def test_a_yielding_spin_gives_its_cpu_to_a_busy_thread_there() -> None:
     import sys
     import time
 
-    from kvstore.wire import Stream
+    from kvstore.stream import Stream
 
     cpu = min(os.sched_getaffinity(0))
     mask = os.sched_getaffinity(0)

@@ -1,5 +1,5 @@
-"""The client end of the data port (``kvstore.wire`` is the protocol; ``kvstore.server.dataport``
-the server): one connection, one request at a time, every operation bounded by a deadline.
+"""The client end of the data port (``kvstore.wire`` is the protocol, every message encoded and
+decoded there; ``kvstore.server.dataport`` the server): one connection, one request at a time, every operation bounded by a deadline.
 ``kvstore.client.Client`` owns these connections and translates their failures; nothing else
 should need this class.
 """
@@ -8,32 +8,27 @@ from __future__ import annotations
 
 import socket
 import ssl
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache
 from typing import NamedTuple
 
 import xxhash
 
+from kvstore import wire
 from kvstore.errors import InvalidArgument
 from kvstore.status import Status
+from kvstore.stream import Stream
 from kvstore.wire import (
-    END,
-    MAGIC,
     OP_ABORT,
-    OP_COMMIT,
     OP_GET,
     OP_LEASE_HELD,
     OP_LOOKUP,
-    OP_LOOKUP_SLOTS,
-    OP_PUT,
     OP_RELEASE,
-    OP_RELEASE_NOWAIT,
-    OP_RESERVE,
     OP_RESOLVE,
-    TIER_NAMES,
-    Stream,
+    id_request,
+    keys_request,
+    read_stream_status,
+    reserve_request,
     status_error,
 )
 
@@ -49,7 +44,7 @@ class DataPortClient:
     TimeoutError and leaves the stream mid-message: the connection must be closed, never reused.
 
     Each request goes out in one send; replies are read through one reused buffer
-    (``kvstore.wire.Stream``), so a lookup's status and answer cost one recv.
+    (``kvstore.stream.Stream``), so a lookup's status and answer cost one recv.
 
     A get checks each block it receives against the checksum the server sent with it: a block
     that fails (changed on the way) ends the prefix there, the rest of the answer is read and
@@ -92,9 +87,7 @@ class DataPortClient:
         self._stream = Stream(self.sock, IO_TIMEOUT_S)
         try:
             self._stream.begin(hello_deadline)
-            self._stream.send(
-                MAGIC + struct.pack("<H", len(token_b)) + token_b + struct.pack("<H", len(scope_b)) + scope_b
-            )
+            self._stream.send(wire.hello(token_b, scope_b))
             self._check()
         except OSError:
             self.sock.close()
@@ -107,40 +100,28 @@ class DataPortClient:
         self._stream.begin(deadline)
 
     def _check(self) -> None:
-        code, message = self._stream.read_status()
+        code, message = read_stream_status(self._stream)
         if code != Status.OK:
             self.sock.close()
             raise status_error(code, message)
 
-    def _request(self, op: int, fingerprint: bytes, keys: Sequence[bytes], tail: bytes = b"") -> None:
-        """Send a request on keys (one send: header, keys, ``tail``) and read its status."""
-        _check_ids(fingerprint, keys)
-        self._stream.send(b"".join([_OP_KEYS.pack(op, fingerprint, len(keys)), *keys, tail]))
+    def _request(self, request: bytes) -> None:
+        """Send a request (one send) and read its status."""
+        self._stream.send(request)
         self._check()
 
     def resolve(
         self, fingerprint: bytes, keys: Sequence[bytes], ttl_s: float
     ) -> tuple[str, list[tuple[int, int]], tuple[str, ...], int]:
         """(arena name, (offset, size) of each block of the present prefix, their tiers, lease id)."""
-        self._request(OP_RESOLVE, fingerprint, keys, struct.pack("<d", ttl_s))
-        read = self._stream.read
-        (name_len,) = struct.unpack("<H", read(2))
-        arena_name = read(name_len).decode()
-        (hit,) = struct.unpack("<I", read(4))
-        raw = read(17 * hit + 8)
-        slots, tiers = [], []
-        for offset, size, tier in struct.iter_unpack("<QQB", raw[: 17 * hit]):
-            slots.append((offset, size))
-            tiers.append(TIER_NAMES.get(tier, "unknown"))
-        (lease_id,) = struct.unpack_from("<Q", raw, 17 * hit)
-        return arena_name, slots, tuple(tiers), int(lease_id)
+        self._request(keys_request(OP_RESOLVE, fingerprint, keys, ttl_s))
+        return wire.read_resolve_answer(self._stream.read)
 
     def release(self, lease_id: int, wait: bool = True) -> None:
         if not wait:  # no answer comes: the next request's status is the next thing to read
-            self._stream.send(release_request(lease_id))
+            self._stream.send(wire.release_request(lease_id))
             return
-        self._stream.send(struct.pack("<BQ", OP_RELEASE, lease_id))
-        self._check()
+        self._request(id_request(OP_RELEASE, lease_id))
 
     def reserve(
         self,
@@ -168,8 +149,8 @@ class DataPortClient:
         self._stream.send(reserve_request(fingerprint, keys, sizes, parent, ttl_s))
 
     def send(self, requests: Sequence[bytes]) -> None:
-        """Requests made by the ``*_request`` functions below, in one send; their answers are
-        read with ``read_*`` in this order (a ``release_request`` has none)."""
+        """Requests made by ``kvstore.wire``'s ``*_request`` functions, in one send; their answers
+        are read with ``read_*`` in this order (a ``release_request`` has none)."""
         self._stream.send(b"".join(requests))
 
     def read_reserve(self, n_keys: int) -> tuple[str, int, list[tuple[int, int] | None]]:
@@ -184,49 +165,36 @@ class DataPortClient:
     def read_reserve_spans(self, n_keys: int) -> tuple[str, int, Spans]:
         """``read_reserve`` for a hot loop: the slots as ``Spans`` (no tuple per block)."""
         self._check()
-        read = self._stream.read
-        (name_len,) = struct.unpack("<H", read(2))
-        raw = read(name_len + 8 + _SLOT.size * n_keys)  # name, id and records: one read
-        (reservation_id,) = struct.unpack_from("<Q", raw, name_len)
-        fields = _records("BQQ", raw, n_keys, name_len + 8)
-        return (
-            raw[:name_len].decode(),
-            int(reservation_id),
-            Spans.of(fields[0::3], fields[1::3], fields[2::3]),
-        )
+        name, reservation_id, given, offsets, sizes = wire.read_reserve_answer(self._stream.read, n_keys)
+        return name, reservation_id, Spans.of(given, offsets, sizes)
 
     def commit(self, reservation_id: int) -> int:
         self.send_commit(reservation_id)
         return self.read_commit()
 
     def send_commit(self, reservation_id: int) -> None:
-        self._stream.send(commit_request(reservation_id))
+        self._stream.send(wire.commit_request(reservation_id))
 
     def read_commit(self) -> int:
         """The answer of a ``send_commit``: how many blocks it stored."""
         self._check()
-        (stored,) = struct.unpack("<I", self._stream.read(4))
-        return int(stored)
+        return wire.read_stored(self._stream.read)
 
     def abort(self, reservation_id: int) -> None:
-        self._stream.send(struct.pack("<BQ", OP_ABORT, reservation_id))
-        self._check()
+        self._request(id_request(OP_ABORT, reservation_id))
 
     def lookup(
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float = 0.0
     ) -> tuple[int, bytes, int]:
         """(hit blocks, the tier code of each hit (``kvstore.wire.TIER_NAMES``), lease id or 0)."""
-        self._request(OP_LOOKUP, fingerprint, keys, struct.pack("<d", pin_ttl_s))
-        (hit,) = struct.unpack("<I", self._stream.read(4))
-        tiers = self._stream.read(hit)
-        (lease_id,) = struct.unpack("<Q", self._stream.read(8))
-        return hit, tiers, lease_id
+        self._request(keys_request(OP_LOOKUP, fingerprint, keys, pin_ttl_s))
+        return wire.read_lookup_answer(self._stream.read)
 
     def lookup_slots(
         self, fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float
     ) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
         """``lookup`` pinning, with the arena's name and each hit's (offset, size) in it or None."""
-        self.send([lookup_slots_request(fingerprint, keys, pin_ttl_s)])
+        self.send([wire.lookup_slots_request(fingerprint, keys, pin_ttl_s)])
         return self.read_lookup_slots()
 
     def read_lookup_slots(self) -> tuple[int, bytes, int, str, tuple[tuple[int, int] | None, ...]]:
@@ -242,19 +210,12 @@ class DataPortClient:
         """``read_lookup_slots`` for a hot loop: the hits' places as ``Spans`` (``missing``:
         the hits with no arena slot, in a tier below it)."""
         self._check()
-        read = self._stream.read
-        (hit,) = struct.unpack("<I", read(4))
-        tiers = read(hit)
-        lease_id, name_len = struct.unpack("<QH", read(10))
-        name = read(name_len).decode()
-        fields = _records("QQ", read(16 * hit), hit)
-        sizes = fields[1::2]
-        return hit, tiers, lease_id, name, Spans.of(sizes, fields[0::2], sizes)
+        hit, tiers, lease_id, name, offsets, sizes = wire.read_lookup_slots_answer(self._stream.read)
+        return hit, tiers, lease_id, name, Spans.of(sizes, offsets, sizes)
 
     def lease_held(self, lease_id: int) -> bool:
-        self._stream.send(struct.pack("<BQ", OP_LEASE_HELD, lease_id))
-        self._check()
-        return bool(self._stream.read(1)[0])
+        self._request(id_request(OP_LEASE_HELD, lease_id))
+        return wire.read_held(self._stream.read)
 
     def get_into(
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], exact: bool = False
@@ -283,13 +244,10 @@ class DataPortClient:
     ) -> Iterator[memoryview]:
         """Request the blocks; per block of the present prefix, receive it into ``take(size)``
         and yield that view. The stream is whole again once the iterator is exhausted."""
-        self._request(OP_GET, fingerprint, keys)
+        self._request(keys_request(OP_GET, fingerprint, keys))
         failed = False
-        while True:
-            (size,) = struct.unpack("<Q", self._stream.read(8))
-            if size == END:
-                break
-            (checksum,) = struct.unpack("<Q", self._stream.read(8))
+        while (head := wire.read_block_head(self._stream.read)) is not None:
+            size, checksum = head
             if failed:  # past a block that failed: read to the end of the answer, keep nothing
                 self._stream.read_into(memoryview(bytearray(size)))
                 continue
@@ -309,32 +267,18 @@ class DataPortClient:
         blocks: Sequence[bytes | bytearray | memoryview],
         parent: bytes | None = None,
     ) -> int:
-        _check_ids(fingerprint, keys if parent is None else [*keys, parent])
-        head = [
-            struct.pack("<B", OP_PUT),
-            fingerprint,
-            struct.pack("<B32s", parent is not None, parent or b""),
-        ]
-        head.append(struct.pack("<I", len(keys)))
-        head.extend(key + struct.pack("<Q", len(block)) for key, block in zip(keys, blocks, strict=True))
+        head = wire.put_head(fingerprint, keys, [len(block) for block in blocks], parent)
         try:
-            self._stream.send(b"".join(head))
+            self._stream.send(head)
             for block in blocks:
                 self._stream.send(block)
         except OSError:
             pass  # the server refused early and closed: its status says why
         self._check()
-        (stored,) = struct.unpack("<I", self._stream.read(4))
-        return int(stored)
+        return wire.read_stored(self._stream.read)
 
     def close(self) -> None:
         self.sock.close()
-
-
-_OP_KEYS = struct.Struct("<B32sI")  # op, fingerprint, key count
-_RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
-_SLOT = struct.Struct("<BQQ")  # present, offset, size
-_OP_ID = struct.Struct("<BQ")  # op, reservation or lease id
 
 
 class Spans(NamedTuple):
@@ -359,67 +303,6 @@ class Spans(NamedTuple):
         """The indices of the blocks given a slot (every one but ``missing``), in order."""
         missing = set(self.missing)
         return (i for i in range(len(self.offsets) + len(missing)) if i not in missing)
-
-
-RECORDS_PER_STRUCT = 1024  # an answer's records are unpacked by cached structs of up to this many
-
-
-def _records(fields: str, raw: bytes, count: int, start: int = 0) -> Sequence[int]:
-    """The fields of ``count`` little-endian records of ``fields`` in ``raw`` from ``start``, in
-    order: one unpack per RECORDS_PER_STRUCT records (~1 us for 32 where ``iter_unpack`` and a
-    tuple a record took ~3)."""
-    if count <= RECORDS_PER_STRUCT:
-        return _repeated(fields, count).unpack_from(raw, start)
-    out: list[int] = []
-    record = struct.calcsize("<" + fields)
-    for first in range(0, count, RECORDS_PER_STRUCT):
-        n = min(RECORDS_PER_STRUCT, count - first)
-        out.extend(_repeated(fields, n).unpack_from(raw, start + first * record))
-    return out
-
-
-@lru_cache(maxsize=32)  # each at most ~100 KiB
-def _repeated(fields: str, count: int) -> struct.Struct:
-    return struct.Struct("<" + fields * count)
-
-
-def _check_ids(fingerprint: bytes, keys: Sequence[bytes]) -> None:
-    """The framing has no lengths for ids: refuse a wrong one before it desynchronizes the stream."""
-    if len(fingerprint) != 32 or not set(map(len, keys)) <= {32}:
-        raise InvalidArgument("keys and fingerprints are 32 bytes")
-
-
-def reserve_request(
-    fingerprint: bytes, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None, ttl_s: float
-) -> bytes:
-    """The bytes of a reserve request (``DataPortClient.send``)."""
-    if len(sizes) != len(keys):
-        raise InvalidArgument(f"{len(sizes)} sizes for {len(keys)} keys")
-    if parent is not None and len(parent) != 32:
-        raise InvalidArgument("parent must be a 32-byte key")
-    _check_ids(fingerprint, keys)
-    tail = _RESERVE_TAIL.pack(parent is not None, parent or bytes(32), ttl_s) + struct.pack(
-        f"<{len(sizes)}Q", *sizes
-    )
-    return b"".join([_OP_KEYS.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
-
-
-def lookup_slots_request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
-    """The bytes of a pinning lookup that names the arena slots (``DataPortClient.send``)."""
-    _check_ids(fingerprint, keys)
-    return b"".join(
-        [_OP_KEYS.pack(OP_LOOKUP_SLOTS, fingerprint, len(keys)), *keys, struct.pack("<d", pin_ttl_s)]
-    )
-
-
-def release_request(lease_id: int) -> bytes:
-    """The bytes of a release that is not answered (``DataPortClient.send``)."""
-    return _OP_ID.pack(OP_RELEASE_NOWAIT, lease_id)
-
-
-def commit_request(reservation_id: int) -> bytes:
-    """The bytes of a commit request (``DataPortClient.send``)."""
-    return _OP_ID.pack(OP_COMMIT, reservation_id)
 
 
 def block_misfit(index: int, size: int, exact: bool) -> str:

@@ -55,15 +55,9 @@ from typing import cast
 
 import numpy as np
 
-from kvstore.client.dataport import (
-    DataPortClient,
-    Spans,
-    commit_request,
-    lookup_slots_request,
-    release_request,
-    reserve_request,
-)
+from kvstore.client.dataport import DataPortClient, Spans
 from kvstore.errors import LeaseExpired
+from kvstore.wire import commit_request, lookup_slots_request, release_request, reserve_request
 
 try:
     from tiers import _gather  # type: ignore[attr-defined]

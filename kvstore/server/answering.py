@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -42,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvstore.stream import Stream
 from kvstore.wire import (
     IDLE_S,
     OP_LEASE_HELD,
@@ -49,12 +49,9 @@ from kvstore.wire import (
     OP_LOOKUP_SLOTS,
     OP_RELEASE,
     OP_RELEASE_NOWAIT,
-    Stream,
+    small_request_size,
 )
 
-_COUNT = struct.Struct("<I")
-_LOOKUP_HEAD = 1 + 32 + 4  # op, fingerprint, key count
-_ONE_ID = 1 + 8  # op, a lease id
 _LOOKUP_OPS = frozenset((OP_LOOKUP, OP_LOOKUP_SLOTS))
 _ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD))  # a lease id their only field
 IDLE_CHECK_S = 1.0
@@ -87,17 +84,6 @@ class Parked:
     since: float = 0.0
     partial_since: float = 0.0  # when the part of a request buffered began to wait for its rest
     _handed: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _size_of(buffered: memoryview) -> int:
-    """The size of the request of the loop's at the front of ``buffered`` (``answers`` its
-    operation), -1 when more bytes must come to know."""
-    if buffered[0] in _ID_OPS:
-        return _ONE_ID
-    if len(buffered) < _LOOKUP_HEAD:
-        return -1
-    n: int = _COUNT.unpack_from(buffered, 33)[0]
-    return _LOOKUP_HEAD + 32 * n + 8
 
 
 class AnsweringLoop:
@@ -258,7 +244,9 @@ class AnsweringLoop:
 
     def _whole_at_front(self, buffered: memoryview) -> bool:
         """Whether ``buffered`` starts with a whole request of the loop's."""
-        return bool(buffered) and self.answers(buffered[0]) and 0 < _size_of(buffered) <= len(buffered)
+        return (
+            bool(buffered) and self.answers(buffered[0]) and 0 < small_request_size(buffered) <= len(buffered)
+        )
 
     def _rest_comes_here(self, parked: Parked, answered: int) -> bool:
         """Whether the loop waits for the rest of the request begun at the front of the buffer:
@@ -267,7 +255,7 @@ class AnsweringLoop:
         Handed to its thread each time, every 500-key lookup pipelined woke a thread of its
         own, and a tenant's 250 of them wanted the GIL together."""
         buffered = parked.stream.buffered()
-        size = _size_of(buffered) if self.answers(buffered[0]) else 0
+        size = small_request_size(buffered) if self.answers(buffered[0]) else 0
         return (size == -1 or 0 < size <= parked.stream.capacity_bytes) and (
             answered > 0 or parked.partial_since > 0.0
         )

@@ -8,7 +8,7 @@ Lookups, the hottest control call, can go over it too: a gRPC round trip in Pyth
 a millisecond on a busy small host, a framed socket round trip a tenth of that. The TCP port and
 the Unix-socket twin of the sidecar are announced by the ServerInfo RPC.
 
-The protocol itself (framing, opcodes, status frames) is ``kvstore.wire``; the client end is
+The protocol itself (framing, opcodes, every message's layout and codec) is ``kvstore.wire``; the client end is
 ``kvstore.client.dataport``. Here: accepting connections within limits (MAX_CONNECTIONS,
 MAX_CONNECTIONS_PER_TENANT), the hello within HELLO_S, every request within REQUEST_S however
 its bytes trickle, and each request handed to the data plane.
@@ -23,26 +23,25 @@ import os
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, cast
+from typing import Any
 
+from kvstore import wire
 from kvstore.address import Address, UnixAddress
 from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
-from kvstore.keys import BlockKey, Fingerprint
+from kvstore.keys import BlockKey
 from kvstore.server.answering import AnsweringLoop, Outcome, Parked
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
 from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
 from kvstore.store import Scope
+from kvstore.stream import Stream
 from kvstore.wire import (
-    END,
+    BLOCKS_END,
     IDLE_S,
-    MAGIC,
     OK_FRAME,
     OP_ABORT,
     OP_COMMIT,
@@ -56,26 +55,20 @@ from kvstore.wire import (
     OP_RELEASE_NOWAIT,
     OP_RESERVE,
     OP_RESOLVE,
-    TIER_CODES,
-    Stream,
+    read_id,
+    read_keys,
+    read_ttl,
     send_error,
 )
 
 log = logging.getLogger(__name__)
 
-_OK = OK_FRAME
-_KEYS_HEAD = struct.Struct("<32sI")  # fingerprint, key count
-_RESERVE_TAIL = struct.Struct("<B32sd")  # has parent, parent, ttl_s
-_SLOT = struct.Struct("<BQQ")  # present, offset, size
-_NO_SLOT = _SLOT.pack(0, 0, 0)
-_NO_PLACE = bytes(16)  # lookup with slots: this hit has no arena slot to read in place
 REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside dataplane.LEASE_S
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_TENANT = 256
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_TRACKED_RESERVATIONS = 64  # per connection, for the spin between a write's chunks
-PARSED_IN_ONE_CALL = 1024  # a request of up to this many keys is parsed by a cached struct (~35 KiB)
 
 
 @dataclass
@@ -251,7 +244,7 @@ class DataPort:
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
                 send_error(conn, exc)
-        except (OSError, ConnectionError, struct.error) as exc:
+        except (OSError, ConnectionError, wire.MalformedMessage) as exc:
             log.debug("data connection from %s ended: %s", peer, exc)
         except Exception:  # a bug must not kill the port silently: log it, tell the client
             log.exception("data port request from %s failed", peer)
@@ -269,7 +262,7 @@ class DataPort:
     def _serve_one(self, stream: Stream, session: _Session) -> int:
         """Serve the request whose first bytes have come; its operation."""
         stream.begin(time.monotonic() + REQUEST_S)  # all of it, however its bytes trickle
-        op = stream.read(1)[0]
+        op = wire.read_op(stream.read)
         started = time.perf_counter()
         try:
             self._dispatch(op, stream, session)
@@ -297,16 +290,15 @@ class DataPort:
         elif op == OP_LOOKUP_SLOTS:
             self._lookup(stream, session, slots=True)
         elif op == OP_LEASE_HELD:
-            (lease_id,) = struct.unpack("<Q", stream.read(8))
-            stream.send(_OK + bytes([self.plane.lease_held(session.caller, lease_id)]))
+            lease_id = read_id(stream.read)
+            stream.send(wire.held_answer(self.plane.lease_held(session.caller, lease_id)))
         elif op == OP_RESOLVE:
             self._resolve(stream, session)
         elif op == OP_RELEASE:
-            (lease_id,) = struct.unpack("<Q", stream.read(8))
-            self.plane.release(session.caller, lease_id)
-            stream.send(_OK)
+            self.plane.release(session.caller, read_id(stream.read))
+            stream.send(OK_FRAME)
         elif op == OP_RELEASE_NOWAIT:  # no answer: nothing to fail the connection for
-            (lease_id,) = struct.unpack("<Q", stream.read(8))
+            lease_id = read_id(stream.read)
             try:
                 self.plane.release(session.caller, lease_id)
             except KvStoreError as exc:
@@ -314,15 +306,14 @@ class DataPort:
         elif op == OP_RESERVE:
             self._reserve(stream, session)
         elif op == OP_COMMIT:
-            (reservation_id,) = struct.unpack("<Q", stream.read(8))
+            reservation_id = read_id(stream.read)
             session.reserved.discard(reservation_id)
-            stored = self.plane.commit(session.caller, reservation_id)
-            stream.send(_OK + struct.pack("<I", stored))
+            stream.send(wire.stored_answer(self.plane.commit(session.caller, reservation_id)))
         elif op == OP_ABORT:
-            (reservation_id,) = struct.unpack("<Q", stream.read(8))
+            reservation_id = read_id(stream.read)
             session.reserved.discard(reservation_id)
             self.plane.abort(session.caller, reservation_id)
-            stream.send(_OK)
+            stream.send(OK_FRAME)
         elif op == OP_GET:
             self._get(stream, session)
         elif op == OP_PUT:
@@ -361,31 +352,19 @@ class DataPort:
 
     def _hello(self, stream: Stream, peer: Any) -> _Session:
         """Magic, token and scope, all within HELLO_S: a slowloris is cut there."""
-        if stream.read(4) != MAGIC:
-            raise InvalidArgument("not a kvstore data port client (bad magic)")
-        (token_len,) = struct.unpack("<H", stream.read(2))
-        token = stream.read(token_len).decode(errors="replace")
-        (scope_len,) = struct.unpack("<H", stream.read(2))
-        scope = stream.read(scope_len).decode(errors="replace")
+        token, scope = wire.read_hello(stream.read)
         metadata = [("authorization", f"Bearer {token}")] if token else []
         conn = stream.sock
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
         session = _Session(caller, self.auth.namespace(caller, scope))
-        stream.send(_OK)
+        stream.send(OK_FRAME)
         return session
-
-    def _keys(self, stream: Stream) -> tuple[Fingerprint, list[BlockKey]]:
-        """A request's fingerprint and keys: each key a slice of the one read of them all."""
-        fingerprint, n = _KEYS_HEAD.unpack(stream.read(_KEYS_HEAD.size))
-        if n > MAX_BLOCKS_PER_REQUEST:
-            raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        return Fingerprint(fingerprint), _split_keys(stream.read(32 * n), n)
 
     def _resolve(self, stream: Stream, session: _Session) -> None:
         """Same-host restore: arena slots of the present prefix, pinned under a lease."""
-        fingerprint, keys = self._keys(stream)
-        (ttl_s,) = struct.unpack("<d", stream.read(8))
+        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
+        ttl_s = read_ttl(stream.read)
         if stream.sock.family != socket.AF_UNIX:
             raise FailedPrecondition(
                 "resolve hands out arena slots: same-host clients on the Unix socket only"
@@ -393,15 +372,11 @@ class DataPort:
         scope = Scope(session.namespace, fingerprint)
         resolved = self.plane.resolve(session.caller, scope, keys, ttl_s if ttl_s > 0 else None)
         name = self.plane.arena().arena.name.encode()
-        body = [_OK, struct.pack("<H", len(name)), name, struct.pack("<I", len(resolved.slots))]
-        body.extend(
-            struct.pack("<QQB", slot.offset, slot.size_bytes, TIER_CODES[tier])
-            for slot, tier in zip(resolved.slots, resolved.tiers, strict=True)
-        )
-        body.append(struct.pack("<Q", resolved.lease.lease_id if resolved.lease else 0))
-        if resolved.lease is not None and self._caller_left(stream, session, resolved.lease.lease_id):
+        lease_id = resolved.lease.lease_id if resolved.lease else 0
+        answer = wire.resolve_answer(name, resolved.slots, resolved.tiers, lease_id)
+        if resolved.lease is not None and self._caller_left(stream, session, lease_id):
             return
-        stream.send(b"".join(body))
+        stream.send(answer)
 
     def _caller_left(self, stream: Stream, session: _Session, lease_id: int) -> bool:
         """Whether the client hung up while the store worked: its deadline passed (a client
@@ -418,15 +393,13 @@ class DataPort:
 
     def _reserve(self, stream: Stream, session: _Session) -> None:
         """Same-host store: arena slots to fill in place, then ``commit`` (or ``abort``)."""
-        fingerprint, keys = self._keys(stream)
-        has_parent, parent_raw, ttl_s = _RESERVE_TAIL.unpack(stream.read(_RESERVE_TAIL.size))
-        sizes = list(struct.unpack(f"<{len(keys)}Q", stream.read(8 * len(keys))))
+        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
+        parent, ttl_s, sizes = wire.read_reserve_tail(stream.read, len(keys))
         if stream.sock.family != socket.AF_UNIX:
             raise FailedPrecondition(
                 "reserve hands out arena slots: same-host clients on the Unix socket only"
             )
         scope = Scope(session.namespace, fingerprint)
-        parent = BlockKey(parent_raw) if has_parent else None
         reservation = self.plane.reserve(
             session.caller, scope, keys, sizes, parent, ttl_s if ttl_s > 0 else None
         )
@@ -438,88 +411,47 @@ class DataPort:
         if len(session.reserved) < MAX_TRACKED_RESERVATIONS:  # the rest run out with their lease
             session.reserved.add(reservation.reservation_id)
         name = self.plane.arena().arena.name.encode()
-        body = [_OK, struct.pack("<H", len(name)), name, struct.pack("<Q", reservation.reservation_id)]
-        body.extend(
-            _SLOT.pack(1, slot.offset, slot.size_bytes) if slot is not None else _NO_SLOT
-            for slot in reservation.slots
-        )
-        stream.send(b"".join(body))
+        stream.send(wire.reserve_answer(name, reservation.reservation_id, reservation.slots))
 
     def _lookup(self, stream: Stream, session: _Session, slots: bool = False) -> None:
         """A lookup; ``slots``: also where each pinned hit lies in the arena (Unix socket only)."""
-        fingerprint, keys = self._keys(stream)
-        (pin_ttl_s,) = struct.unpack("<d", stream.read(8))
+        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
+        pin_ttl_s = read_ttl(stream.read)
         if slots and stream.sock.family != socket.AF_UNIX:
             raise FailedPrecondition("arena slots are for same-host clients on the Unix socket only")
         scope = Scope(session.namespace, fingerprint)
         result = self.plane.lookup(
             session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None, slots=slots
         )
-        tiers = bytes([TIER_CODES[t] for t in result.tiers])
         lease_id = result.lease.lease_id if result.lease else 0
         if lease_id and self._caller_left(stream, session, lease_id):
             return
-        body = [_OK, struct.pack("<I", result.hit_blocks), tiers, struct.pack("<Q", lease_id)]
-        if slots:
-            name = self.plane.arena().arena.name.encode() if result.slots else b""
-            body += [struct.pack("<H", len(name)), name]
-            body.extend(
-                struct.pack("<QQ", slot.offset, slot.size_bytes) if slot is not None else _NO_PLACE
-                for slot in result.slots
-            )
-            body.append(_NO_PLACE * (result.hit_blocks - len(result.slots)))
-        stream.send(b"".join(body))
+        if not slots:
+            stream.send(wire.lookup_answer(result.hit_blocks, result.tiers, lease_id))
+            return
+        name = self.plane.arena().arena.name.encode() if result.slots else b""
+        stream.send(wire.lookup_answer(result.hit_blocks, result.tiers, lease_id, result.slots, name))
 
     def _get(self, stream: Stream, session: _Session) -> None:
-        fingerprint, keys = self._keys(stream)
+        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
         scope = Scope(session.namespace, fingerprint)
         self.plane.arena()
-        stream.send(_OK)  # from here on a failure can only close the connection
+        stream.send(OK_FRAME)  # from here on a failure can only close the connection
 
         def send(key: BlockKey, payload: memoryview, checksum: int) -> None:  # out of the pinned slot
-            stream.send_parts(struct.pack("<QQ", len(payload), checksum), payload)
+            stream.send_parts(wire.block_head(len(payload), checksum), payload)
 
         for _ in self.plane.read(session.caller, scope, keys, send):
             pass
-        stream.send(struct.pack("<Q", END) + _OK)
+        stream.send(BLOCKS_END)
 
     def _put(self, stream: Stream, session: _Session) -> None:
-        fingerprint = Fingerprint(stream.read(32))
-        has_parent, parent_raw = struct.unpack("<B32s", stream.read(33))
-        (n,) = struct.unpack("<I", stream.read(4))
-        if n > MAX_BLOCKS_PER_REQUEST:
-            raise InvalidArgument(f"at most {MAX_BLOCKS_PER_REQUEST} blocks per request, got {n}")
-        headers = stream.read(40 * n)
-        if n <= PARSED_IN_ONE_CALL:
-            fields = _headers_layout(n).unpack(headers)  # key, size, key, size, ...
-            keys, sizes = cast(list[BlockKey], list(fields[0::2])), list(fields[1::2])
-        else:
-            keys = [BlockKey(headers[i * 40 : i * 40 + 32]) for i in range(n)]
-            sizes = [struct.unpack_from("<Q", headers, i * 40 + 32)[0] for i in range(n)]
-        parent = BlockKey(parent_raw) if has_parent else None
+        fingerprint, parent, keys, sizes = wire.read_put_head(stream.read, MAX_BLOCKS_PER_REQUEST)
         scope = Scope(session.namespace, fingerprint)
         stored = self.plane.write(
             session.caller, scope, parent, keys, sizes, lambda i, view: stream.read_into(view)
         )
-        stream.send(_OK + struct.pack("<I", stored))
-
-
-def _split_keys(raw: bytes, n: int) -> list[BlockKey]:
-    """The ``n`` 32-byte keys of ``raw``: in one C call for the usual request (a lookup's keys
-    are most of its work on this side), by slicing for a huge one."""
-    if n <= PARSED_IN_ONE_CALL:
-        return cast(list[BlockKey], list(_keys_layout(n).unpack(raw)))
-    return [BlockKey(raw[i : i + 32]) for i in range(0, 32 * n, 32)]
-
-
-@lru_cache(maxsize=64)
-def _keys_layout(n: int) -> struct.Struct:
-    return struct.Struct("32s" * n)
-
-
-@lru_cache(maxsize=64)
-def _headers_layout(n: int) -> struct.Struct:
-    return struct.Struct("<" + "32sQ" * n)
+        stream.send(wire.stored_answer(stored))
 
 
 def _refuse(conn: socket.socket, message: str) -> None:
