@@ -24,6 +24,7 @@ from kvstore.keys import BlockKey
 from kvstore.server.config import load_settings
 from kvstore.server.serve import start_server
 from kvstore.status import Status
+from kvstore.stream import recv_exact
 from kvstore.wire import (
     END,
     MAGIC,
@@ -32,7 +33,6 @@ from kvstore.wire import (
     OP_LOOKUP,
     OP_LOOKUP_SLOTS,
     read_status,
-    recv_exact,
 )
 from tests.service_fixtures import MODEL, Served, settings_for
 from tests.service_fixtures import served as served  # the fixture
