@@ -188,9 +188,9 @@ def reserve_request(
     if parent is not None and len(parent) != KEY_BYTES:
         raise InvalidArgument("parent must be a 32-byte key")
     check_ids(fingerprint, keys)
-    tail = RESERVE_TAIL.pack(parent is not None, parent or bytes(KEY_BYTES), ttl_s) + _repeated(
-        "Q", len(sizes)
-    ).pack(*sizes)
+    tail = RESERVE_TAIL.pack(parent is not None, parent or bytes(KEY_BYTES), ttl_s) + _sizes(len(sizes)).pack(
+        *sizes
+    )
     return b"".join([_OP_KEYS_HEAD.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
 
 
@@ -256,7 +256,7 @@ def read_ttl(read: Read) -> float:
 def read_reserve_tail(read: Read, n_keys: int) -> tuple[BlockKey | None, float, list[int]]:
     """(parent, ttl_s, sizes) after a reserve's keys."""
     has_parent, parent, ttl_s = RESERVE_TAIL.unpack(read(RESERVE_TAIL.size))
-    sizes = list(_repeated("Q", n_keys).unpack(read(SIZE.size * n_keys))) if n_keys else []
+    sizes = list(_sizes(n_keys).unpack(read(SIZE.size * n_keys)))
     return (BlockKey(parent) if has_parent else None), ttl_s, sizes
 
 
@@ -433,3 +433,9 @@ def _split_keys(raw: bytes, n: int) -> list[BlockKey]:
 @lru_cache(maxsize=128)  # each at most ~100 KiB
 def _repeated(fields: str, count: int) -> Struct:
     return Struct("<" + fields * count)
+
+
+@lru_cache(maxsize=128)
+def _sizes(count: int) -> Struct:
+    """``count`` sizes in a row: one field with a repeat count, small however many."""
+    return Struct(f"<{count}{SIZE.format[1:]}")
