@@ -41,9 +41,8 @@ once) and hands every call to its role's half:
 
 Block mapping: one kvstore block is one vLLM block of ``block_size`` tokens, holding that
 block's K and V for every layer of this tensor-parallel rank, layer after layer in the order
-vLLM registered its caches (``engine_plugin.kv_layout``: the CPU layout ``[num_blocks,
-kv_heads, block_size, 2 * head_dim]`` and the CUDA layouts, block-major or ``[2, num_blocks,
-...]``; a layer's block is copied as one or two contiguous slices).
+vLLM registered its caches (``engine_plugin.cache_layout``: every layout vLLM 0.32 hands a
+connector; a layer's block is copied as its runs of memory, one or one per KV head).
 
 The connector never stalls the engine (``engine_plugin.sidecar``): every sidecar call has a
 deadline no longer than what the call saves — a lookup, the predicted prefill of the tokens
