@@ -38,6 +38,7 @@ from kvstore.errors import (
 )
 from kvstore.frames import decode_frame, encode_frame
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
+from kvstore.remote.layout import fits_layout
 from kvstore.server.audit import AuditLog
 from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.dataplane import BATCH_BLOCKS, DataPlane
@@ -170,7 +171,7 @@ class KvStoreService(pb_grpc.KvStoreServicer):
             return
         expected = identity.block_bytes
         for size in sizes:
-            if size != expected:
+            if not fits_layout(size, expected):  # bare, or framed by a sidecar (its remote copies)
                 raise InvalidArgument(
                     f"block of {size} B does not match the layout registered for fingerprint "
                     f"{fingerprint.hex()[:16]}: {expected} B per block"
