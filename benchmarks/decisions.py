@@ -162,7 +162,15 @@ def run_decisions(
         console.print("[dim]engine and prefill curve …[/]")
         # The engine starts on a provisional file and re-reads the measured one later.
         Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL).save(calibration_path)
-        engine = Engine(model_dir, server.unix, policy="auto", calibration=str(calibration_path))
+        # The sweep times the plan's own choice per case: an explored round (the other side of a
+        # close call, kvstore.cost_model.explore) would be the other policy's; --converge measures those.
+        engine = Engine(
+            model_dir,
+            server.unix,
+            policy="auto",
+            calibration=str(calibration_path),
+            connector_config={"explore_fraction": 0.0},
+        )
         for _ in range(3):  # first requests warm an engine up: not measured
             seed += 1
             engine.generate(_tokens(SUFFIX_TOKENS * 4, 10_000 + seed), max_tokens=1, policy="recompute")

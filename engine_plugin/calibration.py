@@ -3,8 +3,13 @@
 A ``Calibration`` holds one ``TierCost`` per tier and a ``PrefillModel``. It starts from the file
 ``kvstore bench calibrate`` writes (JSON) and is updated online from what really happened:
 
-- ``observe_transfer(tier, bytes, seconds)`` moves the tier's bandwidth towards the observed one
-  (exponentially weighted, so a changed disk or a busy link shows up within a few restores);
+- ``observe_transfer(tier, bytes, seconds)`` keeps the tier's latest restores and, once their
+  sizes differ enough to tell a fixed cost from a per-byte one, fits both, latency and bandwidth,
+  by least squares weighted towards the latest (``fit_transfer``; a changed disk or a busy link
+  shows up within a few restores). Restores of one size cannot tell them apart: the bandwidth
+  then moves towards the observed one (exponentially weighted), the latency kept. A restore
+  pays 2-4 ms whatever its size on vLLM CPU: most of a small one's time, which a calibrated
+  0.5 ms under-predicts;
 - ``observe_prefill(prefix, suffix, seconds)`` keeps the latest observations and refits the
   three prefill coefficients by non-negative least squares over them and the file's measured
   points (those stay: they span prompt shapes a busy engine may not see for a while). Before
@@ -37,6 +42,9 @@ from kvstore.cost_model import PrefillModel, TierCost
 FORMAT_VERSION = 1
 MIN_FIT_POINTS = 8
 ONLINE_POINTS = 64
+TRANSFER_POINTS = 32  # a tier's latest restores kept for the latency and bandwidth fit
+TRANSFER_DECAY = 0.85  # an older restore's weight per newer one: the last ~10 count the most
+TRANSFER_SPAN = 1.5  # the largest restore this many times the smallest at least, to fit latency
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,7 @@ class Calibration:
         self._anchors = [(int(p), int(s), float(t)) for p, s, t in points or []]
         self._weight = ewma_weight
         self._points: deque[tuple[int, int, float]] = deque(maxlen=ONLINE_POINTS)
+        self._transfers: dict[str, deque[tuple[int, float]]] = {}
         self._lock = threading.Lock()
         self.path: Path | None = None
         self._stamp: tuple[int, int] | None = None
@@ -96,6 +105,7 @@ class Calibration:
             self._tiers, self._prefill, self._anchors = tiers, prefill, points
             self._prior = prefill
             self._points.clear()
+            self._transfers.clear()
             self._stamp = stamp
         log.info("calibration %s changed: reloaded", self.path)
         return True
@@ -118,12 +128,19 @@ class Calibration:
     # ----------------------------------------------------------------- online updates
 
     def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
-        """Fold one measured restore from ``tier`` into its bandwidth (latency is kept)."""
+        """Fold one measured restore from ``tier`` into its latency and bandwidth."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
             cost = self._tiers.get(tier)
             if cost is None:
+                return
+            seen = self._transfers.setdefault(tier, deque(maxlen=TRANSFER_POINTS))
+            seen.append((nbytes, seconds))
+            fitted = fit_transfer(list(seen))
+            if fitted is not None:
+                latency_s, bandwidth = fitted
+                self._tiers[tier] = replace(cost, latency_s=latency_s, bandwidth_bytes_per_s=bandwidth)
                 return
             spent = max(seconds - cost.latency_s, seconds * 0.1)
             observed = nbytes / spent
@@ -161,6 +178,35 @@ class Calibration:
                     self._prefill = two
                 else:
                     self._prefill = scale_prefill(self._prior, list(self._points))
+
+
+def fit_transfer(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """(latency_s, bandwidth) fitted to ``points`` (bytes, seconds), oldest first: least squares
+    of seconds = latency + bytes / bandwidth, each point weighted TRANSFER_DECAY per newer one.
+    None where the sizes do not span TRANSFER_SPAN (a fixed and a per-byte cost cannot be told
+    apart) or the larger restores were not the slower (noise: no per-byte cost fits). The
+    latency is floored at zero: a negative one would make a restore of one block free."""
+    sizes = [b for b, _ in points]
+    if len(points) < 4 or max(sizes) < TRANSFER_SPAN * min(sizes):
+        return None
+    weights = [TRANSFER_DECAY ** (len(points) - 1 - i) for i in range(len(points))]
+    total = sum(weights)
+    mean_b = sum(w * b for w, (b, _) in zip(weights, points, strict=True)) / total
+    mean_s = sum(w * t for w, (_, t) in zip(weights, points, strict=True)) / total
+    spread = sum(w * (b - mean_b) ** 2 for w, (b, _) in zip(weights, points, strict=True))
+    if spread <= 0:
+        return None
+    together = sum(w * (b - mean_b) * (t - mean_s) for w, (b, t) in zip(weights, points, strict=True))
+    per_byte = together / spread
+    latency = mean_s - per_byte * mean_b
+    if latency < 0:  # the floor: through the origin, all of it per byte
+        latency = 0.0
+        per_byte = sum(w * b * t for w, (b, t) in zip(weights, points, strict=True)) / sum(
+            w * b * b for w, (b, _) in zip(weights, points, strict=True)
+        )
+    if not per_byte > 0:
+        return None
+    return latency, 1.0 / per_byte
 
 
 def fit_prefill(points: list[tuple[int, int, float]], terms: int = 3) -> PrefillModel:

@@ -10,6 +10,7 @@ Load it with::
         kv_connector_extra_config={"address": "unix:///.../kvstore.sock",
                                    "calibration": "/path/calibration.json",
                                    "policy": "auto",    # or "restore" / "recompute" (benchmarks)
+                                   "explore_fraction": 0.05,  # of close calls, the other side
                                    "audit_fraction": 0.0, "audit_tolerance": 0.02},
     )
 
@@ -90,7 +91,7 @@ from engine_plugin.vllm_metadata import KvstoreConnectorMetadata
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide, parse_policy
 from engine_plugin.vllm_stats import KvstoreConnectorStats, KvstorePromMetrics
 from engine_plugin.vllm_worker import WorkerSide
-from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
+from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS, EXPLORE_FRACTION
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -128,6 +129,7 @@ class ConnectorConfig:
     calibration_path: str  # "": the built-in defaults
     policy: Policy
     audit_fraction: float = 0.0  # share of would-be restores recomputed and compared instead
+    explore_fraction: float = EXPLORE_FRACTION  # of close calls, the other side (cost_model.explore)
     audit_tolerance: float = AUDIT_TOLERANCE  # an audited block differing by more is a mismatch
     layerwise_load: bool = False  # same-host loads copied a layer at a time during the forward
 
@@ -138,6 +140,7 @@ class ConnectorConfig:
             str(extra.get("calibration") or ""),
             parse_policy(extra.get("policy", "auto")),
             _share(extra, "audit_fraction", 0.0),
+            _share(extra, "explore_fraction", EXPLORE_FRACTION),
             _share(extra, "audit_tolerance", AUDIT_TOLERANCE),
             _flag(extra, "layerwise_load", False),
         )
@@ -200,6 +203,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 config.calibration(),
                 config.policy,
                 config.audit_fraction,
+                explore_fraction=config.explore_fraction,
             )
         else:
             rank = _tp_rank()

@@ -53,6 +53,8 @@ The plan (``kvstore.cost_model.plan_restore``) uses the calibration's current co
 policy — the connector's, or a request's ``kv_transfer_params["kvstore_policy"]`` — forces
 ``restore`` or ``recompute``. Tensor parallel: a block is usable only when every rank holds its
 shard, so the plan takes the shortest hit over the ranks and, per block, the slowest tier.
+Under ``auto``, ``explore_fraction`` of the plans whose other side is predicted close take it
+instead (``kvstore.cost_model.explore``): a wrong calibration cannot leave one side unmeasured.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client, Lookup
-from kvstore.cost_model import DEFAULT_TIERS, PrefillModel, plan_restore
+from kvstore.cost_model import DEFAULT_TIERS, EXPLORE_FRACTION, PrefillModel, explore, plan_restore
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 
 if TYPE_CHECKING:
@@ -191,9 +193,15 @@ class SchedulerSide:
         policy: Policy,
         audit_fraction: float = 0.0,
         rng: random.Random | None = None,
+        explore_fraction: float = EXPLORE_FRACTION,
     ) -> None:
         if not 0.0 <= audit_fraction <= 1.0:
             raise ValueError(f"audit_fraction is a share of restores, in [0, 1]: got {audit_fraction}")
+        if not 0.0 <= explore_fraction <= 0.5:
+            raise ValueError(
+                f"explore_fraction is a share of close calls, in [0, 0.5]: got {explore_fraction}"
+            )
+        self.explore_fraction = explore_fraction  # of close calls, the other side taken (cost_model.explore)
         self.calibration = calibration
         self.policy = policy
         self.audit_fraction = audit_fraction
@@ -253,8 +261,22 @@ class SchedulerSide:
             forced,
             local_tokens=local,
         )
-        further = max(0, len(rank_keys[0]) - local_blocks)
         why = f"the policy is {policy}" if policy != "auto" else ""
+        may_explore = why == "" and plan.usable_blocks > 0 and self.explore_fraction > 0
+        explored = explore(plan, self._rng.random(), self.explore_fraction) if may_explore else None
+        if explored is not None:  # near the crossover: the other side, measured now and then
+            plan = plan_restore(
+                hit.tiers,
+                self._block_bytes,
+                self._block_size,
+                prompt,
+                tiers,
+                snap.prefill,
+                explored,
+                local_tokens=local,
+            )
+            why = "the other side of a close call, taken now and then so that both stay measured"
+        further = max(0, len(rank_keys[0]) - local_blocks)
         if hit is _UNANSWERED:
             why = "the sidecar gave no answer to the lookup: down, slow, or its breaker open"
         tracked.decision = DecisionRecord(

@@ -117,6 +117,38 @@ def plan_restore(
     )
 
 
+# Exploration (``explore``): a plan the calibration got wrong stays wrong when only the chosen
+# side is ever measured (a recompute measures no restore bandwidth). Where the other side is
+# predicted within EXPLORE_BAND of the chosen one (up to 2x its time), EXPLORE_FRACTION of
+# the requests take it instead. What that costs is bounded: where the prediction is right, an
+# explored request takes at most 1 + EXPLORE_BAND times as long, so the requests near the
+# crossover take at most EXPLORE_FRACTION * EXPLORE_BAND (5%) longer on average, and less the
+# nearer they are (at the crossover itself, nothing); elsewhere nothing is explored.
+EXPLORE_FRACTION = 0.05
+EXPLORE_BAND = 1.0
+
+
+def explore(
+    plan: Plan, draw: float, fraction: float = EXPLORE_FRACTION, band: float = EXPLORE_BAND
+) -> int | None:
+    """The restore blocks to take instead of ``plan``'s, or None to follow it. ``draw`` is a
+    uniform random number in [0, 1) (the caller's seeded generator, for repeatable tests).
+
+    The other side of recomputing is restoring every usable block; that of restoring (every
+    block or a part), recomputing.
+    Taken when ``draw < fraction`` and its predicted time is within ``(1 + band)`` times the
+    plan's: near the crossover, where a wrong calibration can put the plan on the wrong side."""
+    if plan.usable_blocks == 0 or not draw < fraction:
+        return None
+    if plan.restore_blocks == 0:
+        other, other_s = plan.usable_blocks, plan.all_restore_s
+    else:
+        other, other_s = 0, plan.all_recompute_s
+    if other_s > (1 + band) * plan.predicted_ttft_s:
+        return None
+    return other
+
+
 def ttft_curve(
     hit_tiers: Sequence[str],
     block_bytes: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_plugin.calibration import Calibration, fit_prefill
-from kvstore.cost_model import PrefillModel, TierCost, plan_restore
+from kvstore.cost_model import Plan, PrefillModel, TierCost, plan_restore
 
 MB = 1_000_000
 PREFILL = PrefillModel(fixed_s=0.005, per_token_s=0.0004, per_token_context_s=1e-8)  # ~2.5k tok/s
@@ -250,3 +251,70 @@ def test_the_probe_at_start_sets_the_starting_per_token_cost_but_not_a_files(tmp
     from_file = Calibration.load(path)
     from_file.start_from_probe(0.0001)
     assert from_file.snapshot().prefill == PREFILL
+
+
+def test_exploring_takes_the_other_side_only_near_the_crossover_and_only_sometimes() -> None:
+    from kvstore.cost_model import EXPLORE_BAND, EXPLORE_FRACTION, explore
+
+    def plan_at(mb_per_s: float) -> Plan:
+        return plan_restore(
+            ["nvme"] * 60, BLOCK_BYTES, TPB, 1000, {"nvme": TierCost(mb_per_s * MB, 0.001)}, PREFILL
+        )
+
+    restores, recomputes = plan_at(400), plan_at(160)  # restoring ~1.3x faster; recomputing ~1.9x
+    assert restores.decision == "restore" and recomputes.decision == "recompute"
+    assert restores.all_recompute_s < (1 + EXPLORE_BAND) * restores.predicted_ttft_s
+    assert explore(restores, 0.0) == 0  # the other side of restoring: recompute
+    assert explore(recomputes, 0.0) == recomputes.usable_blocks  # and of recomputing: restore all
+    assert explore(restores, EXPLORE_FRACTION) is None  # a draw past the fraction follows the plan
+    far = plan_at(50_000)  # recomputing predicted ~17x slower: never worth a look
+    assert far.all_recompute_s > (1 + EXPLORE_BAND) * far.predicted_ttft_s and explore(far, 0.0) is None
+    nothing = plan_restore([], BLOCK_BYTES, TPB, 1000, FAST, PREFILL)
+    assert explore(nothing, 0.0) is None  # nothing to restore: no other side
+    rng = random.Random(7)
+    taken = sum(explore(restores, rng.random()) is not None for _ in range(10_000))
+    assert 0.04 < taken / 10_000 < 0.06  # the share the fraction says
+
+
+def test_a_restores_fixed_cost_is_fitted_beside_its_bandwidth() -> None:
+    # a tier that pays 3 ms a restore plus 200 MB/s, calibrated at 0.5 ms and 1 GB/s
+    truth = TierCost(200 * MB, 0.003)
+    cal = Calibration({"nvme": TierCost(1_000 * MB, 0.0005)}, PREFILL)
+    rng = random.Random(3)
+    for _ in range(30):
+        nbytes = rng.randint(1, 60) * 64 * 1024
+        seconds = (truth.latency_s + nbytes / truth.bandwidth_bytes_per_s) * rng.uniform(0.95, 1.05)
+        cal.observe_transfer("nvme", nbytes, seconds)
+    fitted = cal.snapshot().tiers["nvme"]
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=0.2)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(truth.bandwidth_bytes_per_s, rel=0.1)
+    one_block = 64 * 1024  # mostly the fixed cost: a kept 0.5 ms would predict it 2.5x short
+    assert fitted.latency_s + one_block / fitted.bandwidth_bytes_per_s == pytest.approx(
+        truth.latency_s + one_block / truth.bandwidth_bytes_per_s, rel=0.15
+    )
+
+
+def test_the_transfer_fit_floors_latency_and_refuses_what_it_cannot_tell() -> None:
+    from engine_plugin.calibration import fit_transfer
+
+    # per-byte only, the small ones a little slow: the line crosses below zero; floored at zero
+    fitted = fit_transfer([(1 * MB, 0.0012), (2 * MB, 0.002), (4 * MB, 0.0041), (8 * MB, 0.0079)])
+    assert fitted is not None
+    assert fitted[0] >= 0 and fitted[1] == pytest.approx(1_000 * MB, rel=0.05)
+    assert fit_transfer([(4 * MB, 0.01)] * 8) is None  # one size: no telling latency from bandwidth
+    assert fit_transfer([(1 * MB, 0.01), (2 * MB, 0.005), (4 * MB, 0.004), (8 * MB, 0.002)]) is None  # noise
+
+
+@pytest.mark.parametrize(
+    "start", [0, 1], ids=["restore-wins-calibrated-slow", "recompute-wins-calibrated-fast"]
+)
+def test_a_wrong_calibration_converges_only_with_exploring(start: int) -> None:
+    from benchmarks.decisions_converge import STARTS, run
+
+    for seed in (0, 1):
+        stuck = run(STARTS[start], 0.0, seed, requests=400)
+        assert stuck.converged_at() is None  # the wrong side to the end: the other is never measured
+        explored = run(STARTS[start], 0.05, seed, requests=400)
+        at = explored.converged_at()
+        assert at is not None and at < 300, at
+        assert explored.ttft_s < stuck.ttft_s

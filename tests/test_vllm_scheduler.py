@@ -108,6 +108,7 @@ class Harness:
         except BaseException:
             self.store.close()  # its arena is not left in /dev/shm by a test of a refusal
             raise
+        self.side.explore_fraction = 0.0  # the plan's own choices; exploring is tested on its own
 
     def put(self, blocks: int, tier: str = "hbm", fast_head: int = 0) -> list[BlockKey]:
         """Store the prompt's first ``blocks`` blocks in ``tier``, but the first ``fast_head``
@@ -215,6 +216,28 @@ def test_recompute_when_the_cost_model_says_so(harness: Harness) -> None:
     [decision] = harness.decisions()
     assert decision["decision"] == "recompute" and decision["restored_tokens"] == 0
     assert decision["hit_tokens"] == 8 * BLOCK_SIZE
+
+
+def test_close_calls_now_and_then_take_the_other_side_so_both_stay_measured() -> None:
+    # restoring the 8 dram blocks predicted at ~50 ms against ~53 ms of prefill: a close call
+    close = Harness({"hbm": FAST, "dram": TierCost(8 * MODEL.block_bytes / 0.05, 0.0)})
+    far = Harness({"hbm": FAST, "dram": SLOW})  # 8 s a block: restoring is never worth a look
+    try:
+        for h in (close, far):
+            h.side.explore_fraction = 0.5
+            h.put(8, tier="dram")
+        taken: dict[str, set[int]] = {"close": set(), "far": set()}
+        for i in range(30):
+            for name, h in (("close", close), ("far", far)):
+                r = request(f"r{i}")
+                taken[name].add(h.ask(r))
+                h.finish(r)
+        assert taken["close"] == {0, 8 * BLOCK_SIZE}  # the plan's side, and now and then the other
+        assert taken["far"] == {0}
+        assert close.leases() == far.leases() == 0
+    finally:
+        close.close()
+        far.close()
 
 
 def test_a_partial_restore_loads_the_fast_head_and_recomputes_the_slow_tail(harness: Harness) -> None:

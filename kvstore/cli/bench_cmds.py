@@ -60,6 +60,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, remote: argparse.Argu
     decisions.add_argument("--quick", action="store_true", help="a smaller sweep (about five minutes here)")
     decisions.add_argument("--json", metavar="PATH", help="write results as JSON")
     decisions.add_argument("--plot", metavar="PNG", help="draw the three curves per tier and throttle")
+    decisions.add_argument(
+        "--converge",
+        metavar="TXT",
+        nargs="?",
+        const="-",
+        help="instead: a plan from a wrong calibration, with and without exploring, until it decides "
+        "right (seconds; writes TXT if named)",
+    )
     decisions.set_defaults(func=_decisions)
     fleet = bench_sub.add_parser(
         "fleet",
@@ -214,6 +222,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _decisions(args: argparse.Namespace) -> int:
+    if args.converge:
+        from benchmarks.decisions_converge import run_converge
+
+        return run_converge(None if args.converge == "-" else args.converge)
     from benchmarks.decisions import run_decisions
 
     return run_decisions(model=args.model, quick=args.quick, json_path=args.json, plot_path=args.plot)
