@@ -38,7 +38,7 @@ def _until(what: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def _tiers(s: TieredStore, key: BlockKey) -> set[str]:
-    block = s._p.index.get((s._p.index.intern(A), key))
+    block = s._index.get((s._index.intern(A), key))
     assert block is not None
     return {s.tiers[t].name for t in block.tiers}
 
@@ -85,7 +85,7 @@ def test_a_full_arenas_next_victims_are_copied_to_disk_and_evicted_without_a_cop
         assert counters.get("demotions", 0) == 0  # nothing copied on the write's path
         assert [s.tier_of(A, k) for k in singles[:4]] == ["nvme"] * 4
         assert s.get(A, singles) == [data(k) for k in singles]
-        assert s._p.eviction.stranded() == []
+        assert s._reads._eviction.stranded() == []
     finally:
         s.close()
 
@@ -107,7 +107,7 @@ def test_chains_are_cleaned_in_the_order_eviction_takes_them(tmp_path: Path) -> 
         counters = s.stats().counters
         assert counters["evicted_dram_blocks"] == 6 and counters.get("demotions", 0) == 0
         assert [s.tier_of(A, k) for keys in chains[:3] for k in keys] == ["nvme"] * 6
-        assert s._p.eviction.stranded() == []
+        assert s._reads._eviction.stranded() == []
     finally:
         s.close()
 
@@ -271,14 +271,14 @@ def test_a_block_deleted_while_the_cleaner_copies_it_leaves_no_copy_behind(
         for key in singles[:8]:
             s.put(A, [key], [data(key)])
         assert entered.wait(10)
-        by_tkey = {s._p.index.get((s._p.index.intern(A), k)).tkey: k for k in singles[:8]}  # type: ignore[union-attr]
+        by_tkey = {s._index.get((s._index.intern(A), k)).tkey: k for k in singles[:8]}  # type: ignore[union-attr]
         key = by_tkey[copied[0]]
         assert s.delete(A, [key]) == 1
         if stored_again:
             s.put(A, [key], [data(key)])
-            with s._p.locked():  # demoted by hand, as an eviction would
-                block = s._p.index.get((s._p.index.intern(A), key))
-                assert block is not None and s._p.placement.demote(block, 0)
+            with s._lock:  # demoted by hand, as an eviction would
+                block = s._index.get((s._index.intern(A), key))
+                assert block is not None and s._placement.demote(block, 0)
         go.set()
         _until(lambda: len(copied) > 1 or s.stats().counters.get("cleaned_blocks", 0) > 0)
         s.flush()
@@ -308,7 +308,7 @@ def test_a_write_whose_victims_are_clean_never_waits_for_a_busy_disk(
         _until(lambda: s.stats().counters.get("cleaned_blocks", 0) >= 4)
         s.flush()
         gate = hold_writer(nvme, monkeypatch)
-        nvme.put(TierKey(b"busy"), data(singles[0]), bytes(s._p.index.intern(A).fingerprint))  # queue full
+        nvme.put(TierKey(b"busy"), data(singles[0]), bytes(s._index.intern(A).fingerprint))  # queue full
         more = chain(4, salt="more")
         started = time.monotonic()
         assert s.put(A, more, [data(k) for k in more]) == 4  # its four victims are the clean four

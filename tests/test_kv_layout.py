@@ -302,7 +302,7 @@ def test_a_remote_transfer_through_a_staging_buffer_moves_chunk_by_chunk_and_sto
         assert len(save._staging) == 2
         save.store(kv, keys[:5], [5, 0, 2, 4, 1], None)
         assert kv.lookup(MODEL.fingerprint(), keys) == 5
-        found = {b.key: b for b in store._p.index.blocks.values()}  # one chain across the chunks
+        found = {b.key: b for b in store._index.blocks.values()}  # one chain across the chunks
         assert [(found[k].depth, found[k].parent) for k in keys[:5]] == [
             (0, None),
             *((i, keys[i - 1]) for i in range(1, 5)),

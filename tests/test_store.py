@@ -390,7 +390,7 @@ def test_a_read_that_raises_mid_batch_misses_that_block_and_serves_the_rest() ->
     try:
         keys = chain(5)
         s.put(A, keys, [data(k) for k in keys])
-        bad = s._p.index.visible((s._p.index.intern(A), keys[2]))
+        bad = s._index.visible((s._index.intern(A), keys[2]))
         assert bad is not None
         tier.failing = frozenset([bytes(bad.tkey)])
         outs = [memoryview(bytearray(PAGE)) for _ in keys]
@@ -430,7 +430,7 @@ def test_a_restore_gives_back_its_holds_a_block_deleted_meanwhile_is_freed_a_lea
         assert all(bytes(outs[i]) == data(keys[i]) for i in range(4))
         assert tier.usage().blocks == 2  # the restore's last hold freed the two deleted blocks
         assert s.lookup(A, keys).hit_blocks == 1  # keys[1] is gone: the prefix ends there
-        index = s._p.index
+        index = s._index
         pins = [b.pins for k in (keys[0], keys[3]) if (b := index.visible((index.intern(A), k)))]
         assert pins == [0, 1]  # the restore's holds are given back; the lease's stays
         s.release(lease.lease_id)

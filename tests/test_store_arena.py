@@ -112,7 +112,7 @@ def test_a_chunk_reserved_before_its_parent_is_committed_takes_its_depth_at_comm
     tail = store.reserve(A, keys[2:], [BLOCK, BLOCK], parent=keys[1])  # keys[1] not stored yet
     assert store.commit(head.reservation_id) == 2
     assert store.commit(tail.reservation_id) == 2
-    index = store._p.index
+    index = store._index
     assert [index.get((A, k)).depth for k in keys] == [0, 1, 2, 3]  # type: ignore[union-attr]
     assert [index.get((A, k)).parent for k in keys] == [None, *keys[:3]]  # type: ignore[union-attr]
 
@@ -298,9 +298,9 @@ def test_a_reservation_in_a_full_arena_makes_room_for_each_block_it_can(store: T
     reservation = store.reserve(A, new, [BLOCK] * 3)
     assert [s is not None for s in reservation.slots] == [True, True, False]  # room for two only
     assert [store.tier_of(A, k) for k in old] == ["dram", "dram", "nvme", "nvme"]  # demoted, not lost
-    assert store._p.governance.reserved[A.namespace] == 2 * BLOCK  # only the slots given count
+    assert store._writes._governance.reserved[A.namespace] == 2 * BLOCK  # only the slots given count
     assert store.commit(reservation.reservation_id) == 2
-    assert not store._p.governance.reserved
+    assert not store._writes._governance.reserved
     store.release(held.lease.lease_id)
     assert store.get(A, old) == [data(k) for k in old]
 
@@ -322,13 +322,13 @@ def test_a_chunk_into_a_full_arena_evicts_as_many_blocks_as_it_needs_in_one_pass
 def test_a_reservation_that_fails_in_the_arena_holds_nothing(store: TieredStore) -> None:
     parent = chain(1, salt="parent")
     store.put(A, parent, [data(parent[0])])
-    (block,) = store._p.index.blocks.values()
+    (block,) = store._index.blocks.values()
     arena = store.arena
     assert arena is not None
     arena.close()  # the arena closing under the call: its slots cannot be had
     with pytest.raises(KvStoreError):
         store.reserve(A, chain(2, salt="child"), [BLOCK] * 2, parent=parent[0])
-    assert not store._p.governance.reserved  # no bytes left counted against the quota
+    assert not store._writes._governance.reserved  # no bytes left counted against the quota
     assert block.pins == 0  # and the parent it held for its chain is let go
 
 
@@ -412,7 +412,7 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
 
     monkeypatch.setattr(nvme._writer, "_commit", one_at_a_time)
     s = TieredStore([dram, nvme], StoreConfig(clean_ahead=0))
-    pace = s._p.placement.pace
+    pace = s._placement.pace
 
     def descheduled(t: int, sizes: Sequence[int], timeout_s: float) -> object:
         held = pace(t, sizes, timeout_s)
@@ -422,7 +422,7 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
     try:
         first = chain(4, salt="1")
         s.put(A, first, [data(k) for k in first])  # the arena is full; the disk holds nothing
-        monkeypatch.setattr(s._p.placement, "pace", descheduled)
+        monkeypatch.setattr(s._placement, "pace", descheduled)
         late = [chain(1, salt="2"), chain(1, salt="3")]
         writers = [threading.Thread(target=s.put, args=(A, keys, [data(keys[0])])) for keys in late]
         for n, writer in enumerate(writers, 1):  # in line one after the other
@@ -456,9 +456,9 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
 def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.store.core
+    import kvstore.store.writes
 
-    monkeypatch.setattr(kvstore.store.core, "PACE_S", 0.2)
+    monkeypatch.setattr(kvstore.store.writes, "PACE_S", 0.2)
     s, gate = _gated_store(tmp_path, monkeypatch)
     try:
         first, second, third = chain(4, salt="1"), chain(2, salt="2"), chain(2, salt="3")
@@ -482,7 +482,7 @@ def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
 
 def _held_slots(s: TieredStore) -> list[bytes]:
     """The arena slots held for paced writes (``kvstore.store.held``) that no write has taken."""
-    _, arena = s._p.arena()
+    arena = s.arena
     return [key for key in arena._pending if key.startswith(HELD_KEY_PREFIX)]  # type: ignore[attr-defined]
 
 
@@ -515,7 +515,7 @@ def test_a_write_whose_room_a_memory_tier_below_takes_never_waits_for_the_disk(
 
     hbm = HbmTier(HbmConfig(capacity_bytes=2 * BLOCK, page_bytes=BLOCK, device="cpu"))
     s, gate = _gated_store(tmp_path, monkeypatch, above=[hbm])  # hbm over dram over a slow disk
-    nvme = s._p.tiers[2]
+    nvme = s.tiers[2]
     try:
         two = chain(2, salt="hbm")
         s.put(A, two, [data(k) for k in two])  # hbm is full
@@ -557,7 +557,7 @@ def test_an_operators_demote_waits_for_the_disk_outside_the_lock(
         demote.join(10)
         assert moved == [4]
         assert [s.tier_of(A, k) for k in keys] == ["nvme"] * 4
-        s._p.tiers[1].flush()
+        s.tiers[1].flush()
         other = chain(1, salt="meanwhile")
         assert s.put(A, other, [data(other[0])]) == 1  # the slots came free once written
         assert s.tier_of(A, other[0]) == "dram" and s.stats().counters.get("pace_timeouts", 0) == 0
@@ -579,12 +579,12 @@ def test_a_reservation_holds_its_bytes_against_the_quota_and_stops_at_it(quota_b
         reservation = s.reserve(A, keys, [BLOCK] * 5)
         given = 5 if quota_blocks is None else quota_blocks
         assert [slot is not None for slot in reservation.slots] == [True] * given + [False] * (5 - given)
-        assert s._p.governance.reserved[A.namespace] == given * BLOCK
+        assert s._writes._governance.reserved[A.namespace] == given * BLOCK
         s.abort(reservation.reservation_id)
-        assert not s._p.governance.reserved
+        assert not s._writes._governance.reserved
         reservation = s.reserve(A, keys[:2], [BLOCK] * 2)
-        assert s._p.governance.reserved[A.namespace] == 2 * BLOCK
+        assert s._writes._governance.reserved[A.namespace] == 2 * BLOCK
         assert s.commit(reservation.reservation_id) == 2
-        assert not s._p.governance.reserved
+        assert not s._writes._governance.reserved
     finally:
         s.close()

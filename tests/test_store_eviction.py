@@ -113,7 +113,7 @@ def test_a_restore_misses_deleted_and_expired_blocks_and_serves_the_rest() -> No
         assert (counters["get_hit_blocks"], counters["get_miss_blocks"]) == (2, 3)
         with pytest.raises(InvalidArgument, match="smaller than"):
             store.get_into_many(A, [key(1)], [memoryview(bytearray(SIZE - 1))])
-        assert store.stats().leases == 0 and all(b.pins == 0 for b in store._p.index.blocks.values())
+        assert store.stats().leases == 0 and all(b.pins == 0 for b in store._index.blocks.values())
     finally:
         store.close()
 

@@ -213,7 +213,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_block_stays_evictable(self) -> None:
-        stranded = self.store._p.eviction.stranded()
+        stranded = self.store._reads._eviction.stranded()
         assert not stranded, f"blocks eviction can no longer find: {stranded}"
 
     @invariant()

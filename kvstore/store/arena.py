@@ -18,6 +18,7 @@ this one's own copies are done (two resolves never wait on each other).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgument, QuotaExceeded
 from kvstore.keys import BlockKey
 from kvstore.leases import LeaseTable
+from kvstore.store.counts import Counts
+from kvstore.store.eviction import Eviction
+from kvstore.store.governance import Governance
+from kvstore.store.index import BlockIndex
 from kvstore.store.model import (
     ArenaSlot,
     Block,
@@ -32,14 +37,16 @@ from kvstore.store.model import (
     Reservation,
     Resolved,
     Scope,
+    StoreConfig,
     check_keys,
     check_sizes,
     new_block,
     tier_key_prefix,
 )
-from kvstore.store.parts import StoreParts
-from kvstore.store.placement import PACE_S
-from tiers import InPlaceTier, TierError, TierKey
+from kvstore.store.parts import Expiry, Locked
+from kvstore.store.pins import Pins
+from kvstore.store.placement import PACE_S, Placement
+from tiers import InPlaceTier, Tier, TierError, TierKey
 
 PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
 
@@ -66,19 +73,47 @@ class ArenaCalls:
 
     def __init__(
         self,
-        parts: StoreParts,
+        a: int,
+        tiers: Sequence[Tier],
+        config: StoreConfig,
+        lock: Locked,
+        counts: Counts,
+        index: BlockIndex,
+        eviction: Eviction,
+        pins: Pins,
+        placement: Placement,
+        governance: Governance,
+        expire: Expiry,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         on_new_blocks: Callable[[Sequence[Block], Callable[[Block], memoryview]], None],
     ) -> None:
-        self._p = parts
+        """``a``: the arena's place in ``tiers``; ``wall_clock``: birth times."""
+        arena = tiers[a].as_arena()
+        if arena is None:
+            raise ValueError(f"tier {tiers[a].name} is not an arena")
+        self.a = a
+        self.arena = arena
+        self._tiers = tiers
+        self._config = config
+        self._lock = lock
+        self._changed = threading.Condition(lock.rlock)  # a promotion finished
+        self._counts = counts
+        self._index = index
+        self._eviction = eviction
+        self._pins = pins
+        self._placement = placement
+        self._governance = governance
+        self._expire = expire
+        self._wall = wall_clock
         self._on_new_blocks = on_new_blocks  # under the lock: write-through and write-behind
         self._reservations: LeaseTable[_Pending] = LeaseTable(clock)
         self._promoting: set[BlockId] = set()
-        parts.expire_reservations = self._expire_reservations
+        expire.also(self._expire_reservations)
 
     def _expire_reservations(self) -> None:
         for (pending,) in self._reservations.expire():
-            self._p.counters["reservations_expired"] += 1
+            self._counts["reservations_expired"] += 1
             self._abort_pending(pending)
 
     # ----------------------------------------------------------------- reads in place
@@ -87,38 +122,37 @@ class ArenaCalls:
         self, scope: Scope, keys: Sequence[BlockKey], ttl_s: float | None = None, owner: str = ""
     ) -> Resolved:
         """Pin the present prefix and make sure each block has an arena copy to read in place."""
-        p = self._p
         check_keys(keys)
-        ttl_s = p.pins.ttl(ttl_s)
-        a, arena = p.arena()
+        ttl_s = self._pins.ttl(ttl_s)
+        a, arena = self.a, self.arena
         held: list[Block] = []  # the prefix so far, each under a transient hold
         sources: list[str] = []  # the tier each block was found in, before any promotion
         delay_s = 0.0
-        with p.locked():
-            scope = p.index.intern(scope)
-            p.expire()
+        with self._lock:
+            scope = self._index.intern(scope)
+            self._expire()
         done = False
         deadline = time.monotonic() + PACE_S  # for room in the arena that waits on the disk
         while not done:
             promotions: list[_Promotion] = []
             room_coming = 0  # bytes of arena room a promotion waits for (retired slots)
-            with p.locked():
+            with self._lock:
                 while len(held) < len(keys):
-                    block = p.index.visible((scope, keys[len(held)]))
+                    block = self._index.visible((scope, keys[len(held)]))
                     if block is None:
                         done = True
                         break
                     if a not in block.tiers and block.ident in self._promoting:
                         if promotions:
                             break  # copy ours first; then wait for theirs
-                        p.changed.wait(PROMOTION_WAIT_S)
+                        self._changed.wait(PROMOTION_WAIT_S)
                         continue
-                    p.pins.hold(block)  # before promotion: making room for the next must not evict it
+                    self._pins.hold(block)  # before promotion: making room for the next must not evict it
                     source = block.fastest
                     if a not in block.tiers:
                         promotion = self._start_promotion(block, a, arena)
                         if promotion is None:
-                            p.pins.unhold(block)
+                            self._pins.unhold(block)
                             # Room on its way (victims waiting for the disk): wait outside the
                             # lock, then go on from this block; else the prefix ends here.
                             room_coming = block.size_bytes if time.monotonic() < deadline else 0
@@ -126,43 +160,43 @@ class ArenaCalls:
                             break
                         promotions.append(promotion)
                     else:
-                        delay_s += p.tiers[source].in_place_read_s(block.size_bytes)
+                        delay_s += self._tiers[source].in_place_read_s(block.size_bytes)
                     held.append(block)
-                    sources.append(p.tiers[source].name)
+                    sources.append(self._tiers[source].name)
                 else:
                     done = True
             if promotions:
                 failed_at = self._finish_promotions(promotions, arena, a)
                 if failed_at is not None:
                     cut = held.index(failed_at)
-                    with p.locked():
+                    with self._lock:
                         for block in held[cut:]:
-                            p.pins.unhold(block)
+                            self._pins.unhold(block)
                     del held[cut:], sources[cut:]
                     done = True
             if room_coming and not done:
-                done = not p.placement.wait_retired(a, room_coming, deadline - time.monotonic())
-        with p.locked():
+                done = not self._placement.wait_retired(a, room_coming, deadline - time.monotonic())
+        with self._lock:
             # The lease first, then the transient holds go: a block deleted while this call
             # copied outside the lock is doomed, and must stay until the lease ends.
-            lease = p.pins.grant(held, ttl_s, owner) if held else None
-            p.eviction.hit_many(held)  # each is in the heaps already: a promotion pushed it
+            lease = self._pins.grant(held, ttl_s, owner) if held else None
+            self._eviction.hit_many(held)  # each is in the heaps already: a promotion pushed it
             for block in held:
-                p.pins.unhold(block)
-            p.count(scope, "lookup_hit_blocks", len(held))
-            p.count(scope, "lookup_miss_blocks", len(keys) - len(held))
+                self._pins.unhold(block)
+            self._counts.count(scope, "lookup_hit_blocks", len(held))
+            self._counts.count(scope, "lookup_miss_blocks", len(keys) - len(held))
             slots = []
             for block in held:
                 slot = arena.locate(block.tkey)
                 assert slot is not None, "a pinned block lost its arena slot"
                 slots.append(slot)
             resolved = Resolved(tuple(slots), tuple(sources), lease)
-        p.wait(delay_s)  # a throttled arena delays only its reader
+        _wait(delay_s)  # a throttled arena delays only its reader
         return resolved
 
     def _start_promotion(self, block: Block, a: int, arena: InPlaceTier) -> _Promotion | None:
         """Under the lock: an arena slot for ``block``, to fill outside it; None without room."""
-        if not self._p.placement.make_room(a, block.size_bytes):
+        if not self._placement.make_room(a, block.size_bytes):
             return None
         try:
             slot = arena.reserve(block.tkey, block.size_bytes, block.scope.fingerprint, block.meta)
@@ -174,22 +208,21 @@ class ArenaCalls:
     def _finish_promotions(self, promotions: list[_Promotion], arena: InPlaceTier, a: int) -> Block | None:
         """Copy each block into its slot (outside the lock), then publish the slots; the first
         block whose read failed, or None."""
-        p = self._p
-        sizes = [p.placement.read(x.block, x.source, arena.slot_view(x.slot)) for x in promotions]
+        sizes = [self._placement.read(x.block, x.source, arena.slot_view(x.slot)) for x in promotions]
         failed: Block | None = None
-        with p.locked():
+        with self._lock:
             for x, n in zip(promotions, sizes, strict=True):
                 self._promoting.discard(x.block.ident)
                 if n != x.block.size_bytes:
                     arena.abort(x.block.tkey)
                     if n is None:
-                        p.placement.failed_read(x.block, x.source)
+                        self._placement.failed_read(x.block, x.source)
                     failed = failed or x.block
                     continue
                 arena.commit(x.block.tkey)
-                p.placement.added(x.block, a)
-                p.counters["promotions"] += 1
-            p.changed.notify_all()
+                self._placement.added(x.block, a)
+                self._counts["promotions"] += 1
+            self._changed.notify_all()
         return failed
 
     # ----------------------------------------------------------------- writes in place
@@ -204,53 +237,52 @@ class ArenaCalls:
         owner: str = "",
     ) -> Reservation:
         """Arena slots for the new blocks of a chain; see the module docstring."""
-        p = self._p
         check_keys(keys)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
-        check_sizes(sizes, p.config.max_block_bytes)
-        ttl_s = p.pins.ttl(ttl_s)
-        a, arena = p.arena()
-        with p.locked():
-            needed = p.new_sizes(p.index.intern(scope), keys, sizes)
-        held = p.placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
-        with p.locked():
-            p.placement.use(held)  # the room it waited for, taken by _take_slots under this same hold
-            scope = p.index.intern(scope)
-            p.expire()
-            pinned_parent = p.index.visible((scope, parent)) if parent is not None else None
+        check_sizes(sizes, self._config.max_block_bytes)
+        ttl_s = self._pins.ttl(ttl_s)
+        a, arena = self.a, self.arena
+        with self._lock:
+            needed = self._governance.new_sizes(self._index.intern(scope), keys, sizes)
+        held = self._placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
+        with self._lock:
+            self._placement.use(held)  # the room it waited for, taken by _take_slots under this same hold
+            scope = self._index.intern(scope)
+            self._expire()
+            pinned_parent = self._index.visible((scope, parent)) if parent is not None else None
             if pinned_parent is not None:
-                p.pins.hold(pinned_parent)  # its child is on the way: keep it until commit
+                self._pins.hold(pinned_parent)  # its child is on the way: keep it until commit
             prefix = tier_key_prefix(scope)
             tkeys = tuple([TierKey(prefix + key) for key in keys])
             wanted: list[int] = []  # the blocks to give a slot, their bytes held against the quota
-            limited = p.governance.limited(scope.namespace)
+            limited = self._governance.limited(scope.namespace)
             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-                existing = p.vacate((scope, key))
+                existing = self._governance.vacate((scope, key))
                 if existing is not None:
                     if existing.doomed:
-                        p.counters["put_doomed_blocks"] += 1  # no slot: the writer skips this block
+                        self._counts["put_doomed_blocks"] += 1  # no slot: the writer skips this block
                     continue
                 if limited:
                     try:
-                        p.governance.check(scope, size, i, len(keys))
+                        self._governance.check(scope, size, i, len(keys))
                     except QuotaExceeded:
                         break  # the rest of the chain cannot hang on
-                    p.governance.reserve(scope.namespace, size)
+                    self._governance.reserve(scope.namespace, size)
                 wanted.append(i)
             if not limited and wanted:  # no quota to check block by block: held in one sum
-                p.governance.reserve(scope.namespace, sum(sizes[i] for i in wanted))
+                self._governance.reserve(scope.namespace, sum(sizes[i] for i in wanted))
             try:
                 taken = self._take_slots(a, arena, [(tkeys[i], sizes[i]) for i in wanted], scope.fingerprint)
             except BaseException:  # the arena closing under us: nothing of this call may stay held
-                p.governance.unreserve(scope.namespace, sum(sizes[i] for i in wanted))
+                self._governance.unreserve(scope.namespace, sum(sizes[i] for i in wanted))
                 if pinned_parent is not None:
-                    p.pins.unhold(pinned_parent)
+                    self._pins.unhold(pinned_parent)
                 raise
             slots: list[ArenaSlot | None] = [None] * len(keys)
             for i, slot in zip(wanted, taken, strict=True):
                 if slot is None:
-                    p.governance.unreserve(scope.namespace, sizes[i])
+                    self._governance.unreserve(scope.namespace, sizes[i])
                 slots[i] = slot
             pending = _Pending(scope, tuple(keys), tkeys, tuple(slots), parent, pinned_parent)
             lease = self._reservations.grant([pending], ttl_s, owner)
@@ -271,69 +303,74 @@ class ArenaCalls:
             while run < len(items) and items[run][1] == size:
                 run += 1
             # As far as eviction gets (pinned blocks may stop it short): what fits is reserved.
-            self._p.placement.make_room(a, size, _room_for(arena, size, run - first), size * (run - first))
+            self._placement.make_room(a, size, _room_for(arena, size, run - first), size * (run - first))
             slots += arena.reserve_many(items[first:], fingerprint) or [None]
         return slots
 
     def commit(self, reservation_id: int, owner: str = "") -> int:
         """Publish a reservation's written slots as blocks; how many were stored."""
-        p = self._p
-        a, arena = p.arena()
-        with p.locked():
-            p.expire()
+        a, arena = self.a, self.arena
+        with self._lock:
+            self._expire()
             (pending,) = self._reservations.release(reservation_id, owner)
             self._unreserve(pending)
             scope = pending.scope
             # The parent as it stands now: a pipelined write reserves a chunk before the chunk
             # holding its parent is committed.
-            first_depth = p.index.depth_after(scope, pending.parent)
-            now = p.wall()  # in the journal's record of each block: salvage keeps its birth
+            first_depth = self._index.depth_after(scope, pending.parent)
+            now = self._wall()  # in the journal's record of each block: salvage keeps its birth
             blocks: list[Block] = []
             prev = pending.parent
             for i, (key, tkey, slot) in enumerate(
                 zip(pending.keys, pending.tkeys, pending.slots, strict=True)
             ):
                 if slot is not None:
-                    if p.index.get((scope, key)) is not None:
+                    if self._index.get((scope, key)) is not None:
                         arena.abort(tkey)  # stored meanwhile by another path
                     else:
                         block = new_block(
-                            p.config, scope, key, slot.size_bytes, prev, first_depth + i, tkey, now
+                            self._config, scope, key, slot.size_bytes, prev, first_depth + i, tkey, now
                         )
                         block.tiers.add(a)
                         blocks.append(block)
                 prev = key
             arena.commit_many([(block.tkey, block.meta) for block in blocks])
-            p.index.admit_many(blocks)
-            if p.placement.changes is not None:
-                p.placement.changes.stored(blocks, a)
-            p.eviction.touch_many(blocks)
+            self._index.admit_many(blocks)
+            if self._placement.changes is not None:
+                self._placement.changes.stored(blocks, a)
+            self._eviction.touch_many(blocks)
             self._on_new_blocks(blocks, lambda block: slot_bytes(arena, block))
-            p.count(scope, "put_blocks", len(blocks))
+            self._counts.count(scope, "put_blocks", len(blocks))
             if pending.pinned_parent is not None:
-                p.pins.unhold(pending.pinned_parent)
+                self._pins.unhold(pending.pinned_parent)
             return len(blocks)
 
     def abort(self, reservation_id: int, owner: str = "") -> None:
         """Give back a reservation's slots without storing anything."""
-        with self._p.locked():
-            self._p.expire()
+        with self._lock:
+            self._expire()
             (pending,) = self._reservations.release(reservation_id, owner)
             self._abort_pending(pending)
 
     def _abort_pending(self, pending: _Pending) -> None:
-        _, arena = self._p.arena()
+        arena = self.arena
         self._unreserve(pending)
         for tkey, slot in zip(pending.tkeys, pending.slots, strict=True):
             if slot is not None:
                 arena.abort(tkey)
         if pending.pinned_parent is not None:
-            self._p.pins.unhold(pending.pinned_parent)
+            self._pins.unhold(pending.pinned_parent)
 
     def _unreserve(self, pending: _Pending) -> None:
-        self._p.governance.unreserve(
+        self._governance.unreserve(
             pending.scope.namespace, sum(slot.size_bytes for slot in pending.slots if slot is not None)
         )
+
+
+def _wait(seconds: float) -> None:
+    """A throttled arena's delay, waited out beside the reader (never under the lock)."""
+    if seconds:
+        time.sleep(seconds)
 
 
 def _room_for(arena: InPlaceTier, size_bytes: int, count: int) -> Callable[[], bool]:

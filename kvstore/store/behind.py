@@ -14,29 +14,31 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from kvstore.store.counts import Counts
+from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block, BlockId
-from kvstore.store.parts import StoreParts
+from kvstore.store.parts import Locked
+from kvstore.store.placement import Placement
 from kvstore.store.write_behind import WriteBehind
-from tiers import TierError
+from tiers import Tier, TierError
 
 log = logging.getLogger("kvstore.store")
 
 
 class PersistBehind:
-    def __init__(self, parts: StoreParts, tier: int, max_bytes: int, closed: Callable[[], bool]) -> None:
-        self._p = parts
-        self._t = tier
-        self._closed = closed
-        self._copy_one = CopyDown(parts, tier, closed, "write_behind_blocks")
+    def __init__(self, copy: CopyDown, counts: Counts, max_bytes: int) -> None:
+        self._t = copy.t
+        self._counts = counts
+        self._copy_one = copy  # counting "write_behind_blocks"
         self._queue: WriteBehind[BlockId] = WriteBehind(self._copy, max_bytes)
 
     def offer(self, block: Block) -> None:
         if self._t in block.tiers:
             return
         if self._queue.offer(block.ident, block.size_bytes):
-            self._p.counters["write_behind_queued_blocks"] += 1
+            self._counts["write_behind_queued_blocks"] += 1
         else:
-            self._p.counters["write_behind_dropped_blocks"] += 1
+            self._counts["write_behind_dropped_blocks"] += 1
 
     def drain(self, timeout_s: float) -> bool:
         return self._queue.drain(timeout_s)
@@ -64,30 +66,45 @@ class CopyDown:
     block stored since under the same key holds it.
     """
 
-    def __init__(self, parts: StoreParts, t: int, closed: Callable[[], bool], counter: str) -> None:
-        self._p = parts
-        self._t = t
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        t: int,
+        lock: Locked,
+        index: BlockIndex,
+        placement: Placement,
+        counts: Counts,
+        counter: str,
+        closed: Callable[[], bool],
+    ) -> None:
+        self._tiers = tiers
+        self.t = t
+        self.tier = tiers[t]
+        self._lock = lock
+        self._index = index
+        self._placement = placement
+        self._counts = counts
         self._closed = closed
         self._counter = counter
         self._buffer = bytearray()  # reused: one caller thread copies at a time
 
     def __call__(self, ident: BlockId) -> bool:
-        p, t = self._p, self._t
-        tier = p.tiers[t]
-        with p.locked():
-            block = p.index.visible(ident)
+        t, index, placement = self.t, self._index, self._placement
+        tier = self.tier
+        with self._lock:
+            block = index.visible(ident)
             if (
                 self._closed()
                 or block is None
                 or t in block.tiers
-                or not p.placement.make_room(t, block.size_bytes)
+                or not placement.make_room(t, block.size_bytes)
             ):
                 return False
             source = block.fastest
-            view = p.placement.bytes_of(block, source)
+            view = placement.bytes_of(block, source)
             if view is None:
                 return False
-            if p.tiers[source].as_arena() is not None:  # the slot itself: copied before the lock goes
+            if self._tiers[source].as_arena() is not None:  # the slot itself: copied before the lock goes
                 if len(self._buffer) < len(view):
                     self._buffer = bytearray(len(view))
                 copy = memoryview(self._buffer)[: len(view)]
@@ -98,13 +115,13 @@ class CopyDown:
         except TierError as exc:  # full after all, or closing: the block stays volatile
             log.debug("copying a %d B block into %s: %s", block.size_bytes, tier.name, exc)
             return False
-        with p.locked():
-            if p.index.is_current(block):
+        with self._lock:
+            if index.is_current(block):
                 if t not in block.tiers:  # else a demotion put these same bytes there meanwhile
-                    p.placement.added(block, t)
-                p.counters[self._counter] += 1
+                    placement.added(block, t)
+                self._counts[self._counter] += 1
                 return True
-            now = p.index.get(ident)
+            now = index.get(ident)
             if now is None or t not in now.tiers:  # deleted or dropped meanwhile: the copy goes
                 tier.delete(block.tkey)
         return False

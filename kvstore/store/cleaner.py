@@ -48,7 +48,9 @@ import time
 from collections.abc import Callable
 
 from kvstore.store.behind import CopyDown
-from kvstore.store.parts import StoreParts
+from kvstore.store.eviction import Eviction
+from kvstore.store.index import BlockIndex
+from kvstore.store.parts import Locked
 from tiers import Tier
 
 log = logging.getLogger("kvstore.store")
@@ -62,17 +64,28 @@ MAX_DEFER_S = 0.5  # the longest the cleaner waits for a pause in the writes
 
 class Cleaner:
     def __init__(
-        self, parts: StoreParts, arena: int, disk: int, fraction: float, closed: Callable[[], bool]
+        self,
+        arena: Tier,
+        a: int,
+        copy: CopyDown,
+        lock: Locked,
+        index: BlockIndex,
+        eviction: Eviction,
+        fraction: float,
+        closed: Callable[[], bool],
     ) -> None:
+        """``copy``: into the disk tier, counted as "cleaned_blocks"; ``a``: the arena's place."""
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"clean_ahead must be in (0, 1], got {fraction}")
-        self._p = parts
-        self._a = arena
-        self._t = disk
+        self._arena = arena
+        self._a = a
+        self._copy = copy
+        self._lock = lock
+        self._index = index
+        self._eviction = eviction
         self._fraction = fraction
         self._closed = closed
         self._stop = False
-        self._copy = CopyDown(parts, disk, closed, "cleaned_blocks")
         self._poked = threading.Event()
         self._last_write = 0.0  # time.monotonic() of the last poke
         self._busy_since: float | None = None  # waiting for a pause in the writes since
@@ -88,7 +101,7 @@ class Cleaner:
 
     def _shortfall_target(self) -> int | None:
         """The bytes to keep clean when the arena has less than that free; None while it has."""
-        usage = self._p.tiers[self._a].usage()
+        usage = self._arena.usage()
         target = int(usage.capacity_bytes * self._fraction)
         return None if usage.capacity_bytes - usage.stored_bytes >= target else target
 
@@ -125,22 +138,24 @@ class Cleaner:
 
     def _round(self) -> bool:
         """Clean what is next in line; whether it cleaned anything (then it looks again)."""
-        p, a, t = self._p, self._a, self._t
+        a, t = self._a, self._copy.t
         self._wait_for_quiet()  # the look below holds the store lock for a millisecond or two
         target = self._shortfall_target()
         if target is None:
             return False  # room enough: nothing will be evicted soon
-        disk = p.tiers[t]
-        with p.locked():
+        disk = self._copy.tier
+        with self._lock:
             dirty = [
-                b.ident for b in p.eviction.coldest(a, LOOK_BLOCKS, target) if t not in b.tiers and not b.pins
+                b.ident
+                for b in self._eviction.coldest(a, LOOK_BLOCKS, target)
+                if t not in b.tiers and not b.pins
             ]
         cleaned = 0
         for ident in dirty:
             self._wait_for_quiet()
             if self._stop or self._closed():
                 break
-            block = p.index.get(ident)  # a glance without the lock: the copy looks again under it
+            block = self._index.get(ident)  # a glance without the lock: the copy looks again under it
             if block is None or not _half_empty(disk, block.size_bytes):
                 break  # the disk is behind: the writers' demotions come first
             cleaned += self._copy(ident)

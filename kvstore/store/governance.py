@@ -10,17 +10,19 @@ default), counted from their birth time, which is kept in their metadata and so 
 Past it a block is invisible at once (``BlockIndex.visible``) and removed from every tier by the
 next ``sweep`` (at most every RETENTION_SWEEP_S; every operation that collects leases calls it).
 
-Calls (store lock held): check(scope, size, stored, chain); reserve / unreserve bytes; sweep().
+Calls (store lock held): check(scope, size, stored, chain); reserve / unreserve bytes; sweep();
+vacate(ident) and new_sizes(scope, keys, sizes) for a write: what stands in its way.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import QuotaExceeded
+from kvstore.keys import BlockKey
 from kvstore.store.index import BlockIndex
-from kvstore.store.model import Block, Scope, StoreConfig
+from kvstore.store.model import Block, BlockId, Scope, StoreConfig
 
 RETENTION_SWEEP_S = 1.0
 
@@ -69,6 +71,29 @@ class Governance:
         """A block past its retention goes: freed now, or doomed while a reader holds it."""
         self._doom(block)
         self._counters["retention_expired_blocks"] += 1
+
+    def vacate(self, ident: BlockId) -> Block | None:
+        """Before a new block goes under ``ident``: the entry that still stands in its way, or
+        None. A block past its retention that the sweep has not reached yet goes now (as the
+        sweep would), so the new one is stored instead of taken for a duplicate; a block
+        deleted while a reader holds it (doomed) stands until that reader lets go, since its
+        storage goes only then."""
+        block = self._index.get(ident)
+        if block is None or block.doomed or self._index.visible(ident) is not None:
+            return block
+        self.retire(block)  # past its retention, as the sweep would find it
+        return self._index.get(ident)
+
+    def new_sizes(self, scope: Scope, keys: Sequence[BlockKey], sizes: Sequence[int]) -> list[int]:
+        """The sizes of the blocks a write of ``keys`` would store, those with no entry standing
+        in the way (``vacate``): what that write needs room for, and all its pacing should wait
+        for. A second store of stored blocks needs none."""
+        new: list[int] = []
+        for key, size in zip(keys, sizes, strict=True):
+            block = self._index.get((scope, key))
+            if block is None or not (block.doomed or self._index.visible((scope, key)) is not None):
+                new.append(size)
+        return new
 
     def limited(self, namespace: str) -> bool:
         """Whether the namespace has a byte quota (``check`` is then needed block by block)."""

@@ -42,8 +42,11 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.counts import Counts
+from kvstore.store.index import BlockIndex
 from kvstore.store.model import Scope, tier_key
-from kvstore.store.parts import StoreParts
+from kvstore.store.parts import Locked
+from kvstore.store.pins import Pins
 from tiers import BytesLike, TierKey
 from tiers.remote import RemoteBlock, RemoteTier
 
@@ -77,9 +80,14 @@ class FleetInvalidations:
     """See the module docstring. ``poll`` runs on its own thread; the rest under any lock but
     the store's, except ``dead_before`` (a dict read, called under it)."""
 
-    def __init__(self, tier: RemoteTier, parts: StoreParts, poll_s: float) -> None:
+    def __init__(
+        self, tier: RemoteTier, lock: Locked, counts: Counts, index: BlockIndex, pins: Pins, poll_s: float
+    ) -> None:
         self._tier = tier
-        self._p = parts
+        self._store_lock = lock
+        self._counts = counts
+        self._index = index
+        self._pins = pins
         self.poll_s = poll_s
         self._known: dict[Target, float] = {}  # the newest mark seen or written per target
         self._lock = threading.Lock()  # for _unsent: issuing threads and the poll's
@@ -129,8 +137,8 @@ class FleetInvalidations:
                 len(stale) - stored,
                 len(stale),
             )
-        with self._p.locked():
-            self._p.counters["invalidation_marks_written"] += stored
+        with self._store_lock:
+            self._counts["invalidation_marks_written"] += stored
 
     # ----------------------------------------------------------------- applying
 
@@ -150,8 +158,8 @@ class FleetInvalidations:
             unsent, self._unsent = self._unsent, {}
         if unsent:
             self._write(unsent)
-        with self._p.locked():
-            scopes = [s for s in self._p.index.scopes() if s.fingerprint != MARK_FINGERPRINT]
+        with self._store_lock:
+            scopes = [s for s in self._index.scopes() if s.fingerprint != MARK_FINGERPRINT]
         targets: dict[TierKey, Target] = {}
         for scope in scopes:
             targets[mark_key(scope.namespace, None)] = (scope.namespace, None)
@@ -172,18 +180,17 @@ class FleetInvalidations:
 
     def _apply(self, target: Target, at_s: float) -> int:
         namespace, fingerprint = target
-        p = self._p
-        with p.locked():
+        with self._store_lock:
             victims = [
                 b
-                for b in list(p.index.pool(namespace))
+                for b in list(self._index.pool(namespace))
                 if not b.doomed
                 and b.stored_at_s <= at_s
                 and (fingerprint is None or b.scope.fingerprint == fingerprint)
             ]
             for block in victims:
-                p.pins.doom(block)
-            p.counters["fleet_invalidated_blocks"] += len(victims)
+                self._pins.doom(block)
+            self._counts["fleet_invalidated_blocks"] += len(victims)
         log.info(
             "fleet invalidation: dropped %d blocks of namespace %s, fingerprint %s, born before %.3f",
             len(victims),

@@ -10,16 +10,19 @@ serves anything, so it takes no lock.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
-from kvstore.store.model import new_block, parse_meta, parse_tier_key
-from kvstore.store.parts import StoreParts
+from kvstore.store.eviction import Eviction
+from kvstore.store.index import BlockIndex
+from kvstore.store.model import StoreConfig, new_block, parse_meta, parse_tier_key
+from tiers import Tier
 
 log = logging.getLogger("kvstore.store")
 
 
-def rebuild(p: StoreParts) -> None:
+def rebuild(tiers: Sequence[Tier], config: StoreConfig, index: BlockIndex, eviction: Eviction) -> None:
     found = 0
-    for t, tier in enumerate(p.tiers):
+    for t, tier in enumerate(tiers):
         unnamed = 0
         for stored in tier.scan():
             ident = parse_tier_key(stored.key)
@@ -27,21 +30,21 @@ def rebuild(p: StoreParts) -> None:
                 unnamed += 1
                 tier.delete(stored.key)
                 continue
-            block = p.index.get(ident)
+            block = index.get(ident)
             if block is None:
                 depth, parent, stored_at_s = parse_meta(stored.meta)
-                block = new_block(p.config, ident[0], ident[1], stored.size_bytes, parent, depth)
+                block = new_block(config, ident[0], ident[1], stored.size_bytes, parent, depth)
                 block.tkey = stored.key
                 block.stored_at_s = stored_at_s
                 block.tiers.add(t)
-                p.index.admit(block)
-                p.eviction.touch(block)
+                index.admit(block)
+                eviction.touch(block)
                 found += 1
             else:
                 block.tiers.add(t)
-                p.eviction.push(block)
+                eviction.push(block)
         if unnamed:
             log.warning("tier %s held %d blocks the store cannot name; deleted them", tier.name, unnamed)
-    p.index.order_by_age()
+    index.order_by_age()
     if found:
         log.info("rebuilt the index: %d blocks found on persistent tiers", found)

@@ -40,9 +40,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.errors import StoreFull
 from kvstore.keys import BlockKey, Fingerprint
+from kvstore.store.counts import Counts
+from kvstore.store.governance import Governance
+from kvstore.store.index import BlockIndex
 from kvstore.store.invalidations import FleetInvalidations
 from kvstore.store.model import Block, BlockId, Scope, tier_key
-from kvstore.store.parts import StoreParts
+from kvstore.store.parts import Locked
+from kvstore.store.pins import Pins
+from kvstore.store.placement import Placement
 from kvstore.store.write_behind import WriteBehind
 from tiers import BytesLike
 from tiers.remote import RemoteBlock, RemoteTier, RemoteUsage
@@ -54,16 +59,33 @@ Put = Callable[[Scope, Sequence[BlockKey], Sequence[BytesLike], BlockKey | None,
 
 class RemoteCalls:
     def __init__(
-        self, remote: RemoteTier, parts: StoreParts, put: Put, max_queue_bytes: int, poll_s: float = 0.5
+        self,
+        remote: RemoteTier,
+        lock: Locked,
+        counts: Counts,
+        index: BlockIndex,
+        pins: Pins,
+        placement: Placement,
+        governance: Governance,
+        wall_clock: Callable[[], float],
+        put: Put,
+        max_queue_bytes: int,
+        poll_s: float = 0.5,
     ) -> None:
         self.tier = remote
-        self._p = parts
+        self._lock = lock
+        self._counts = counts
+        self._index = index
+        self._pins = pins
+        self._placement = placement
+        self._governance = governance
+        self._wall = wall_clock
         self._put = put  # the store's put, not written back to the remote
         self._queue: WriteBehind[BlockId] = WriteBehind(
             self._copy, max_queue_bytes, name="kvstore-remote-behind"
         )
         # the fleet's invalidations: caught up with here, before the store serves
-        self.marks = FleetInvalidations(remote, parts, poll_s)
+        self.marks = FleetInvalidations(remote, lock, counts, index, pins, poll_s)
         self.marks.start()
 
     def more(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
@@ -74,19 +96,19 @@ class RemoteCalls:
         )
         n = _leading([h is not None for h in heads])
         if n:
-            with self._p.locked():
-                self._p.count(scope, "remote_lookup_hit_blocks", n)
+            with self._lock:
+                self._counts.count(scope, "remote_lookup_hit_blocks", n)
         return n
 
     def read_through(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         """Before a restore: the remote blocks that continue the local prefix of ``keys`` are
         stored here (none when there is no local room for them: the restore gets the local
         prefix). Returns how many."""
-        p = self._p
-        with p.locked():
-            scope = p.index.intern(scope)
+        index = self._index
+        with self._lock:
+            scope = index.intern(scope)
             local = 0
-            while local < len(keys) and p.index.visible((scope, keys[local])) is not None:
+            while local < len(keys) and index.visible((scope, keys[local])) is not None:
                 local += 1
         try:
             return self.fill(scope, keys, local)
@@ -109,23 +131,23 @@ class RemoteCalls:
         blocks = [b for b in payloads[:n] if b is not None]
         parent = keys[start - 1] if start else None
         stored = self._put(scope, rest[:n], blocks, parent, start, born[:n])  # the clock goes on
-        with self._p.locked():
-            self._p.count(scope, "remote_filled_blocks", stored)
+        with self._lock:
+            self._counts.count(scope, "remote_filled_blocks", stored)
         return stored
 
     def _not_before(self, scope: Scope) -> float:
         """The oldest birth a remote copy of ``scope`` may have to be served: its retention's,
         or the scope's last invalidation (a copy born before it, sent late by a lagging sidecar)."""
-        retention = self._p.governance.retention_of(scope.namespace)
-        not_before_s = 0.0 if retention is None else self._p.wall() - retention
+        retention = self._governance.retention_of(scope.namespace)
+        not_before_s = 0.0 if retention is None else self._wall() - retention
         return max(not_before_s, self.marks.dead_before(scope))
 
     def offer(self, block: Block) -> None:
         """Queue a new block for the remote (under the lock; never blocks)."""
         if self._queue.offer(block.ident, block.size_bytes):
-            self._p.counters["remote_queued_blocks"] += 1
+            self._counts["remote_queued_blocks"] += 1
         else:
-            self._p.counters["remote_dropped_blocks"] += 1
+            self._counts["remote_dropped_blocks"] += 1
 
     def forget(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
         return self.tier.delete_many([tier_key(scope, k) for k in keys]) if keys else 0
@@ -137,7 +159,7 @@ class RemoteCalls:
         every namespace (those in ``known``: a remote key begins with its namespace), or, with
         neither, everything under this store's remote keys; then the marks that carry it to
         the other sidecars (``kvstore.store.invalidations``), one per namespace."""
-        at_s = self._p.wall()  # after the local blocks went: every one was born before it
+        at_s = self._wall()  # after the local blocks went: every one was born before it
         namespaces = [namespace] if namespace is not None else sorted(known)
         if namespace is None and fingerprint is None:
             removed = self.tier.delete_matching(b"")
@@ -159,16 +181,15 @@ class RemoteCalls:
 
     def _copy(self, idents: Sequence[BlockId]) -> None:
         """The queue's thread: send a batch of new blocks, each held for the send."""
-        p = self._p
         held: list[tuple[Block, memoryview]] = []
-        with p.locked():
+        with self._lock:
             for ident in idents:
-                block = p.index.visible(ident)
+                block = self._index.visible(ident)
                 if block is None or block.stored_at_s <= self.marks.dead_before(block.scope):
                     continue  # deleted, evicted or invalidated meanwhile: nothing to send
-                view = p.placement.bytes_of(block, block.fastest)
+                view = self._placement.bytes_of(block, block.fastest)
                 if view is not None:
-                    p.pins.hold(block)
+                    self._pins.hold(block)
                     held.append((block, view))
         try:
             stored = self.tier.put_many(
@@ -180,12 +201,12 @@ class RemoteCalls:
                 ]
             )
         finally:
-            with p.locked():
+            with self._lock:
                 for block, _ in held:
-                    p.pins.unhold(block)
-        with p.locked():
-            p.counters["remote_stored_blocks"] += stored
-            p.counters["remote_handled_blocks"] += len(idents)  # sent, or gone before their turn
+                    self._pins.unhold(block)
+        with self._lock:
+            self._counts["remote_stored_blocks"] += stored
+            self._counts["remote_handled_blocks"] += len(idents)  # sent, or gone before their turn
 
 
 def _prefix(namespace: str) -> bytes:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.store.model import Block, StoreConfig, new_block, parse_meta, parse_tier_key
-from kvstore.store.parts import StoreParts
+from kvstore.store.parts import wire
 from kvstore.store.rebuild import rebuild
 from tiers import Tier, TierKey
 from tiers.journal import JournalRecord
@@ -50,8 +50,8 @@ def salvage_into(
 ) -> Salvaged:
     """Copy ``blocks`` (journal records with views of their arena bytes) into ``tier`` and
     flush it; TierError from the flush propagates (nothing is known to be on the medium)."""
-    p = StoreParts([tier], config, time.monotonic, time.time, None)
-    rebuild(p)
+    p = wire([tier], config, time.monotonic, time.time)
+    rebuild([tier], config, p.index, p.eviction)
     fresh: dict[TierKey, tuple[Block, memoryview]] = {}
     present: dict[TierKey, Block] = {}
     unnamed = 0
@@ -74,7 +74,7 @@ def salvage_into(
     # What the arena held is the hot set, hotter than what only the tier holds: its blocks the
     # tier has already rank above those (touched, oldest first), the salvaged ones above all.
     p.eviction.touch_many(sorted(present.values(), key=lambda b: b.stored_at_s))
-    evicted_before = p.counters[f"evicted_{tier.name}_blocks"]
+    evicted_before = p.counts[f"evicted_{tier.name}_blocks"]
     # Held while they are copied: room for one is made from the tier's older blocks, never by
     # evicting another salvaged one (parents go first, and a parent whose child is not copied
     # yet would be the coldest block there).
@@ -90,6 +90,6 @@ def salvage_into(
         copied=copied,
         present=len(present),
         unnamed=unnamed,
-        refused=p.counters[f"{tier.name}_refused_blocks"],
-        evicted=p.counters[f"evicted_{tier.name}_blocks"] - evicted_before,
+        refused=p.counts[f"{tier.name}_refused_blocks"],
+        evicted=p.counts[f"evicted_{tier.name}_blocks"] - evicted_before,
     )
