@@ -7,6 +7,7 @@ http.py       the OpenAI-compatible front door on aiohttp (``kvstore route``), w
 callers.py    API keys to tenants, each tenant's cache salt, who may read /metrics and /health,
 bodies.py     request bodies checked before anything reads them, and
 replicas.py   which replicas answer (ejected on failure, back when their /health answers)
+events.py     the sidecars' KV event feeds followed instead of asking them each prompt
 """
 
 from kvstore.routing.policies import (

@@ -1,13 +1,20 @@
 """The kvstore server: everything ``kvstore serve`` runs, and nothing a client imports.
 
     serve.py       the process: listeners, health, reflection, metrics, the drain on SIGTERM
-    service.py     the gRPC servicer of ``kvstore.v1.KvStore``
+    servicer.py    the gRPC servicer's plumbing: draining, authentication, per-tenant places
+    control_calls.py  its control calls (Register, Delete, Invalidate, Demote, Shred, Stats)
+    service.py     its data calls: the servicer of ``kvstore.v1.KvStore``
+    handlers.py    the one place a ``KvStoreError`` becomes a gRPC status; handler registration
     dataplane.py   batching, leases, reservations and size checks under both transports
     dataport.py    the raw data port (TCP and its Unix twin) over the data plane
+    answering.py   the data port's loop that answers small requests between them
+    fairness.py    request threads shared per tenant first
     auth.py        tenants from tokens, their scopes and limits;  audit.py  the audit log
     shredding.py   a tenant's key and copies dropped: on Shred, or when its key file goes
-    models.py      the model registry;  metrics.py  Prometheus
-    config.py      settings parsed once into frozen dataclasses
+    models.py      the model registry;  stats.py  what Stats answers
+    metrics.py     Prometheus;  metrics_store.py  the store's figures;  metrics_http.py  its port
+    events.py      the store's KV cache events, published over ZMQ
+    config.py      settings parsed once into frozen dataclasses (settings_reference.py: the docs)
     builder.py     tiers built in order into a TieredStore;  datadir.py  the data folder
 
 Tests and benchmarks start a server in process with ``start_server(load_settings(...))``.
