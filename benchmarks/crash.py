@@ -34,7 +34,7 @@ from benchmarks.service import bench_server
 from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
 from kvstore.keys import BlockKey, ModelIdentity, block_keys
-from kvstore.server.config import DramSettings
+from tiers.dram import DramConfig
 
 MiB = 1 << 20
 MODEL = ModelIdentity(
@@ -232,7 +232,7 @@ def _nvme_used(address: str) -> float:
 
 EMPTY = State(
     "from an empty store",
-    DramSettings().capacity_bytes,
+    DramConfig().capacity_bytes,
     blocks_per_writer=CYCLE_BLOCKS,
     pace_bytes_per_s=PACE_BYTES_PER_S,
 )

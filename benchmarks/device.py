@@ -69,7 +69,7 @@ def _blockwise(dst: torch.Tensor, src: torch.Tensor, size: int) -> Callable[[], 
 
 def bench_arena_copies(size: int, total: int, rounds: int) -> list[Result]:
     label = size_label(size)
-    tier = DramTier(DramConfig(capacity_bytes=total, page_bytes=max(size, 32 * MiB), pin_with_cuda=False))
+    tier = DramTier(DramConfig(capacity_bytes=total, page_bytes=max(size, 32 * MiB), pin_with_cuda="off"))
     pinned_map, plain_map = Arena.attach(tier.arena.name), Arena.attach(tier.arena.name)
     try:
         assert pinned_map.pin_with_cuda(), "cudaHostRegister refused the arena"
@@ -141,7 +141,7 @@ def bench_connector(blocks: int, rounds: int) -> list[Result]:
     copier = kv_layout.BlockCopier(caches, layouts, blocks)
     size = copier.block_bytes
     total = blocks * size
-    tier = DramTier(DramConfig(capacity_bytes=total, page_bytes=max(size, 32 * MiB), pin_with_cuda=False))
+    tier = DramTier(DramConfig(capacity_bytes=total, page_bytes=max(size, 32 * MiB), pin_with_cuda="off"))
     engine_map = Arena.attach(tier.arena.name)
     try:
         engine_map.pin_with_cuda()
@@ -310,7 +310,7 @@ def bench_hbm(size: int, total: int, rounds: int) -> list[Result]:
 
 
 def bench_registration(size_bytes: int) -> Result:
-    tier = DramTier(DramConfig(capacity_bytes=size_bytes, page_bytes=32 * MiB, pin_with_cuda=False))
+    tier = DramTier(DramConfig(capacity_bytes=size_bytes, page_bytes=32 * MiB, pin_with_cuda="off"))
     attached = Arena.attach(tier.arena.name)
     try:
         start = time.perf_counter()

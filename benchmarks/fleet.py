@@ -88,11 +88,11 @@ def measure_remotes(count: int, rounds: int) -> tuple[dict[str, RemoteFigures], 
     """The redis and kvstore remote tiers and a plain redis-py cluster client, same blocks."""
     from redis.cluster import RedisCluster
 
-    from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+    from kvstore.remote.nodes import KvStoreNodesTier
     from kvstore.store import Scope, tier_key
     from kvstore.store.model import shared_key_name
-    from tiers.redis_cluster import RedisClusterTier, RedisConfig
-    from tiers.remote import RemoteBlock
+    from tiers.redis_cluster import RedisClusterTier
+    from tiers.remote import RemoteBlock, RemoteConfig
 
     rng = np.random.default_rng(0)
     fp = bytes(range(32))
@@ -123,7 +123,7 @@ def measure_remotes(count: int, rounds: int) -> tuple[dict[str, RemoteFigures], 
         plain_put_rate = _rate(plain_put, total, rounds)
         plain_get_rate = _rate(plain_get, total, rounds)
         plain.close()
-        tier = RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_name=shared_key_name, timeout_s=10.0))
+        tier = RedisClusterTier(RemoteConfig(nodes=cluster.nodes, timeout_s=10.0), key_name=shared_key_name)
         try:
             _progress("remote tiers: the redis tier …")
             put_rate = _rate(lambda: tier.put_many(blocks), total, rounds)
@@ -134,7 +134,7 @@ def measure_remotes(count: int, rounds: int) -> tuple[dict[str, RemoteFigures], 
             tier.close()
     nodes = [bench_server(arena_bytes=max(256 << 20, 2 * total)) for _ in range(2)]
     try:
-        config = NodesConfig(tuple(n.tcp for n in nodes), {"t/local": TOKEN}, timeout_s=10.0)
+        config = RemoteConfig(nodes=tuple(n.tcp for n in nodes), tokens={"t/local": TOKEN}, timeout_s=10.0)
         ours = KvStoreNodesTier(config)
         try:
             _progress("remote tiers: the kvstore tier (two shared servers) …")

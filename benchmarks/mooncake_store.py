@@ -2,7 +2,7 @@
 master and one storage node (``mooncake_client``, which holds the segment blocks land in).
 
     with MooncakeStoreProcess(segment_mib=256) as store:
-        tier = MooncakeTier(MooncakeConfig(master=store.master, metadata_server=store.metadata_url))
+        tier = MooncakeTier(RemoteConfig(nodes=(store.master,), metadata_server=store.metadata_url))
         ...
         store.freeze()         # every process SIGSTOPped: a hung store
         store.stop_all()       # every process killed: a dead one

@@ -38,22 +38,24 @@ def _median_ms(samples: list[float]) -> str:
 
 def seal(rounds: int = 40) -> None:
     from benchmarks.redis_cluster import RedisClusterProcess
-    from tiers.redis_cluster import RedisClusterTier, RedisConfig
+    from tiers.redis_cluster import RedisClusterTier
+    from tiers.remote import RemoteConfig
 
     with RedisClusterProcess(masters=3) as cluster:
-        plain = RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_prefix=b"p:"))
-        sealed = RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_prefix=b"s:"))
+        plain = RedisClusterTier(RemoteConfig(nodes=cluster.nodes, key_prefix="p:"))
+        sealed = RedisClusterTier(RemoteConfig(nodes=cluster.nodes, key_prefix="s:"))
         _ab("redis (3 masters, 127.0.0.1)", plain, sealed, rounds)
 
 
 def seal_node(rounds: int = 40) -> None:
     from benchmarks.server_process import ServerProcess
-    from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+    from kvstore.remote.nodes import KvStoreNodesTier
+    from tiers.remote import RemoteConfig
 
     settings = {"server.tokens": "tok=bench", "nvme.enabled": "false", "dram.prefault": "false"}
     node = ServerProcess({**settings, "dram.capacity_bytes": "256MiB"}, tcp=True)
     try:
-        config = NodesConfig(nodes=(node.tcp,), tokens={"t/bench": "tok"}, timeout_s=10)
+        config = RemoteConfig(nodes=(node.tcp,), tokens={"t/bench": "tok"}, timeout_s=10)
         _ab("kvstore node (127.0.0.1)", KvStoreNodesTier(config), KvStoreNodesTier(config), rounds)
     finally:
         node.stop()
@@ -106,7 +108,7 @@ def wipe(rounds: int = 8, blocks: int = 256, size: int = 256 * 1024) -> None:
     def run(name: str, fn: Callable[..., bool]) -> None:
         Wiper.freed = fn  # type: ignore[method-assign]
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVSTORE_BENCH_DIR")) as folder:
-            tier = NvmeTier(NvmeConfig(path=Path(folder) / "nvme", capacity_bytes=2 * blocks * size))
+            tier = NvmeTier(NvmeConfig(path=str(Path(folder) / "nvme"), capacity_bytes=2 * blocks * size))
             try:
                 keys = [_key(i) for i in range(blocks)]
                 t0 = time.perf_counter()

@@ -66,6 +66,7 @@ from kvstore.keys import Fingerprint, ModelIdentity, block_keys
 from kvstore.server.serve import hold_full_collections
 from kvstore.store import Scope, StoreConfig, TieredStore
 from tiers import Codec, Tier, TierKey
+from tiers.cipher import BlockCipher  # cryptography itself is imported when one is made
 from tiers.codec import decode_into, encode
 from tiers.dram import Arena, DramConfig, DramTier
 from tiers.nvme import NvmeConfig, NvmeTier
@@ -303,8 +304,8 @@ class _NvmeRounds:
     """Timed rounds on one nvme tier config: ``write`` a fresh tier (incl. the final sync),
     ``read`` it back warm, ``read_cold`` after reopening with the page cache dropped."""
 
-    def __init__(self, config: NvmeConfig, w: _Working) -> None:
-        self.config, self.w = config, w
+    def __init__(self, config: NvmeConfig, w: _Working, cipher: BlockCipher | None = None) -> None:
+        self.config, self.w, self.cipher = config, w, cipher
         self.tier: NvmeTier | None = None
 
     def close(self) -> None:
@@ -315,7 +316,7 @@ class _NvmeRounds:
     def write(self) -> float:
         self.close()
         shutil.rmtree(self.config.path, ignore_errors=True)
-        tier = self.tier = NvmeTier(self.config)
+        tier = self.tier = NvmeTier(self.config, self.cipher)
         start = time.perf_counter()
         for i, k in enumerate(self.w.keys):
             tier.put(k, self.w.block(i), FP)
@@ -341,14 +342,17 @@ class _NvmeRounds:
     def read_cold(self) -> float:
         self.close()
         drop_page_cache(Path(self.config.path))
-        self.tier = NvmeTier(self.config)
+        self.tier = NvmeTier(self.config, self.cipher)
         return self.read()
 
 
 def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE) -> list[Result]:
     raw = _RawLmdb(folder / "raw", w)
     config = NvmeConfig(
-        path=folder / "tier", capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS, codec=codec
+        path=str(folder / "tier"),
+        capacity_bytes=w.total + 64 * MiB,
+        batch_max_blocks=BATCH_BLOCKS,
+        codec=codec,
     )
     tier = _NvmeRounds(config, w)
 
@@ -401,18 +405,14 @@ def bench_nvme(w: _Working, rounds: int, folder: Path, codec: Codec = Codec.NONE
 def bench_nvme_encryption(w: _Working, rounds: int, folder: Path) -> list[Result]:
     """nvme with AES-256-GCM at rest (``nvme.encryption_keys_dir``) against nvme without it,
     the same blocks, interleaved: write incl. the final sync, and warm reads."""
-    from tiers.cipher import BlockCipher
-
     plain = NvmeConfig(
-        path=folder / "plain", capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS
+        path=str(folder / "plain"), capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS
     )
     sealed = NvmeConfig(
-        path=folder / "sealed",
-        capacity_bytes=w.total + 64 * MiB,
-        batch_max_blocks=BATCH_BLOCKS,
-        cipher=BlockCipher(folder / "keys", lambda key: "bench"),
+        path=str(folder / "sealed"), capacity_bytes=w.total + 64 * MiB, batch_max_blocks=BATCH_BLOCKS
     )
-    encrypted, clear = _NvmeRounds(sealed, w), _NvmeRounds(plain, w)
+    encrypted = _NvmeRounds(sealed, w, BlockCipher(folder / "keys", lambda key: "bench"))
+    clear = _NvmeRounds(plain, w)
     try:
         write_s, ref_write = interleaved(encrypted.write, clear.write, rounds)
         encrypted.read(), clear.read()  # warm both maps

@@ -23,7 +23,8 @@ from tests.test_remote_contract import (
     check_put_contains_get,
     key,
 )
-from tiers.mooncake import MooncakeConfig, MooncakeTier
+from tiers.mooncake import MooncakeTier
+from tiers.remote import RemoteConfig
 
 pytestmark = pytest.mark.skipif(not in_private_netns(), reason="run by tests/test_remote_mooncake.py")
 
@@ -34,18 +35,19 @@ def store() -> Iterator[MooncakeStoreProcess]:
         yield s
 
 
-def config(store: MooncakeStoreProcess, **overrides: object) -> MooncakeConfig:
-    overrides.setdefault("key_name", shared_key_name)  # as the builder configures it
+def config(store: MooncakeStoreProcess, **overrides: object) -> RemoteConfig:
     overrides.setdefault("key_prefix", f"t{time.monotonic_ns()}:")  # each test its own keys
-    return MooncakeConfig(master=store.master, metadata_server=store.metadata_url, **overrides)  # type: ignore[arg-type]
+    return RemoteConfig(nodes=(store.master,), metadata_server=store.metadata_url, **overrides)  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def make_tier(store: MooncakeStoreProcess) -> Iterator[Callable[..., MooncakeTier]]:
     made: list[MooncakeTier] = []
 
-    def make(**overrides: object) -> MooncakeTier:
-        tier = MooncakeTier(config(store, **overrides))
+    def make(
+        key_name: Callable[[bytes], bytes] | None = shared_key_name, **overrides: object
+    ) -> MooncakeTier:
+        tier = MooncakeTier(config(store, **overrides), key_name=key_name)  # key_name: as the builder does
         made.append(tier)
         return tier
 
@@ -150,7 +152,7 @@ def test_a_dead_store_means_misses_and_backoff_never_errors_or_stalls() -> None:
 
 def test_a_store_that_is_down_at_start_is_not_an_error() -> None:
     tier = MooncakeTier(
-        MooncakeConfig(master="127.0.0.1:1", metadata_server="http://127.0.0.1:1/metadata", timeout_s=2.0)
+        RemoteConfig(nodes=("127.0.0.1:1",), metadata_server="http://127.0.0.1:1/metadata", timeout_s=2.0)
     )
     try:
         started = time.monotonic()
@@ -164,12 +166,14 @@ def test_a_store_that_is_down_at_start_is_not_an_error() -> None:
 
 
 def test_config_refuses_what_cannot_work() -> None:
-    with pytest.raises(ValueError, match="host:port"):
-        MooncakeConfig(master="nowhere", metadata_server="http://127.0.0.1:1/metadata")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        RemoteConfig(nodes=("nowhere",), metadata_server="http://127.0.0.1:1/metadata")
     with pytest.raises(ValueError, match="metadata_server"):
-        MooncakeConfig(master="127.0.0.1:1", metadata_server="")
+        MooncakeTier(RemoteConfig(nodes=("127.0.0.1:1",), metadata_server=""))
+    with pytest.raises(ValueError, match="needs one"):
+        MooncakeTier(RemoteConfig(nodes=("127.0.0.1:1", "127.0.0.1:2"), metadata_server="http://x/metadata"))
     with pytest.raises(ValueError, match="tcp or rdma"):
-        MooncakeConfig(master="127.0.0.1:1", metadata_server="http://x/metadata", protocol="udp")
+        RemoteConfig(nodes=("127.0.0.1:1",), metadata_server="http://x/metadata", protocol="udp")
 
 
 def test_a_prefix_stored_through_one_sidecar_is_restored_through_the_other(

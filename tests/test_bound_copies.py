@@ -26,13 +26,13 @@ from benchmarks.server_process import ServerProcess
 from kvstore.client import Client, connect
 from kvstore.client.dataport import DataPortClient
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+from kvstore.remote.nodes import KvStoreNodesTier
 from kvstore.store import Scope, tier_key
 from kvstore.wire import END, OK_FRAME, recv_exact
 from tiers import Codec, TierKey
 from tiers.dram import Arena
 from tiers.nvme import NvmeConfig, NvmeTier
-from tiers.remote import RemoteBlock
+from tiers.remote import RemoteBlock, RemoteConfig
 
 FP = Fingerprint(bytes(range(32)))
 OTHER_FP = Fingerprint(bytes(reversed(range(32))))
@@ -157,7 +157,7 @@ def node() -> Iterator[ServerProcess]:
 
 def sidecar(node: ServerProcess) -> KvStoreNodesTier:
     """A sidecar's remote tier, fresh: nothing of it cached from an earlier one."""
-    return KvStoreNodesTier(NodesConfig(nodes=(node.tcp,), tokens={"t/local": "tok-l"}))
+    return KvStoreNodesTier(RemoteConfig(nodes=(node.tcp,), tokens={"t/local": "tok-l"}))
 
 
 def flip_in_arena(kv: Client, block: bytes) -> None:

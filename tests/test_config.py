@@ -8,6 +8,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.server.config import GiB, MiB, Settings, load_settings, parse_size
+from tiers import Codec
 
 
 def test_defaults_make_a_useful_sidecar() -> None:
@@ -58,7 +59,7 @@ def test_environment_reaches_every_section() -> None:
     )
     assert s.data_dir == "/d" and s.hbm.enabled and s.store.write_through
     assert s.store.quota_bytes == {"a": MiB, "b": 2 * MiB}
-    assert s.nvme.codec == "zstd-byteplane"
+    assert s.nvme.codec is Codec.ZSTD_BYTEPLANE
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def arena_name() -> Iterator[str]:
 
 
 def _journaled_dram(name: str) -> DramTier:
-    return DramTier(DramConfig(4 * BLOCK, BLOCK, name, prefault=False, pin_with_cuda=False, journal=True))
+    return DramTier(DramConfig(4 * BLOCK, BLOCK, prefault=False, pin_with_cuda="off"), name)
 
 
 def test_a_demoted_blocks_slot_stays_salvageable_until_nvme_has_written_it(

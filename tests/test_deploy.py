@@ -30,7 +30,6 @@ import pytest
 from kvstore.cli.main import build_parser
 from kvstore.server.auth import read_tokens_file
 from kvstore.server.config import Settings, load_settings, parse_size
-from tiers.nvme import NvmeConfig
 
 try:
     import kubernetes_validate
@@ -228,7 +227,7 @@ def test_volumes_and_limits_hold_what_the_settings_ask(role: str, request: pytes
     assert dm.quantity(resources["limits"]["memory"]) >= arena + dm.PROCESS_HEADROOM_BYTES
     assert resources["requests"]["memory"] == resources["limits"]["memory"]  # never the one evicted
     # LMDB maps what the nvme tier asks; a disk short of it degrades the tier when it fills.
-    map_bytes = NvmeConfig(settings.nvme_path, settings.nvme.capacity_bytes).effective_map_size_bytes
+    map_bytes = settings.nvme.effective_map_size_bytes
     data_volume = dm.mounts(kv)[settings.data_dir]
     claims = {c["metadata"]["name"]: c for c in workload["spec"].get("volumeClaimTemplates", [])}
     if data_volume in claims:

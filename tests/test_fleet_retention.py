@@ -20,11 +20,12 @@ from benchmarks.redis_cluster import RedisClusterProcess
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+from kvstore.remote.nodes import KvStoreNodesTier
 from kvstore.store.model import Scope, shared_key_name, tier_key
 from tests.service_fixtures import MODEL, process_settings
 from tests.test_remote_contract import check_an_expired_copy_is_a_counted_miss
 from tests.test_service import blocks_for, chain
+from tiers.remote import RemoteConfig
 
 RETENTION_S = 3.0
 MARGIN_S = 0.3  # past the deadline before looking: the clocks of two processes, a sweep's turn
@@ -152,7 +153,7 @@ def _redis_key(remote: dict[str, str], fp: Fingerprint, key: BlockKey) -> bytes:
 
 def test_a_node_copy_past_its_retention_is_a_counted_miss_and_deleted_there(node: ServerProcess) -> None:
     """The sidecar's own check, whatever the node's retention: the birth in the value's header."""
-    tier = KvStoreNodesTier(NodesConfig(nodes=(node.tcp,), tokens={"t/local": "tok-a"}))
+    tier = KvStoreNodesTier(RemoteConfig(nodes=(node.tcp,), tokens={"t/local": "tok-a"}))
     try:
         check_an_expired_copy_is_a_counted_miss(tier, "t/local")
     finally:

@@ -35,9 +35,7 @@ def test_replay_follows_commits_and_frees_and_stops_at_a_torn_tail(tmp_path: Pat
 
 def test_compaction_keeps_exactly_the_live_blocks(tmp_path: Path) -> None:
     name = f"kvstore-test-{os.getpid()}-compact"
-    tier = DramTier(
-        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, arena_name=name, prefault=False, journal=True)
-    )
+    tier = DramTier(DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False), name)
     try:
         assert tier._journal is not None
         tier._journal.compact_bytes = 4096  # compact after a few dozen records
@@ -57,9 +55,7 @@ def test_compaction_keeps_exactly_the_live_blocks(tmp_path: Path) -> None:
 
 def test_salvage_sees_committed_slots_only(tmp_path: Path) -> None:
     name = f"kvstore-test-{os.getpid()}-salvage"
-    tier = DramTier(
-        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, arena_name=name, prefault=False, journal=True)
-    )
+    tier = DramTier(DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False), name)
     try:
         tier.put(key(1), b"a" * 4096, FP)
         tier.put(key(2), b"b" * 4096, FP)
@@ -140,9 +136,7 @@ def test_frees_in_a_batch_are_written_at_its_end_or_before_a_slot_is_handed_out(
     write, and always before any slot is handed out again, so a salvage never takes a slot's
     new bytes for the block it held before."""
     name = f"kvstore-test-{os.getpid()}-batch"
-    tier = DramTier(
-        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, arena_name=name, prefault=False, journal=True)
-    )
+    tier = DramTier(DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False), name)
     path = tier.arena.path_of(name) + JOURNAL_SUFFIX
     try:
         for i in range(4):

@@ -402,7 +402,7 @@ def test_a_mapping_the_driver_refuses_to_pin_is_asked_once(monkeypatch: pytest.M
     monkeypatch.setattr(cuda, "cuda_available", lambda: True)
     monkeypatch.setattr(cuda, "pin_host_memory", lambda address, size: asked.append(size) is not None)
     tier = DramTier(
-        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False, pin_with_cuda=False)
+        DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False, pin_with_cuda="off")
     )
     attached = Arena.attach(tier.arena.name)
     try:

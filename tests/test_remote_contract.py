@@ -13,8 +13,8 @@ import redis
 from benchmarks.redis_cluster import RedisClusterProcess
 from kvstore.store.model import shared_key_name
 from tiers import TierKey
-from tiers.redis_cluster import RedisClusterTier, RedisConfig
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, frame, unframe
+from tiers.redis_cluster import RedisClusterTier
+from tiers.remote import Backoff, RemoteBlock, RemoteConfig, RemoteTier, frame, unframe
 
 FP = bytes(range(32))
 OTHER_FP = bytes(reversed(range(32)))
@@ -39,12 +39,13 @@ def cluster() -> Iterator[RedisClusterProcess]:
 @pytest.fixture
 def make_tier(cluster: RedisClusterProcess) -> Iterator[Callable[..., RemoteTier]]:
     made: list[RemoteTier] = []
-    prefix = f"t{time.monotonic_ns()}:".encode()  # each test its own keys on the shared cluster
+    prefix = f"t{time.monotonic_ns()}:"  # each test its own keys on the shared cluster
 
-    def make(**overrides: object) -> RemoteTier:
-        overrides.setdefault("key_name", shared_key_name)  # as the builder configures it
-        config = RedisConfig(nodes=cluster.nodes, key_prefix=prefix, **overrides)  # type: ignore[arg-type]
-        tier = RedisClusterTier(config)
+    def make(
+        key_name: Callable[[bytes], bytes] | None = shared_key_name, password: str = "", **overrides: object
+    ) -> RemoteTier:
+        config = RemoteConfig(nodes=cluster.nodes, key_prefix=prefix, **overrides)  # type: ignore[arg-type]
+        tier = RedisClusterTier(config, password, key_name=key_name)  # key_name: as the builder does
         made.append(tier)
         return tier
 
@@ -228,7 +229,7 @@ def test_a_tenant_user_cannot_read_another_tenants_keys(
     prefix = admin.config.key_prefix  # type: ignore[attr-defined]
     theirs = block(key("t/tenant-b", 1))
     assert admin.put_many([theirs]) == 1
-    pattern = prefix + b"t/tenant-a:*"  # the README's pattern: the namespace in plain text
+    pattern = prefix.encode() + b"t/tenant-a:*"  # the README's pattern: the namespace in plain text
     for node in cluster.nodes:  # ACLs are per node in a cluster
         host, _, port = node.rpartition(":")
         with redis.Redis(host=host, port=int(port)) as r:
@@ -249,7 +250,7 @@ def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
     make_tier: Callable[..., RemoteTier],
 ) -> None:
     with RedisClusterProcess(masters=3) as doomed:
-        tier = RedisClusterTier(RedisConfig(nodes=doomed.nodes, timeout_s=0.5, backoff_s=30.0))
+        tier = RedisClusterTier(RemoteConfig(nodes=doomed.nodes, timeout_s=0.5, backoff_s=30.0))
         try:
             b = block(key("a", 1))
             assert tier.put_many([b]) == 1
@@ -271,7 +272,7 @@ def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
 
 def test_a_hung_cluster_costs_one_timeout_then_nothing_and_comes_back() -> None:
     with RedisClusterProcess(masters=3) as hung:
-        tier = RedisClusterTier(RedisConfig(nodes=hung.nodes, timeout_s=0.5, backoff_s=1.0))
+        tier = RedisClusterTier(RemoteConfig(nodes=hung.nodes, timeout_s=0.5, backoff_s=1.0))
         try:
             b = block(key("a", 1))
             assert tier.put_many([b]) == 1
@@ -293,7 +294,7 @@ def test_a_hung_cluster_costs_one_timeout_then_nothing_and_comes_back() -> None:
 
 
 def test_a_cluster_that_is_down_at_start_is_not_an_error() -> None:
-    tier = RedisClusterTier(RedisConfig(nodes=("127.0.0.1:1",), timeout_s=0.2))
+    tier = RedisClusterTier(RemoteConfig(nodes=("127.0.0.1:1",), timeout_s=0.2))
     try:
         assert tier.contains([key("a", 1)]) == [False]
         assert tier.get_many([key("a", 1)], FP) == [None]
@@ -323,8 +324,8 @@ def test_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
 
 def test_config_refuses_what_cannot_work() -> None:
     with pytest.raises(ValueError, match="at least one node"):
-        RedisConfig(nodes=())
-    with pytest.raises(ValueError, match="host:port"):
-        RedisConfig(nodes=("localhost",))
+        RedisClusterTier(RemoteConfig(nodes=()))
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        RemoteConfig(nodes=("localhost",))
     with pytest.raises(ValueError, match="timeout_s"):
-        RedisConfig(nodes=("127.0.0.1:7000",), timeout_s=0)
+        RemoteConfig(nodes=("127.0.0.1:7000",), timeout_s=0)

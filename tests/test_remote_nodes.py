@@ -13,14 +13,14 @@ import pytest
 
 from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
+from kvstore.remote.nodes import KvStoreNodesTier
 from kvstore.remote.rendezvous import Rendezvous
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
 from kvstore.store import Scope, tier_key
 from tests.service_fixtures import settings_for
 from tiers import TierKey
-from tiers.remote import RemoteBlock
+from tiers.remote import RemoteBlock, RemoteConfig
 
 FP = Fingerprint(bytes(range(32)))
 OTHER_FP = Fingerprint(bytes(reversed(range(32))))
@@ -64,7 +64,7 @@ def nodes() -> Iterator[list[Node]]:
 
 @pytest.fixture
 def tier(nodes: list[Node]) -> Iterator[KvStoreNodesTier]:
-    t = KvStoreNodesTier(NodesConfig(nodes=tuple(n.address for n in nodes), tokens=TOKENS))
+    t = KvStoreNodesTier(RemoteConfig(nodes=tuple(n.address for n in nodes), tokens=TOKENS))
     yield t
     t.close()
 
@@ -111,10 +111,10 @@ def test_blocks_spread_over_the_nodes_and_come_back(tier: KvStoreNodesTier, node
 
 def test_tenants_stay_apart_on_the_shared_nodes(nodes: list[Node]) -> None:
     addresses = tuple(n.address for n in nodes)
-    a = KvStoreNodesTier(NodesConfig(nodes=addresses, tokens={"t/tenant-a": "tok-a"}))
+    a = KvStoreNodesTier(RemoteConfig(nodes=addresses, tokens={"t/tenant-a": "tok-a"}))
     # tenant-b's sidecar, whose configuration maps tenant-a's namespace to tenant-b's token:
     # the nodes still file its blocks under tenant-b, so it cannot reach tenant-a's
-    b = KvStoreNodesTier(NodesConfig(nodes=addresses, tokens={"t/tenant-a": "tok-b"}))
+    b = KvStoreNodesTier(RemoteConfig(nodes=addresses, tokens={"t/tenant-a": "tok-b"}))
     try:
         secret = block(key("t/tenant-a", 4242))
         assert a.put_many([secret]) == 1
@@ -146,7 +146,7 @@ def test_delete_and_invalidate_reach_the_nodes(tier: KvStoreNodesTier) -> None:
 def test_a_dead_node_means_misses_for_its_share_and_a_backoff() -> None:
     trio = [Node() for _ in range(3)]
     tier = KvStoreNodesTier(
-        NodesConfig(nodes=tuple(n.address for n in trio), tokens=TOKENS, timeout_s=0.5, backoff_s=30.0)
+        RemoteConfig(nodes=tuple(n.address for n in trio), tokens=TOKENS, timeout_s=0.5, backoff_s=30.0)
     )
     try:
         blocks = [block(key("t/tenant-a", i)) for i in range(30)]
@@ -178,8 +178,8 @@ def test_a_dead_node_means_misses_for_its_share_and_a_backoff() -> None:
 
 def test_config_refuses_what_cannot_work() -> None:
     with pytest.raises(ValueError, match="at least one node"):
-        NodesConfig(nodes=())
+        KvStoreNodesTier(RemoteConfig(nodes=()))
     with pytest.raises(ValueError, match="keyed by namespace"):
-        NodesConfig(nodes=("127.0.0.1:7070",), tokens={"tenant-a": "tok-a"})
+        RemoteConfig(nodes=("127.0.0.1:7070",), tokens={"tenant-a": "tok-a"})
     with pytest.raises(ValueError, match="distinct"):
         Rendezvous(["a", "a"])

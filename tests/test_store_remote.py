@@ -15,8 +15,8 @@ from kvstore.store import Scope, StoreConfig, TieredStore
 from kvstore.store.model import shared_key_name
 from tests.test_store_restart import BLOCK, FP, chain, data
 from tiers.dram import DramConfig, DramTier
-from tiers.redis_cluster import RedisClusterTier, RedisConfig
-from tiers.remote import RemoteTier
+from tiers.redis_cluster import RedisClusterTier
+from tiers.remote import RemoteConfig, RemoteTier
 
 A = Scope("t/tenant-a", FP)
 B = Scope("t/tenant-b", FP)
@@ -35,12 +35,12 @@ def sidecar(remote: RemoteTier, dram_blocks: int = 32, queue_bytes: int = 64 * B
 
 @pytest.fixture
 def pair(cluster: RedisClusterProcess) -> Iterator[tuple[TieredStore, TieredStore]]:
-    prefix = f"s{time.monotonic_ns()}:".encode()  # each test its own keys on the shared cluster
+    prefix = f"s{time.monotonic_ns()}:"  # each test its own keys on the shared cluster
     one = sidecar(
-        RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_prefix=prefix, key_name=shared_key_name))
+        RedisClusterTier(RemoteConfig(nodes=cluster.nodes, key_prefix=prefix), key_name=shared_key_name)
     )
     two = sidecar(
-        RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_prefix=prefix, key_name=shared_key_name))
+        RedisClusterTier(RemoteConfig(nodes=cluster.nodes, key_prefix=prefix), key_name=shared_key_name)
     )
     yield one, two
     one.close()
@@ -119,7 +119,7 @@ def test_deletion_and_invalidation_reach_the_shared_copies(pair: tuple[TieredSto
 
 def test_a_full_queue_drops_and_counts_and_never_blocks_a_put(cluster: RedisClusterProcess) -> None:
     store = sidecar(
-        RedisClusterTier(RedisConfig(nodes=cluster.nodes, key_prefix=b"q:")),
+        RedisClusterTier(RemoteConfig(nodes=cluster.nodes, key_prefix="q:")),
         dram_blocks=96,
         queue_bytes=2 * BLOCK,
     )
@@ -139,7 +139,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_a_put(cluster: RedisClus
 
 def test_a_dead_shared_store_means_local_hits_and_misses_never_errors() -> None:
     with RedisClusterProcess(masters=3) as doomed:
-        store = sidecar(RedisClusterTier(RedisConfig(nodes=doomed.nodes, timeout_s=0.3, backoff_s=30.0)))
+        store = sidecar(RedisClusterTier(RemoteConfig(nodes=doomed.nodes, timeout_s=0.3, backoff_s=30.0)))
         try:
             keys = chain(4, "local")
             store.put(A, keys, [data(k) for k in keys])
@@ -161,13 +161,13 @@ def test_a_block_read_through_keeps_its_birth_and_leaves_on_time(cluster: RedisC
     from two's dram by the sweep at t0 + 2.1 (counted), though two stored a chain of its own
     at t0 + 0.5 that is still due later: the read-through block took its place in the sweep's
     order by its birth, not at the back of the queue (where it would wait for that chain)."""
-    prefix = f"s{time.monotonic_ns()}:".encode()
+    prefix = f"s{time.monotonic_ns()}:"
     config = StoreConfig(retention_s={A.namespace: 2.0})
 
     def retained() -> TieredStore:
         dram = DramTier(DramConfig(capacity_bytes=32 * BLOCK, page_bytes=BLOCK, prefault=False))
         remote = RedisClusterTier(
-            RedisConfig(nodes=cluster.nodes, key_prefix=prefix, key_name=shared_key_name)
+            RemoteConfig(nodes=cluster.nodes, key_prefix=prefix), key_name=shared_key_name
         )
         return TieredStore([dram], config, remote=remote, remote_queue_bytes=64 * BLOCK)
 

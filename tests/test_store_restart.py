@@ -140,9 +140,7 @@ def test_a_killed_servers_blocks_keep_their_birth_time_in_the_journal() -> None:
     count again from the restart."""
     name = f"kvstore-test-{os.getpid()}-birth"
     born = 1_800_000_000.0
-    dram = DramTier(
-        DramConfig(capacity_bytes=16 * BLOCK, page_bytes=BLOCK, arena_name=name, prefault=False, journal=True)
-    )
+    dram = DramTier(DramConfig(capacity_bytes=16 * BLOCK, page_bytes=BLOCK, prefault=False), name)
     store = TieredStore([dram], StoreConfig(), wall_clock=lambda: born)
     try:
         written, put = chain(2, "in place"), chain(2, "put")

@@ -50,12 +50,8 @@ def make_nvme_encrypted(folder: Path, capacity_bytes: int) -> Tier:
 
     cipher = BlockCipher(folder / "keys", lambda key: bytes(key[:1]).hex())
     return NvmeTier(
-        NvmeConfig(
-            path=str(folder / "nvme"),
-            capacity_bytes=capacity_bytes,
-            codec=Codec.ZSTD_BYTEPLANE,
-            cipher=cipher,
-        )
+        NvmeConfig(path=str(folder / "nvme"), capacity_bytes=capacity_bytes, codec=Codec.ZSTD_BYTEPLANE),
+        cipher=cipher,
     )
 
 

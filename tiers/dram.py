@@ -3,8 +3,7 @@
 The arena is a file in ``/dev/shm`` (mode 0600) created and faulted in once at start, so that
 every later copy lands in warm memory. Another process on the same host maps it by name with
 ``Arena.attach`` and reads or writes block bytes in place: the service hands out slot offsets
-(``reserve``/``commit``, ``locate``) and never copies the bytes itself. With CUDA present the
-arena is registered as pinned memory so host-to-device copies from it run at DMA speed.
+(``reserve``/``commit``, ``locate``) and never copies the bytes itself.
 
 Lifetime: the tier that created the arena unlinks it on close(); an attached process keeps its
 mapping until it closes its ``Arena``. A process killed before close() leaves the file behind.
@@ -18,8 +17,10 @@ killed process's arena is gone at the next start instead of filling ``/dev/shm``
 Pinning is per process: CUDA registers a process's mapping, not the file, so the server's
 registration does nothing for an engine that attached the same arena. Each process that copies
 between the arena and a GPU calls ``Arena.pin_with_cuda`` on its own mapping (the tier does for
-the server's; a client does for an engine whose caches are on a GPU); ``close`` unregisters it
-before unmapping. Before creating
+the server's when the hbm tier copies to and from it, and only then by default: registering
+opens a CUDA context and pins every page, ~1 s per 4 GiB; a client does for an engine whose
+caches are on a GPU, and that is the mapping an engine's restores copy out of); ``close``
+unregisters it before unmapping. Before creating
 the file, ``create`` checks that ``/dev/shm`` has room (``ArenaNoRoom`` otherwise) and reserves
 the pages with ``posix_fallocate``, so a full ``/dev/shm`` is an error at start, never a SIGBUS
 while faulting in or later mid-copy. Buffers returned by ``Arena.view`` are valid until that
@@ -42,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -49,7 +51,7 @@ from tiers import cuda
 from tiers.base import BytesLike, Slot, TierKey
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
-from tiers.slab import SlabEntry, SlabTier
+from tiers.slab import SlabEntry, SlabTier, check_pool
 
 try:
     from tiers import _gather  # type: ignore[attr-defined]
@@ -68,12 +70,21 @@ POPULATE_STEP_BYTES = 64 << 20  # one madvise call of the background populate
 
 @dataclass(frozen=True)
 class DramConfig:
+    """The shared-memory arena in /dev/shm that same-host engines map and copy blocks in and out of."""
+
+    # Size of the arena, checked against /dev/shm's free room at start
     capacity_bytes: int = 1 << 30
-    page_bytes: int = 32 << 20
-    arena_name: str | None = None  # default: unnamed (kvstore-tmp-<pid>-<random>), swept once dead
-    prefault: bool = True
-    pin_with_cuda: bool = True
-    journal: bool = False  # keep <arena>.journal so a dead server's blocks can be salvaged
+    page_bytes: int = 32 << 20  # the arena's page; the largest block must fit in one run of pages
+    prefault: bool = True  # touch every page at start, so restores land in warm memory
+    # Register the server's mapping with CUDA as pinned memory: "auto" only when the hbm tier is
+    # on (its copies are the server's only ones to and from a GPU; an engine registers its own
+    # mapping, which is what its restores copy from), so the server touches no GPU otherwise
+    pin_with_cuda: Literal["auto", "on", "off"] = "auto"
+    journal: bool = True  # record committed slots so a killed server's blocks are salvaged
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
+
+    def __post_init__(self) -> None:
+        check_pool(self.capacity_bytes, self.page_bytes, "dram.")
 
 
 class Arena:
@@ -299,22 +310,28 @@ class DramTier(SlabTier):
 
     name = "dram"
 
-    def __init__(self, config: DramConfig) -> None:
+    def __init__(self, config: DramConfig, arena_name: str | None = None, gpu_copies: bool = False) -> None:
+        """``arena_name``: the data folder's arena, journaled (``config.journal``) so a dead
+        server's blocks can be salvaged; None: an unnamed one (kvstore-tmp-<pid>-<random>), swept
+        once its owner is dead, with nothing to salvage. ``gpu_copies``: a tier in this process
+        copies between the arena and a GPU (hbm), which is when ``pin_with_cuda = "auto"`` pins."""
         super().__init__(config.capacity_bytes, config.page_bytes)
+        self.config = config
         capacity = self._alloc.capacity_bytes
-        if config.arena_name:
-            self.arena = Arena.create(config.arena_name, capacity, prefault=config.prefault)
+        journaled = config.journal and bool(arena_name)
+        if arena_name:
+            self.arena = Arena.create(arena_name, capacity, prefault=config.prefault)
         else:
             self.arena = Arena.create_unnamed(capacity, prefault=config.prefault)
         arena_name = self.arena.name
-        if config.pin_with_cuda:
+        if config.pin_with_cuda == "on" or (config.pin_with_cuda == "auto" and gpu_copies):
             self.arena.pin_with_cuda()
-        self._journal = Journal(Arena.path_of(arena_name) + JOURNAL_SUFFIX) if config.journal else None
+        self._journal = Journal(Arena.path_of(arena_name) + JOURNAL_SUFFIX) if journaled else None
         log.info(
             "dram arena %s: %d B, %s",
             arena_name,
             self.arena.size_bytes,
-            "pinned with CUDA" if self.arena.pinned else "not pinned (no CUDA)",
+            "pinned with CUDA" if self.arena.pinned else "not pinned",
         )
 
     @property

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tiers.base import BytesLike, Slot
 from tiers.errors import TierUnavailable
-from tiers.slab import SlabTier
+from tiers.slab import SlabTier, check_pool
+
+if TYPE_CHECKING:
+    import torch
 
 # torch warns once that a read-only host buffer (bytes) could be written through the tensor; the
 # tier only ever reads from it.
@@ -24,9 +26,18 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 @dataclass(frozen=True)
 class HbmConfig:
-    capacity_bytes: int = 1 << 30
-    page_bytes: int = 32 << 20
-    device: str = "cuda"
+    """A GPU memory pool tier above the arena (CUDA only; off unless enabled). Declared without
+    torch, which the tier imports when it is built: a server without it never loads torch."""
+
+    enabled: bool = False  # needs CUDA; the store logs why it is absent
+    capacity_bytes: int = 4 << 30  # the pool's size
+    page_bytes: int = 32 << 20  # the pool's page
+    device: str = "cuda"  # torch device of the pool
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            check_pool(self.capacity_bytes, self.page_bytes, "hbm.")
 
 
 class HbmTier(SlabTier):
@@ -35,6 +46,10 @@ class HbmTier(SlabTier):
     name = "hbm"
 
     def __init__(self, config: HbmConfig) -> None:
+        import torch
+
+        self._torch = torch
+        self.config = config
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise TierUnavailable("the hbm tier needs CUDA, and torch sees no CUDA device")
@@ -49,15 +64,17 @@ class HbmTier(SlabTier):
     def _write(self, slot: Slot, payload: BytesLike) -> None:
         if slot.size_bytes == 0:
             return
+        torch = self._torch
         self.slot_tensor(slot).copy_(torch.frombuffer(payload, dtype=torch.uint8))
 
     def _read(self, slot: Slot, out: memoryview) -> None:
         if slot.size_bytes == 0:
             return
+        torch = self._torch
         host = torch.frombuffer(out, dtype=torch.uint8)[: slot.size_bytes]
         host.copy_(self.slot_tensor(slot))
 
     def _release_region(self) -> None:
         del self.pool
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self._torch.cuda.empty_cache()

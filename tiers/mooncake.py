@@ -47,11 +47,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiers.base import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, served
+from tiers.remote import Backoff, RemoteBlock, RemoteConfig, RemoteTier, RemoteUsage, frame, served
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +59,23 @@ _THREADS = 4
 _LOCAL_BUFFER_BYTES = 64 << 20  # the client's staging buffer for transfers
 
 
-@dataclass(frozen=True)
-class MooncakeConfig:
-    master: str  # host:port of the master's RPC service
-    metadata_server: str  # the transfer engine's metadata: "http://host:port/metadata", etcd, ...
-    local_hostname: str = "127.0.0.1"  # the address this client's transfer engine advertises
-    protocol: str = "tcp"  # or "rdma" (with rdma_devices)
-    rdma_devices: str = ""
-    key_prefix: str = "kvs:"
-    timeout_s: float = 1.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    key_name: Callable[[bytes], bytes] | None = None  # tier key (or a prefix of one) -> its name
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.master.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"the mooncake master is host:port, got {self.master!r}")
-        if not self.metadata_server:
-            raise ValueError("the mooncake tier needs metadata_server (http://host:port/metadata)")
-        if self.protocol not in ("tcp", "rdma"):
-            raise ValueError(f"mooncake protocol is tcp or rdma, got {self.protocol!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-
-
 class MooncakeTier(RemoteTier):
     name = "mooncake"
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(self, config: RemoteConfig, key_name: Callable[[bytes], bytes] | None = None) -> None:
+        """``config.nodes``: the master alone; ``key_name``: a tier key (or a prefix of one) ->
+        its name (default: the key in hex). What only this backend needs is checked here."""
+        if len(config.nodes) != 1:
+            raise ValueError(
+                f"remote.backend = mooncake needs one remote.nodes: the master, got {config.nodes}"
+            )
+        if not config.metadata_server:
+            raise ValueError("the mooncake tier needs remote.metadata_server (http://host:port/metadata)")
+        if config.ttl_s > 0:
+            raise ValueError("remote.ttl_s: Mooncake has no per-key expiry; its eviction is the retention")
         self.config = config
+        self.master = config.nodes[0]
+        self._key_name = key_name
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvstore-mooncake")
         self._busy = 0  # calls on the pool, finished or not
@@ -175,9 +161,9 @@ class MooncakeTier(RemoteTier):
         namespace's percent-encoding keeps out of it), then the rest in hex; with no
         ``key_name``, the whole key in hex. Either way a prefix of a key names a prefix of its
         string."""
-        if self.config.key_name is None:
+        if self._key_name is None:
             return self.config.key_prefix + bytes(raw).hex()
-        plain, sep, rest = self.config.key_name(raw).partition(b":")
+        plain, sep, rest = self._key_name(raw).partition(b":")
         if not sep:  # a name without a plain part
             return self.config.key_prefix + plain.hex()
         return self.config.key_prefix + plain.decode("ascii") + ":" + rest.hex()
@@ -229,13 +215,20 @@ class MooncakeTier(RemoteTier):
         from mooncake.store import MooncakeDistributedStore  # the mooncake extra
 
         c = self.config
-        _probe(c)  # setup holds the GIL while it retries a dead master (90 s measured): not blind
+        # setup holds the GIL while it retries a dead master (90 s measured): not blind
+        _probe(c, self.master)
         store = MooncakeDistributedStore()
         code = store.setup(
-            c.local_hostname, c.metadata_server, 0, _LOCAL_BUFFER_BYTES, c.protocol, c.rdma_devices, c.master
+            c.local_hostname,
+            c.metadata_server,
+            0,
+            _LOCAL_BUFFER_BYTES,
+            c.protocol,
+            c.rdma_devices,
+            self.master,
         )
         if code != 0:
-            raise RuntimeError(f"the mooncake client's setup answered {code} (master {c.master})")
+            raise RuntimeError(f"the mooncake client's setup answered {code} (master {self.master})")
         with self._lock:
             if self._store is None and not self._closed:
                 self._store = store
@@ -252,10 +245,10 @@ class MooncakeTier(RemoteTier):
         self._backoff.failed()
 
 
-def _probe(config: MooncakeConfig) -> None:
+def _probe(config: RemoteConfig, master: str) -> None:
     """Raise OSError unless the master accepts a connection and an HTTP metadata server answers,
     each within ``timeout_s``."""
-    host, _, port = config.master.rpartition(":")
+    host, _, port = master.rpartition(":")
     socket.create_connection((host, int(port)), timeout=config.timeout_s).close()
     url = urllib.parse.urlsplit(config.metadata_server)
     if url.scheme not in ("http", "https"):

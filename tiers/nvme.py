@@ -103,35 +103,41 @@ Durability = Literal["cache", "durable"]
 
 @dataclass(frozen=True)
 class NvmeConfig:
-    """Configuration of one ``nvme`` tier; ``path`` is a folder the tier owns."""
+    """The LMDB tier on local disk: the long tail below the arena, and what survives a restart."""
 
-    path: str | Path
-    capacity_bytes: int
+    enabled: bool = True  # keep an nvme tier
+    path: str = ""  # its folder, which the tier owns; "": <data_dir>/nvme
+    capacity_bytes: int = 16 << 30  # bytes of blocks it may hold (the LMDB map is sparse and larger)
+    # cache: fast flags, synced every sync_interval_s (a power loss loses the writes since);
+    # durable: every transaction synced. No torn block is readable in either
     durability: Durability = "cache"
-    sync_interval_s: float = 1.0
-    batch_max_blocks: int = 64
-    batch_max_bytes: int = 32 * MiB
-    max_pending_bytes: int = 64 * MiB  # also what the buffer pool keeps for reuse
+    sync_interval_s: float = 1.0  # how often cache mode syncs
+    # zstd-byteplane compresses only the high bytes of bf16 values
     codec: Codec = Codec.NONE
-    zstd_level: int = DEFAULT_ZSTD_LEVEL
-    map_size_bytes: int | None = None  # None: 2 * capacity + 64 MiB
-    cipher: BlockCipher | None = None  # encryption at rest (after the codec); None: plain
+    zstd_level: int = DEFAULT_ZSTD_LEVEL  # zstd level for the codecs
+    encryption_keys_dir: str = ""  # AES-256-GCM at rest, a key file per tenant here; "" = off
+    batch_max_blocks: int = 64  # puts committed in one write transaction, at most
+    batch_max_bytes: int = 32 * MiB  # bytes committed in one write transaction, at most
+    # Puts queued for the disk; beyond: refused as busy (also what the buffer pool keeps for reuse)
+    max_pending_bytes: int = 64 * MiB
+    map_size_bytes: int = 0  # the LMDB map (sparse); 0: 2 * capacity_bytes + 64MiB
+    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+            raise ValueError(f"nvme.capacity_bytes must be positive, got {self.capacity_bytes}")
         if self.durability not in ("cache", "durable"):
-            raise ValueError(f"durability must be 'cache' or 'durable', got {self.durability!r}")
+            raise ValueError(f"nvme.durability must be 'cache' or 'durable', got {self.durability!r}")
         if self.sync_interval_s <= 0 or self.batch_max_blocks <= 0 or self.batch_max_bytes <= 0:
-            raise ValueError("sync_interval_s, batch_max_blocks and batch_max_bytes must be positive")
+            raise ValueError("nvme.sync_interval_s, batch_max_blocks and batch_max_bytes must be positive")
         if self.max_pending_bytes <= 0:
-            raise ValueError(f"max_pending_bytes must be positive, got {self.max_pending_bytes}")
-        if self.map_size_bytes is not None and self.map_size_bytes < self.capacity_bytes:
-            raise ValueError("map_size_bytes must be at least capacity_bytes")
+            raise ValueError(f"nvme.max_pending_bytes must be positive, got {self.max_pending_bytes}")
+        if self.map_size_bytes and self.map_size_bytes < self.capacity_bytes:
+            raise ValueError("nvme.map_size_bytes must be at least nvme.capacity_bytes")
 
     @property
     def effective_map_size_bytes(self) -> int:
-        if self.map_size_bytes is not None:
+        if self.map_size_bytes:
             return self.map_size_bytes
         return 2 * self.capacity_bytes + 64 * MiB
 
@@ -166,8 +172,13 @@ class NvmeTier(Tier):
     name = "nvme"
     persistent = True
 
-    def __init__(self, config: NvmeConfig) -> None:
+    def __init__(self, config: NvmeConfig, cipher: BlockCipher | None = None) -> None:
+        """``cipher``: encryption at rest after the codec, made by the caller from
+        ``config.encryption_keys_dir`` and the store's key layout; None: plain."""
+        if not config.path:
+            raise ValueError("the nvme tier needs a folder (nvme.path)")
         self._config = config
+        self._cipher = cipher
         self._folder = Path(config.path)
         # Block bytes are other people's prompts: only this user may read them (0700 / 0600).
         self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -205,6 +216,7 @@ class NvmeTier(Tier):
             self._pool,
             self._forget_locked,
             env.no_room,
+            sealed=cipher is not None,
         )
         dropped = 0
         with self._cond:
@@ -270,7 +282,7 @@ class NvmeTier(Tier):
             stored = encode(codec, view, self._config.zstd_level)
             if len(stored) >= payload_len:
                 codec = Codec.NONE  # compression did not pay
-        cipher = self._config.cipher
+        cipher = self._cipher
         if cipher is not None:
             plain = byte_view(stored) if codec is not Codec.NONE else view
             with self._cond:
@@ -409,7 +421,7 @@ class NvmeTier(Tier):
         try:
             with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
                 batch = list(keys[:limit])
-                plain = _verify is not None and self._config.cipher is None
+                plain = _verify is not None and self._cipher is None
                 i = 0
                 while i < limit:
                     if plain:  # the plain blocks from i on in C, up to one it hands back
@@ -494,9 +506,14 @@ class NvmeTier(Tier):
             return self._writer.write_failures
 
     @property
+    def config(self) -> NvmeConfig:
+        """Its ``[nvme]`` section, as the builder handed it over."""
+        return self._config
+
+    @property
     def cipher(self) -> BlockCipher | None:
         """The keys sealing this tier's blocks, for the server's shredding (None: plaintext)."""
-        return self._config.cipher
+        return self._cipher
 
     def flush(self) -> None:
         with self._cond:
@@ -542,7 +559,7 @@ class NvmeTier(Tier):
             return None  # deleted since the index lookup
         if len(stored) != entry.stored_len:
             return _Corrupt()
-        if self._config.cipher is not None:
+        if self._cipher is not None:
             if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
                 return _Corrupt()
             opened = self._open(key, stored, dst, entry.codec, n)
@@ -558,14 +575,14 @@ class NvmeTier(Tier):
 
     def _read_pending(self, key: TierKey, op: PutOp, dst: memoryview) -> int | None:
         # Queued bytes are private to this tier and were made by put(): nothing to verify.
-        if self._config.cipher is not None:
+        if self._cipher is not None:
             return self._open(key, memoryview(op.stored), dst, op.header.codec, op.header.payload_len)
         return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
 
     def _open(self, key: TierKey, sealed: memoryview, dst: memoryview, codec: Codec, n: int) -> int | None:
         """Decrypt (straight into ``dst`` without a codec) and decode; None when it does not
         open: a shredded or wrong key, or tampered bytes."""
-        cipher = self._config.cipher
+        cipher = self._cipher
         assert cipher is not None
         if codec is Codec.NONE:
             return n if cipher.open_into(key, sealed, dst) == n else None

@@ -151,10 +151,13 @@ class NvmeWriter:
         pool: BufferPool,
         forget: Callable[[TierKey], object],
         no_room: str | None = None,
+        sealed: bool = False,
     ) -> None:
         """``forget(key)`` is called with ``cond`` held for a pending put whose commit failed;
-        ``no_room``: why the tier starts degraded (None: it does not)."""
+        ``no_room``: why the tier starts degraded (None: it does not); ``sealed``: values are
+        encrypted (the tier's cipher), so what a commit frees needs no clearing."""
         self._config = config
+        self._sealed = sealed
         self._folder = folder
         self._env = env
         self._headers = headers
@@ -512,7 +515,7 @@ class NvmeWriter:
         # Values this commit deletes or replaces are cleared where they lie (tiers.nvme_wipe);
         # buffers=True makes get() a view of the map. Sealed values need no clearing: shredding
         # their key is what makes them unreadable.
-        plain = self._config.cipher is None
+        plain = not self._sealed
         freed: list[Span] = []
         written: set[bytes] = set()
         with self._env.begin(write=True, buffers=True) as txn:

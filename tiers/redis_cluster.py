@@ -28,7 +28,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
@@ -38,6 +37,7 @@ from tiers.remote import (
     HEAD_SLACK,
     Backoff,
     RemoteBlock,
+    RemoteConfig,
     RemoteTier,
     RemoteUsage,
     frame,
@@ -52,34 +52,20 @@ _GLOB_SPECIAL = frozenset(b"*?[]\\")
 _DELETE_BATCH = 512
 
 
-@dataclass(frozen=True)
-class RedisConfig:
-    nodes: tuple[str, ...]  # "host:port" of one or more cluster nodes, to discover the rest
-    username: str = ""
-    password: str = ""
-    key_prefix: bytes = b"kvs:"
-    timeout_s: float = 1.0
-    ttl_s: float = 0.0  # 0: keys never expire
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    key_name: Callable[[bytes], bytes] | None = None  # tier key (or a prefix of one) -> its name
-
-    def __post_init__(self) -> None:
-        if not self.nodes:
-            raise ValueError("the redis tier needs at least one node (host:port)")
-        for node in self.nodes:
-            host, sep, port = node.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"a redis node is host:port, got {node!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-
-
 class RedisClusterTier(RemoteTier):
     name = "redis"
 
-    def __init__(self, config: RedisConfig) -> None:
+    def __init__(
+        self, config: RemoteConfig, password: str = "", key_name: Callable[[bytes], bytes] | None = None
+    ) -> None:
+        """``password``: read from ``config.password_file`` by the caller; ``key_name``: a tier
+        key (or a prefix of one) -> its name in the cluster (default: the key's bytes)."""
+        if not config.nodes:
+            raise ValueError("the redis tier needs at least one node (host:port)")
         self.config = config
+        self._password = password
+        self._key_name = key_name
+        self._prefix = config.key_prefix.encode()
         self._lock = threading.Lock()
         self._client: Any = None  # redis.cluster.RedisCluster, built on first use
         self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
@@ -174,8 +160,8 @@ class RedisClusterTier(RemoteTier):
     # ----------------------------------------------------------------- plumbing
 
     def _key(self, key: bytes) -> bytes:
-        name = self.config.key_name
-        return self.config.key_prefix + (name(key) if name is not None else key)
+        name = self._key_name
+        return self._prefix + (name(key) if name is not None else key)
 
     def _count(self, name: str, n: int) -> None:
         with self._lock:
@@ -191,7 +177,7 @@ class RedisClusterTier(RemoteTier):
             if self._client is not None:
                 return self._client
         try:
-            client = _build_client(self.config)
+            client = _build_client(self.config, self._password)
         except _FAILURES as exc:
             self._failed(exc)
             return None
@@ -256,7 +242,7 @@ class RedisClusterTier(RemoteTier):
                 log.debug("redis tier: closing the failed client failed", exc_info=True)
 
 
-def _build_client(config: RedisConfig) -> Any:
+def _build_client(config: RemoteConfig, password: str) -> Any:
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
@@ -265,7 +251,7 @@ def _build_client(config: RedisConfig) -> Any:
     return RedisCluster(
         startup_nodes=nodes,
         username=config.username or None,
-        password=config.password or None,
+        password=password or None,
         socket_timeout=config.timeout_s,
         socket_connect_timeout=config.timeout_s,
         retry=Retry(NoBackoff(), 0),  # our own backoff decides when to try again

@@ -58,8 +58,9 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import xxhash
 
@@ -76,6 +77,48 @@ from tiers.base import (
 _HEADER_LEN = struct.Struct("<H")
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The fleet's shared tier under the local ones: kvstore nodes, a Redis Cluster or a Mooncake Store."""
+
+    backend: Literal["", "kvstore", "redis", "mooncake"] = ""  # the fleet's shared tier; "": none
+    # host:port of the shared kvstore servers, any Redis Cluster nodes (the rest are discovered),
+    # or the one Mooncake master
+    nodes: tuple[str, ...] = ()
+    timeout_s: float = 1.0  # every remote call; a node past it reads as misses and backs off
+    backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
+    max_backoff_s: float = 30.0  # the longest a failed node is skipped
+    queue_bytes: int = 256 << 20  # new blocks waiting to be sent (write-behind); beyond: dropped, counted
+    invalidation_poll_s: float = 0.5  # how often the fleet's invalidation marks are read (0: at start only)
+    tokens: Mapping[str, str] = field(default_factory=dict)  # kvstore: namespace (t/<tenant>) -> token
+    tls_ca_file: str = ""  # kvstore: PEM CA to verify nodes that serve TLS
+    key_prefix: str = "kvs:"  # redis, mooncake: every key starts with it
+    username: str = ""  # redis: an ACL user (limit it to ~<key_prefix><namespace>* per tenant)
+    password_file: str = ""  # redis: a file holding its password (mode 0600)
+    ttl_s: float = 0.0  # redis: expiry of each remote copy; 0 = none
+    metadata_server: str = ""  # mooncake: the transfer engine's metadata (http://host:port/metadata)
+    local_hostname: str = "127.0.0.1"  # mooncake: the address this sidecar's transfer engine advertises
+    protocol: str = "tcp"  # mooncake: tcp or rdma
+    rdma_devices: str = ""  # mooncake, with protocol rdma: the devices to use
+
+    def __post_init__(self) -> None:
+        if self.backend and not self.nodes:
+            raise ValueError(f"remote.backend = {self.backend} needs remote.nodes (host:port, ...)")
+        for node in self.nodes:
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"remote.nodes: {node!r} is not HOST:PORT with a port from 1 to 65535")
+        if self.timeout_s <= 0:
+            raise ValueError(f"remote.timeout_s must be positive, got {self.timeout_s}")
+        for namespace in self.tokens:
+            if not namespace.startswith(("t/", "s/")):
+                raise ValueError(
+                    f"remote.tokens are keyed by namespace (t/<tenant> or s/<scope>), got {namespace!r}"
+                )
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"remote.protocol is tcp or rdma, got {self.protocol!r}")
 
 
 @dataclass(frozen=True)

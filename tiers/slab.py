@@ -74,16 +74,28 @@ class _SizeClass:
     free_slots: int = 0  # in its extents, all told
 
 
+def check_pool(capacity_bytes: int, page_bytes: int, section: str = "") -> None:
+    """A pool's sizes hold at least one page of whole aligned slots. ``section`` ("dram.")
+    names the settings the message speaks of: the memory tiers' configs check here at parse
+    time, so a mistake is one line at start rather than a traceback from the allocator."""
+    if page_bytes <= 0 or page_bytes % SLOT_ALIGN_BYTES:
+        raise ValueError(
+            f"{section}page_bytes must be a positive multiple of {SLOT_ALIGN_BYTES}, got {page_bytes}"
+        )
+    if capacity_bytes < page_bytes:
+        raise ValueError(
+            f"{section}capacity_bytes ({capacity_bytes} B) is smaller than one page "
+            f"({section}page_bytes = {page_bytes} B): raise it or lower {section}page_bytes"
+        )
+
+
 class SlabAllocator:
     """Offsets of fixed-size slots inside a region of ``capacity_bytes``. Not thread-safe."""
 
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
-        if page_bytes <= 0 or page_bytes % SLOT_ALIGN_BYTES:
-            raise ValueError(f"page_bytes must be a positive multiple of {SLOT_ALIGN_BYTES}")
+        check_pool(capacity_bytes, page_bytes)
         self.page_bytes = page_bytes
         self.pages = capacity_bytes // page_bytes
-        if self.pages == 0:
-            raise ValueError(f"capacity {capacity_bytes} B is smaller than one page of {page_bytes} B")
         self.capacity_bytes = self.pages * page_bytes
         self._owner: list[_Extent | None] = [None] * self.pages
         self._classes: dict[int, _SizeClass] = {}

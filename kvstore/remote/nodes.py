@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -48,33 +48,12 @@ from kvstore.remote.rendezvous import Rendezvous
 from kvstore.store.model import Scope, parse_tier_key
 from kvstore.tls import ClientTls
 from tiers import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteTier, RemoteUsage, frame, open_values
+from tiers.remote import Backoff, RemoteBlock, RemoteConfig, RemoteTier, RemoteUsage, frame, open_values
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 _TENANT, _SCOPE = "t/", "s/"
-
-
-@dataclass(frozen=True)
-class NodesConfig:
-    nodes: tuple[str, ...]  # host:port of each shared kvstore server
-    tokens: Mapping[str, str] = field(default_factory=dict)  # sidecar namespace -> bearer token
-    timeout_s: float = 1.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    tls: ClientTls | None = None
-
-    def __post_init__(self) -> None:
-        if not self.nodes:
-            raise ValueError("the kvstore remote tier needs at least one node (host:port)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        for namespace in self.tokens:
-            if not namespace.startswith((_TENANT, _SCOPE)):
-                raise ValueError(
-                    f"remote tokens are keyed by namespace (t/<tenant> or s/<scope>), got {namespace!r}"
-                )
 
 
 @dataclass(frozen=True)
@@ -90,8 +69,11 @@ class _Group:
 class KvStoreNodesTier(RemoteTier):
     name = "kvstore"
 
-    def __init__(self, config: NodesConfig) -> None:
+    def __init__(self, config: RemoteConfig) -> None:
+        if not config.nodes:
+            raise ValueError("the kvstore remote tier needs at least one node (host:port)")
         self.config = config
+        self._tls = ClientTls(ca_file=config.tls_ca_file) if config.tls_ca_file else None
         self._ring = Rendezvous(config.nodes)
         self._backoff = [Backoff(config.backoff_s, config.max_backoff_s) for _ in config.nodes]
         self._clients: dict[tuple[int, str], Client] = {}
@@ -290,7 +272,7 @@ class KvStoreNodesTier(RemoteTier):
             if client is None:
                 token = self.config.tokens[namespace]
                 client = connect(
-                    self.config.nodes[node], token=token, timeout_s=self.config.timeout_s, tls=self.config.tls
+                    self.config.nodes[node], token=token, timeout_s=self.config.timeout_s, tls=self._tls
                 )
                 self._clients[(node, namespace)] = client
             return client

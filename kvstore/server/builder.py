@@ -9,20 +9,21 @@ closes. A failure part way closes what was already built, arena included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 from kvstore.errors import FailedPrecondition
 from kvstore.extras import require
 from kvstore.secret_files import read_secret_file
-from kvstore.server.config import CODECS, RemoteSettings, Settings
+from kvstore.server.config import Settings, enum_name
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
 from kvstore.store.invalidations import MARK_FINGERPRINT
 from kvstore.store.model import StoreConfig, shared_key_name
 from kvstore.store.salvage import salvage_into
-from tiers import Tier, TierError, TierUnavailable
+from tiers import Codec, Tier, TierError, TierUnavailable
 from tiers.cipher import BlockCipher  # cryptography itself is imported when one is made
-from tiers.dram import DramConfig, DramTier, salvage
+from tiers.dram import DramTier, salvage
 from tiers.errors import ArenaNoRoom, MediumNoRoom
 from tiers.nvme_room import is_no_room
 from tiers.remote import RemoteTier
@@ -55,8 +56,8 @@ def require_extras(settings: Settings) -> None:
         require("torch", "hbm.enabled = true")
     if settings.nvme.enabled and settings.nvme.encryption_keys_dir:
         require("cryptography", "nvme.encryption_keys_dir")
-    if settings.nvme.enabled and settings.nvme.codec != "none":
-        require("zstandard", f"nvme.codec = {settings.nvme.codec}")
+    if settings.nvme.enabled and settings.nvme.codec is not Codec.NONE:
+        require("zstandard", f"nvme.codec = {enum_name(settings.nvme.codec)}")
     if settings.remote.backend == "redis":
         require("redis", "remote.backend = redis")
 
@@ -67,12 +68,10 @@ def _build_tiers(
     absent: list[str] = []
     hbm: Tier | None = None
     if settings.hbm.enabled:
-        from tiers.hbm import HbmConfig, HbmTier
+        from tiers.hbm import HbmTier
 
         try:
-            hbm = HbmTier(
-                HbmConfig(settings.hbm.capacity_bytes, settings.hbm.page_bytes, settings.hbm.device)
-            )
+            hbm = HbmTier(settings.hbm)
             built.append(hbm)
         except TierUnavailable as exc:
             absent.append(f"hbm: {exc}")
@@ -88,18 +87,9 @@ def _build_tiers(
     if data_dir is not None:
         kept = [name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store)]
         data_dir.remove_leftovers(keep=kept)
-    d = settings.dram
     arena_name = data_dir.arena_name if data_dir is not None else None
-    config = DramConfig(
-        d.capacity_bytes,
-        d.page_bytes,
-        arena_name,
-        d.prefault,
-        d.pin_with_cuda,
-        journal=bool(data_dir) and d.journal,
-    )
     try:
-        dram = DramTier(config)
+        dram = DramTier(settings.dram, arena_name, gpu_copies=hbm is not None)
     except ArenaNoRoom as exc:
         raise FailedPrecondition(
             f"{exc}: lower dram.capacity_bytes (e.g. --set dram.capacity_bytes=32MiB) or give "
@@ -109,7 +99,7 @@ def _build_tiers(
         raise FailedPrecondition(f"the dram tier cannot start: {exc}") from None
     built.append(dram)
     tiers = [t for t in (hbm, dram, nvme) if t is not None]
-    throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": d.throttle_bytes_per_s}
+    throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": settings.dram.throttle_bytes_per_s}
     throttles["nvme"] = settings.nvme.throttle_bytes_per_s
     return [Throttled(t, throttles[t.name]) if throttles.get(t.name) else t for t in tiers], absent
 
@@ -144,21 +134,12 @@ def _sealed(remote: RemoteTier | None, tiers: list[Tier], keys_dir: str) -> Remo
 def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
     """The nvme tier; None, said in one line and in ``absent``, where its file system is full
     or read-only and holds no environment to serve (one that opens there is served read-only)."""
-    from tiers.nvme import NvmeConfig, NvmeTier
+    from tiers.nvme import NvmeTier
 
-    n = settings.nvme
     try:
-        return NvmeTier(
-            NvmeConfig(
-                path=settings.nvme_path,
-                capacity_bytes=n.capacity_bytes,
-                durability=n.durability,
-                sync_interval_s=n.sync_interval_s,
-                codec=CODECS[n.codec],
-                zstd_level=n.zstd_level,
-                cipher=_cipher(n.encryption_keys_dir),
-            )
-        )
+        # the section with its folder resolved under data_dir: the one field set at start
+        config = dataclasses.replace(settings.nvme, path=str(settings.nvme_path))
+        return NvmeTier(config, cipher=_cipher(config.encryption_keys_dir))
     except (MediumNoRoom, OSError) as exc:
         if isinstance(exc, OSError) and not is_no_room(exc):
             raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
@@ -216,72 +197,29 @@ def build_remote(settings: Settings) -> RemoteTier | None:
     """The fleet's shared tier under the local ones (``[remote]``), or None when there is none.
     Nothing is contacted here: a shared store that is down at start reads as misses."""
     r = settings.remote
-    if not r.backend:
-        return None
-    if not r.nodes:
-        raise FailedPrecondition(f"remote.backend = {r.backend} needs remote.nodes (host:port, ...)")
     try:
         if r.backend == "redis":
-            from tiers.redis_cluster import RedisClusterTier, RedisConfig
+            from tiers.redis_cluster import RedisClusterTier
 
             password = read_secret_file(r.password_file, "remote.password_file") if r.password_file else ""
-            return RedisClusterTier(
-                RedisConfig(
-                    nodes=r.nodes,
-                    username=r.username,
-                    password=password,
-                    key_prefix=r.key_prefix.encode(),
-                    timeout_s=r.timeout_s,
-                    ttl_s=r.ttl_s,
-                    backoff_s=r.backoff_s,
-                    max_backoff_s=r.max_backoff_s,
-                    key_name=shared_key_name,
-                )
-            )
+            return RedisClusterTier(r, password, key_name=shared_key_name)
         if r.backend == "mooncake":
-            return _mooncake(r)
-        from kvstore.remote.nodes import KvStoreNodesTier, NodesConfig
-        from kvstore.tls import ClientTls
+            try:
+                import mooncake.store  # noqa: F401 - only whether it is there
+            except ImportError:
+                raise FailedPrecondition(
+                    "remote.backend = mooncake needs the mooncake extra: pip install 'kvstore[mooncake]'"
+                ) from None
+            from tiers.mooncake import MooncakeTier
 
-        tls = ClientTls(ca_file=r.tls_ca_file) if r.tls_ca_file else None
-        return KvStoreNodesTier(
-            NodesConfig(r.nodes, dict(r.tokens), r.timeout_s, r.backoff_s, r.max_backoff_s, tls)
-        )
+            return MooncakeTier(r, key_name=shared_key_name)
+        if r.backend == "kvstore":
+            from kvstore.remote.nodes import KvStoreNodesTier
+
+            return KvStoreNodesTier(r)
+        return None
     except ValueError as exc:
         raise FailedPrecondition(f"[remote]: {exc}") from None
-
-
-def _mooncake(r: RemoteSettings) -> RemoteTier:
-    if len(r.nodes) != 1:
-        raise FailedPrecondition(
-            f"remote.backend = mooncake needs one remote.nodes: the master, got {r.nodes}"
-        )
-    if r.ttl_s > 0:
-        raise FailedPrecondition(
-            "remote.ttl_s: Mooncake has no per-key expiry; its eviction is the retention"
-        )
-    try:
-        import mooncake.store  # noqa: F401 - only whether it is there
-    except ImportError:
-        raise FailedPrecondition(
-            "remote.backend = mooncake needs the mooncake extra: pip install 'kvstore[mooncake]'"
-        ) from None
-    from tiers.mooncake import MooncakeConfig, MooncakeTier
-
-    return MooncakeTier(
-        MooncakeConfig(
-            master=r.nodes[0],
-            metadata_server=r.metadata_server,
-            local_hostname=r.local_hostname,
-            protocol=r.protocol,
-            rdma_devices=r.rdma_devices,
-            key_prefix=r.key_prefix,
-            timeout_s=r.timeout_s,
-            backoff_s=r.backoff_s,
-            max_backoff_s=r.max_backoff_s,
-            key_name=shared_key_name,
-        )
-    )
 
 
 def open_store(settings: Settings) -> TieredStore:

@@ -5,11 +5,11 @@ variables, then command-line overrides (``section.field=value``). Every knob is 
 section below; an unknown section or field is an error, never silently ignored.
 
     [store]   StoreConfig (placement, leases, quotas)      KVSTORE_STORE_LEASE_TTL_S=10
-    [dram]    DramSettings (arena size, page size)         KVSTORE_DRAM_CAPACITY_BYTES=8GiB
-    [nvme]    NvmeSettings (LMDB folder, size, durability) KVSTORE_NVME_DURABILITY=durable
-    [hbm]     HbmSettings (GPU pool; off unless enabled)   KVSTORE_HBM_ENABLED=true
+    [dram]    tiers.dram.DramConfig (arena size, page size) KVSTORE_DRAM_CAPACITY_BYTES=8GiB
+    [nvme]    tiers.nvme.NvmeConfig (LMDB folder, size)    KVSTORE_NVME_DURABILITY=durable
+    [hbm]     tiers.hbm.HbmConfig (GPU pool; off unless on) KVSTORE_HBM_ENABLED=true
     [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
-    [remote]  RemoteSettings (the fleet's shared tier)      KVSTORE_REMOTE_BACKEND=redis
+    [remote]  tiers.remote.RemoteConfig (the shared tier)  KVSTORE_REMOTE_BACKEND=redis
     [events]  EventsSettings (vLLM-format KV events, ZMQ)   KVSTORE_EVENTS_PUBLISH_ADDRESS=tcp://127.0.0.1:5557
     data_dir  the folder persistent tiers live under       KVSTORE_DATA_DIR=/var/lib/kvstore
 
@@ -22,6 +22,7 @@ variable that names no setting is reported in one warning and ignored (``KVSTORE
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import re
@@ -36,7 +37,10 @@ from typing import Any, Literal
 from kvstore.address import parse_address
 from kvstore.errors import InvalidArgument
 from kvstore.store import StoreConfig
-from tiers.base import Codec
+from tiers.dram import DramConfig
+from tiers.hbm import HbmConfig
+from tiers.nvme import NvmeConfig
+from tiers.remote import RemoteConfig
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -52,75 +56,6 @@ CLIENT_VARIABLES = frozenset(
         "KVSTORE_TLS_KEY",
     }
 )
-
-
-@dataclass(frozen=True)
-class DramSettings:
-    """The shared-memory arena in /dev/shm that same-host engines map and copy blocks in and out of."""
-
-    # Size of the arena, checked against /dev/shm's free room at start
-    capacity_bytes: int = 1 * GiB
-    page_bytes: int = 32 * MiB  # the arena's page; the largest block must fit in one run of pages
-    prefault: bool = True  # touch every page at start, so restores land in warm memory
-    # Register the server's mapping as pinned memory where CUDA is present (an engine on a GPU
-    # registers its own mapping itself)
-    pin_with_cuda: bool = True
-    journal: bool = True  # record committed slots so a killed server's blocks are salvaged
-    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
-
-
-@dataclass(frozen=True)
-class NvmeSettings:
-    """The LMDB tier on local disk: the long tail below the arena, and what survives a restart."""
-
-    enabled: bool = True  # keep an nvme tier
-    path: str = ""  # its folder; "": <data_dir>/nvme
-    capacity_bytes: int = 16 * GiB  # bytes of blocks it may hold (the LMDB map is sparse and larger)
-    # cache: fast flags, synced every sync_interval_s (a power loss loses the writes since);
-    # durable: every transaction synced. No torn block is readable in either
-    durability: Literal["cache", "durable"] = "cache"
-    sync_interval_s: float = 1.0  # how often cache mode syncs
-    # zstd-byteplane compresses only the high bytes of bf16 values
-    codec: Literal["none", "zstd", "zstd-byteplane"] = "none"
-    zstd_level: int = 1  # zstd level for the codecs
-    encryption_keys_dir: str = ""  # AES-256-GCM at rest, a key file per tenant here; "" = off
-    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
-
-
-@dataclass(frozen=True)
-class HbmSettings:
-    """A GPU memory pool tier above the arena (CUDA only; off unless enabled)."""
-
-    enabled: bool = False  # needs CUDA; the store logs why it is absent
-    capacity_bytes: int = 4 * GiB  # the pool's size
-    page_bytes: int = 32 * MiB  # the pool's page
-    device: str = "cuda"  # torch device of the pool
-    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """The fleet's shared tier under the local ones: kvstore nodes, a Redis Cluster or a Mooncake Store."""
-
-    backend: Literal["", "kvstore", "redis", "mooncake"] = ""  # the fleet's shared tier; "": none
-    # host:port of the shared kvstore servers, any Redis Cluster nodes (the rest are discovered),
-    # or the one Mooncake master
-    nodes: tuple[str, ...] = ()
-    timeout_s: float = 1.0  # every remote call; a node past it reads as misses and backs off
-    backoff_s: float = 1.0  # a failed node is skipped this long, doubling up to max_backoff_s
-    max_backoff_s: float = 30.0  # the longest a failed node is skipped
-    queue_bytes: int = 256 * MiB  # new blocks waiting to be sent (write-behind); beyond: dropped, counted
-    invalidation_poll_s: float = 0.5  # how often the fleet's invalidation marks are read (0: at start only)
-    tokens: Mapping[str, str] = field(default_factory=dict)  # kvstore: namespace (t/<tenant>) -> token
-    tls_ca_file: str = ""  # kvstore: PEM CA to verify nodes that serve TLS
-    key_prefix: str = "kvs:"  # redis: every key starts with it
-    username: str = ""  # redis: an ACL user (limit it to ~<key_prefix><namespace>* per tenant)
-    password_file: str = ""  # redis: a file holding its password (mode 0600)
-    ttl_s: float = 0.0  # redis: expiry of each remote copy; 0 = none
-    metadata_server: str = ""  # mooncake: the transfer engine's metadata (http://host:port/metadata)
-    local_hostname: str = "127.0.0.1"  # mooncake: the address this sidecar's transfer engine advertises
-    protocol: str = "tcp"  # mooncake: tcp or rdma
-    rdma_devices: str = ""  # mooncake, with protocol rdma: the devices to use
 
 
 @dataclass(frozen=True)
@@ -170,11 +105,11 @@ class Settings:
     # default: $XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore
     data_dir: str = field(default_factory=lambda: default_data_dir())
     store: StoreConfig = field(default_factory=StoreConfig)
-    dram: DramSettings = field(default_factory=DramSettings)
-    nvme: NvmeSettings = field(default_factory=NvmeSettings)
-    hbm: HbmSettings = field(default_factory=HbmSettings)
+    dram: DramConfig = field(default_factory=DramConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
     server: ServerSettings = field(default_factory=ServerSettings)
-    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     events: EventsSettings = field(default_factory=EventsSettings)
 
     @property
@@ -188,11 +123,15 @@ class Settings:
         )
 
 
-CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "zstd-byteplane": Codec.ZSTD_BYTEPLANE}
 _SECTIONS = ("store", "dram", "nvme", "hbm", "server", "remote", "events")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _DURATIONS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def enum_name(member: enum.Enum) -> str:
+    """How a setting names an enum's member: ``Codec.ZSTD_BYTEPLANE`` is ``zstd-byteplane``."""
+    return member.name.lower().replace("_", "-")
 
 
 def default_data_dir() -> str:
@@ -247,17 +186,10 @@ def load_settings(
 
 
 def _check(settings: Settings) -> None:
-    """What one field cannot say alone: an arena holds at least one page, listeners and nodes are
-    host:port with a port that exists. Here, at parse time, so a mistake is one line at start
-    rather than a traceback from the component that meets it."""
-    for name, pool in (("dram", settings.dram), ("hbm", settings.hbm)):
-        if pool.page_bytes <= 0:
-            raise InvalidArgument(f"{name}.page_bytes must be positive, got {pool.page_bytes}")
-        if pool.capacity_bytes < pool.page_bytes and (name == "dram" or settings.hbm.enabled):
-            raise InvalidArgument(
-                f"{name}.capacity_bytes ({pool.capacity_bytes} B) is smaller than one page "
-                f"({name}.page_bytes = {pool.page_bytes} B): raise it or lower {name}.page_bytes"
-            )
+    """What the parser of one field cannot check: listeners and nodes are host:port with a port
+    that exists. Here, at parse time, so a mistake is one line at start rather than a traceback
+    from the component that meets it. What a section can check alone, it checks itself (its
+    ``__post_init__``: one validation per knob, with its declaration)."""
     s = settings.server
     listeners = {"server.tcp_address": s.tcp_address}
     listeners["server.metrics_address"] = "" if s.metrics_address == "auto" else s.metrics_address
@@ -265,8 +197,6 @@ def _check(settings: Settings) -> None:
     for setting, address in listeners.items():
         if address:
             _check_address(address, setting, listener=True)
-    for node in settings.remote.nodes if settings.remote.backend else ():
-        _check_address(node, "remote.nodes", listener=False)
     events = settings.events.publish_address
     if events and not events.startswith(("tcp://", "ipc://")):
         raise InvalidArgument(f"events.publish_address is tcp://host:port or ipc:///path, not {events!r}")
@@ -306,17 +236,18 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
             continue
         rest = name[len("KVSTORE_") :].lower()
         section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
-        if section is None:
-            known = rest in top_level
-        else:
-            hints = typing.get_type_hints(typing.get_type_hints(Settings)[section])
-            known = rest[len(section) + 1 :] in hints
-        if not known:
+        hints = typing.get_type_hints(Settings)
+        if section is not None:
+            rest = rest[len(section) + 1 :]
+            hints = typing.get_type_hints(hints[section])
+        if rest not in hints or (section is None and rest not in top_level):
             ignored.append(name)
             continue
-        dotted = f"{section}.{rest[len(section) + 1 :]}" if section else rest
-        try:  # alone first, so a bad value is reported under the variable that holds it
-            _build(Settings, _nest(dotted, value), "")
+        dotted = f"{section}.{rest}" if section else rest
+        # The value alone first, so a bad one is reported under the variable that holds it; what
+        # a section checks across its fields waits for the other sources
+        try:
+            _coerce(hints[rest], value, dotted)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{name}: {exc}") from None
         _merge(out, _nest(dotted, value))
@@ -373,6 +304,15 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if value not in choices:
             raise InvalidArgument(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value
+    if isinstance(hint, type) and issubclass(
+        hint, enum.Enum
+    ):  # by name: Codec.ZSTD_BYTEPLANE is zstd-byteplane
+        if isinstance(value, hint):
+            return value
+        named = {enum_name(member): member for member in hint}
+        if str(value) not in named:
+            raise InvalidArgument(f"{where} must be one of {', '.join(named)}, got {value!r}")
+        return named[str(value)]
     if origin in (Mapping, dict) or hint in (Mapping, dict) or origin is typing.Mapping:
         if isinstance(value, str):
             items = [item for item in value.split(",") if item]

@@ -36,7 +36,7 @@ from kvstore.extras import require
 from kvstore.server.audit import AuditLog
 from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.builder import open_store
-from kvstore.server.config import Settings
+from kvstore.server.config import ServerSettings, Settings
 from kvstore.server.dataport import DataPort
 from kvstore.server.handlers import SERVICE_NAME
 from kvstore.server.metrics import Metrics
@@ -66,7 +66,7 @@ class RunningServer:
     unix_address: str
     tcp_address: str | None
     metrics_port: int | None
-    drain_grace_s: float
+    settings: ServerSettings  # its [server] section, as parsed
     _stopped: threading.Event
     data_port: DataPort | None = None
     data_socket: DataPort | None = None
@@ -78,15 +78,16 @@ class RunningServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        log.info("draining: refusing new requests, %.1fs for in-flight ones", self.drain_grace_s)
+        grace_s = self.settings.drain_grace_s
+        log.info("draining: refusing new requests, %.1fs for in-flight ones", grace_s)
         self.service.draining.set()
         self.health.enter_graceful_shutdown()
         if self.metrics is not None:
             self.metrics.state = "draining"  # /readyz: 503, so no new traffic is sent here
         for port in (self.data_port, self.data_socket):
             if port is not None:
-                port.close(self.drain_grace_s)
-        self.grpc_server.stop(self.drain_grace_s).wait()
+                port.close(grace_s)
+        self.grpc_server.stop(grace_s).wait()
         self.service.shredder.close()  # its key checks take the store's lock
         self.store.close()
         if self.events is not None:
@@ -266,7 +267,7 @@ def _start_listeners(
         unix_address,
         tcp_address,
         metrics_port,
-        settings.server.drain_grace_s,
+        settings.server,
         threading.Event(),
         data_port,
         data_socket,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import inspect
 import io
 import re
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvstore.server.config import Settings
+from kvstore.server.config import Settings, enum_name
 
 _HEADER = """\
 # Settings reference
@@ -143,6 +144,8 @@ def _kind(hint: Any, name: str) -> str:
     if origin is Literal:
         choices = [f"`{c}`" if c else '`""`' for c in typing.get_args(hint)]
         return "one of " + ", ".join(choices)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(f"`{enum_name(m)}`" for m in hint)
     if origin in (Mapping, dict) or hint in (Mapping, dict):
         value = typing.get_args(hint)[1] if typing.get_args(hint) else str
         return f"table of {_kind(value, name)}"
@@ -160,6 +163,8 @@ def _kind(hint: Any, name: str) -> str:
 def _value(value: object, name: str) -> str:
     if value is None:
         return "none"
+    if isinstance(value, enum.Enum):
+        return f'`"{enum_name(value)}"`'
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, int) and "_bytes" in name:
