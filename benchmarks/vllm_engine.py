@@ -4,9 +4,14 @@
     python -m benchmarks.vllm_engine CONFIG_JSON     (``Engine`` writes it: see ``EngineConfig``)
     stdin:  one JSON object per line: {"prompt": [token ids], "salt": str | null, "max_tokens": int,
             "policy": "auto" | "restore" | "recompute" | null (this request's connector policy)}
+            or {"batch": [such requests]} (submitted together, run as the engine batches them)
+            or {"timed": [such requests, each with "at": seconds from the start]} (each
+            submitted at its time, the engine stepping meanwhile: an online server's arrivals)
             or {"metrics": true} or {"reset_prefix_cache": true}
     stdout: one JSON object per line: {"tokens": [...], "logprobs": [...], "cached": int,
-            "seconds": float, "ttft": float (vLLM's first-token latency of the request)}
+            "seconds": float, "ttft": float (vLLM's first-token latency of the request),
+            "first_token_at": float, "finished_at": float (the engine's clock: order only)}
+            or {"batch": [such replies, in the order sent]} (also for "timed")
             or {"metrics": {"series{labels}": value}} (the connector's ``kvstore_connector_*``
             series from vLLM's Prometheus registry) or {"reset": bool}
 
@@ -163,6 +168,21 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(300)
 
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several requests submitted at once (each as ``generate``'s arguments: ``prompt``,
+        ``salt``, ``max_tokens``, ``policy``); their replies in the same order."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"batch": requests}) + "\n")
+        self.proc.stdin.flush()
+        return list(self._read(300)["batch"])
+
+    def generate_timed(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``generate_batch``, each request submitted ``at`` seconds after the first."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"timed": requests}) + "\n")
+        self.proc.stdin.flush()
+        return list(self._read(600)["batch"])
+
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (what the engine still holds itself)."""
         assert self.proc.stdin is not None
@@ -228,28 +248,69 @@ def main() -> None:
         if request.get("reset_prefix_cache"):
             print(json.dumps({"reset": bool(llm.reset_prefix_cache())}), flush=True)
             continue
-        extra = (
-            {"kv_transfer_params": {"kvstore_policy": request["policy"]}} if request.get("policy") else None
-        )
-        params = SamplingParams(
-            max_tokens=request.get("max_tokens", 4), logprobs=3, temperature=0.0, extra_args=extra
-        )
-        prompt = TokensPrompt(prompt_token_ids=request["prompt"])
-        if request.get("salt"):
-            prompt["cache_salt"] = request["salt"]
+        batch = request.get("batch", request.get("timed"))
+        requests = batch if batch is not None else [request]
+        prompts, params = [], []
+        for one in requests:
+            policy = one.get("policy")
+            extra = {"kv_transfer_params": {"kvstore_policy": policy}} if policy else None
+            params.append(
+                SamplingParams(
+                    max_tokens=one.get("max_tokens", 4), logprobs=3, temperature=0.0, extra_args=extra
+                )
+            )
+            prompt = TokensPrompt(prompt_token_ids=one["prompt"])
+            if one.get("salt"):
+                prompt["cache_salt"] = one["salt"]
+            prompts.append(prompt)
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        if "timed" in request:
+            outs = _run_timed(llm, [float(one["at"]) for one in requests], prompts, params)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        completion = out.outputs[0]
-        logprobs = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs or []]
-        reply = {
-            "tokens": list(completion.token_ids),
-            "logprobs": logprobs,
-            "cached": out.num_cached_tokens or 0,
-            "seconds": seconds,
-            "ttft": out.metrics.first_token_latency if out.metrics is not None else seconds,
-        }
-        print(json.dumps(reply), flush=True)
+        replies = [_reply(out, seconds) for out in outs]
+        print(json.dumps({"batch": replies} if batch is not None else replies[0]), flush=True)
+
+
+_timed_runs = 0
+
+
+def _run_timed(llm: Any, at: list[float], prompts: list[Any], params: list[Any]) -> list[Any]:
+    """Submit each prompt at its time while the engine steps; the outputs in the prompts' order."""
+    global _timed_runs
+    _timed_runs += 1
+    engine = llm.llm_engine
+    order = sorted(range(len(prompts)), key=lambda i: at[i])
+    outs: dict[int, Any] = {}
+    start = time.perf_counter()
+    while order or len(outs) < len(prompts):
+        now = time.perf_counter() - start
+        while order and at[order[0]] <= now:
+            i = order.pop(0)
+            engine.add_request(f"timed-{_timed_runs}-{i}", prompts[i], params[i])
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[int(out.request_id.split("-")[2])] = out  # timed-RUN-I[-suffix]
+        elif order:
+            time.sleep(min(0.005, max(0.0, at[order[0]] - now)))
+    return [outs[i] for i in range(len(prompts))]
+
+
+def _reply(out: Any, seconds: float) -> dict[str, Any]:
+    completion = out.outputs[0]
+    logprobs = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs or []]
+    stats = out.metrics
+    return {
+        "tokens": list(completion.token_ids),
+        "logprobs": logprobs,
+        "cached": out.num_cached_tokens or 0,
+        "seconds": seconds,
+        "ttft": stats.first_token_latency if stats is not None else seconds,
+        "first_token_at": stats.first_token_ts if stats is not None else 0.0,
+        "finished_at": stats.last_token_ts if stats is not None else 0.0,
+    }
 
 
 def _transfer_config(config: EngineConfig, transfer_config: Any) -> Any:

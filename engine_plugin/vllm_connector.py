@@ -11,7 +11,8 @@ Load it with::
                                    "calibration": "/path/calibration.json",
                                    "policy": "auto",    # or "restore" / "recompute" (benchmarks)
                                    "explore_fraction": 0.05,  # of close calls, the other side
-                                   "audit_fraction": 0.0, "audit_tolerance": 0.02},
+                                   "audit_fraction": 0.0, "audit_tolerance": 0.02,
+                                   "async_load": True},   # False: every load inside the step
     )
 
 Audited hits: ``audit_fraction`` of the requests whose plan would restore blocks recompute them
@@ -132,6 +133,7 @@ class ConnectorConfig:
     explore_fraction: float = EXPLORE_FRACTION  # of close calls, the other side (cost_model.explore)
     audit_tolerance: float = AUDIT_TOLERANCE  # an audited block differing by more is a mismatch
     layerwise_load: bool = False  # same-host loads copied a layer at a time during the forward
+    async_load: bool = True  # loads but same-host copies out of dram run beside the steps
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -143,6 +145,7 @@ class ConnectorConfig:
             _share(extra, "explore_fraction", EXPLORE_FRACTION),
             _share(extra, "audit_tolerance", AUDIT_TOLERANCE),
             _flag(extra, "layerwise_load", False),
+            _flag(extra, "async_load", True),
         )
 
     def calibration(self) -> Calibration:
@@ -204,6 +207,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 config.policy,
                 config.audit_fraction,
                 explore_fraction=config.explore_fraction,
+                async_load=config.async_load,
+                same_host=config.sidecar.address.same_host,
             )
         else:
             rank = _tp_rank()
@@ -222,6 +227,7 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 config.audit_tolerance,
                 config.layerwise_load,
                 shapes_from_vllm(vllm_config),
+                config.sidecar.connect if config.async_load else None,  # the loads' own client
             )
         same_host = config.sidecar.address.same_host
         self._kv_events = saved_block_events(vllm_config, self._scheduler, block_size, same_host)
@@ -287,6 +293,10 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker_side.start_load_kv(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(saves done: none, every save ends inside its step; asynchronous loads done)."""
+        return None, self.worker_side.get_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker_side.wait_for_layer_load(layer_name)

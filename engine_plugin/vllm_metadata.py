@@ -31,6 +31,8 @@ class TransferJob:
     timeout_s: float  # the worker's deadline for it (engine_plugin.sidecar says how it is chosen)
     parents: list[BlockKey | None] = field(default_factory=list)  # saves: per rank, the chain's parent
     tiers: tuple[str, ...] = ()  # loads: where the scheduler saw each block (slowest over ranks)
+    # loads: beside the steps (engine_plugin.async_loads), the request waiting in vLLM for it
+    asynchronous: bool = False
     # loads: per rank, its blocks' arena slots when the arena holds every one (else None: resolve)
     in_place: list[InPlace | None] = field(default_factory=list)
     # saves, where vLLM publishes KV events: vLLM's BlockStored for these blocks, handed back to
@@ -40,7 +42,7 @@ class TransferJob:
 
 @dataclass
 class KvstoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    loads: list[TransferJob] = field(default_factory=list)
+    loads: list[TransferJob] = field(default_factory=list)  # asynchronous ones too
     saves: list[TransferJob] = field(default_factory=list)
     # blocks just computed that kvstore also holds: compare the two (``audit_fraction``)
     audits: list[TransferJob] = field(default_factory=list)

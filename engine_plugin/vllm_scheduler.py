@@ -22,6 +22,14 @@ A tracked request's load (``_Load``, the hit blocks the plan restores) goes thro
     pinned --update_state_after_alloc with 0 external tokens (vLLM took none)--> (none)
     pinned or sent --request_finished, or get_num_new_matched_tokens again--> (none)
 
+An asynchronous load (``engine_plugin.async_loads``: every restore but a same-host copy out of
+dram, unless ``async_load`` is off) tells vLLM so (``get_num_new_matched_tokens`` returns
+``(tokens, True)``); vLLM allocates its blocks (``update_state_after_alloc``) and parks the
+request in WAITING_FOR_REMOTE_KVS, unscheduled, so the next ``build_connector_meta`` sends the
+load by itself and the pins go when the workers report it finished (``finished_recving`` of
+``update_connector_output``), not after the step. A load none of whose blocks arrived has vLLM
+free the request's blocks and ask about it again: that request is recomputed, not restored again.
+
 Pins: the lookup pins every hit block of every rank under a lease (``PIN_TTL_S``), so eviction
 cannot take a planned block before the worker copies it. The leases live on the ``_Load`` and
 are released on every arrow into ``(none)`` above; a plan that loads nothing releases them at
@@ -157,6 +165,7 @@ class _Load:
     timeout_s: float
     lease_ids: tuple[int, ...]
     in_place: list[InPlace | None]  # per rank, for the worker (``TransferJob.in_place``)
+    asynchronous: bool = False  # beside the steps: the workers' finished_recving releases the pins
     sent: bool = False  # in a step's metadata: that step's output releases the pins
 
 
@@ -178,6 +187,7 @@ class _Request:
     load: _Load | None = None
     decision: DecisionRecord | None = None
     audit: _Audit | None = None
+    load_failed: bool = False  # an asynchronous load came back with blocks vLLM must recompute
 
 
 class SchedulerSide:
@@ -193,6 +203,8 @@ class SchedulerSide:
         policy: Policy,
         audit_fraction: float = 0.0,
         rng: random.Random | None = None,
+        async_load: bool = False,
+        same_host: bool = True,
         explore_fraction: float = EXPLORE_FRACTION,
     ) -> None:
         if not 0.0 <= audit_fraction <= 1.0:
@@ -206,6 +218,9 @@ class SchedulerSide:
         self.policy = policy
         self.audit_fraction = audit_fraction
         self._rng = rng or random.Random()
+        self._async_load = async_load  # loads but same-host copies out of dram run beside the steps
+        self._same_host = same_host
+        self._allocated: list[str] = []  # asynchronous loads whose blocks vLLM has allocated
         self.restores_off = ""  # why, once an audit found stored KV that differs: no restores, no saves
         self._link = link
         self._stats = stats
@@ -237,6 +252,13 @@ class SchedulerSide:
         previous = self._requests.get(request.request_id)
         if previous is not None:  # asked again (it could not be scheduled): the old pin goes
             self._unpin(previous)
+            if previous.load_failed:
+                # Its asynchronous load restored nothing and vLLM freed its blocks: recompute,
+                # measured against the plan that chose the restore; its blocks are saved again
+                # as they are computed (a no-op for those kvstore still holds).
+                previous.load_failed = False
+                previous.saved_blocks = num_computed_tokens // self._block_size
+                return 0, False
         tracked = _Request(request.request_id, rank_keys, [], saved_blocks=0)
         self._requests[request.request_id] = tracked
         # vLLM presents its local hit in whole blocks; anything else would not line up with ours.
@@ -294,10 +316,14 @@ class SchedulerSide:
         if load_blocks:
             timeout_s = load_deadline_s(plan.all_recompute_s)
             in_place = _in_place(hit.lookups, load_blocks)
-            tracked.load = _Load(local_blocks, hit.tiers[:load_blocks], timeout_s, hit.lease_ids, in_place)
-        else:
-            self._link.release(hit.lease_ids)
-        return load_blocks * self._block_size, False
+            load_tiers = hit.tiers[:load_blocks]
+            # Out of the arena on this host a restore is a memcpy: it stays inside the step.
+            memcpy = self._same_host and all(tier == "dram" for tier in load_tiers)
+            asynchronous = self._async_load and not memcpy
+            tracked.load = _Load(local_blocks, load_tiers, timeout_s, hit.lease_ids, in_place, asynchronous)
+            return load_blocks * self._block_size, asynchronous
+        self._link.release(hit.lease_ids)
+        return 0, False
 
     def _lookup(
         self, rank_keys: list[list[BlockKey]], local_blocks: int, prompt_tokens: int, prefill: PrefillModel
@@ -335,28 +361,24 @@ class SchedulerSide:
         tracked.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens == 0:
             self._unpin(tracked)
+        elif tracked.load is not None and tracked.load.asynchronous and not tracked.load.sent:
+            self._allocated.append(request.request_id)  # waiting, unscheduled: sent by itself
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvstoreConnectorMetadata:
         meta = KvstoreConnectorMetadata()
+        allocated, self._allocated = self._allocated, []
+        for req_id in allocated:
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.load is not None and not tracked.load.sent:
+                meta.loads.append(self._load_job(tracked, tracked.load))
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
             load = tracked.load
-            if load is not None and not load.sent:
-                last = load.first_block + len(load.tiers)
-                meta.loads.append(
-                    TransferJob(
-                        new.req_id,
-                        [keys[load.first_block : last] for keys in tracked.rank_keys],
-                        tracked.block_ids[load.first_block : last],
-                        load.timeout_s,
-                        tiers=load.tiers,
-                        in_place=load.in_place,
-                    )
-                )
-                load.sent = True
+            if load is not None and not load.sent and not load.asynchronous:
+                meta.loads.append(self._load_job(tracked, load))
             scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._add_step(meta, tracked, new.num_computed_tokens, scheduled)
             self._add_save(meta, tracked, new.num_computed_tokens + scheduled)
@@ -377,6 +399,19 @@ class SchedulerSide:
             self._add_save(meta, tracked, cached.num_computed_tokens[i] + scheduled)
             self._add_audit(meta, tracked, cached.num_computed_tokens[i] + scheduled)
         return meta
+
+    def _load_job(self, tracked: _Request, load: _Load) -> TransferJob:
+        load.sent = True
+        last = load.first_block + len(load.tiers)
+        return TransferJob(
+            tracked.req_id,
+            [keys[load.first_block : last] for keys in tracked.rank_keys],
+            tracked.block_ids[load.first_block : last],
+            load.timeout_s,
+            tiers=load.tiers,
+            in_place=[] if load.asynchronous else load.in_place,  # the loader resolves its own
+            asynchronous=load.asynchronous,
+        )
 
     def _add_step(
         self, meta: KvstoreConnectorMetadata, tracked: _Request, before: int, scheduled: int
@@ -435,9 +470,19 @@ class SchedulerSide:
                     self._stop_restoring(req_id, mismatch, largest)
         for tracked in self._requests.values():
             if tracked.load is not None and tracked.load.sent:
-                self._unpin(tracked)
+                self._load_done(tracked, tracked.load, connector_output)
             if tracked.decision is not None and tracked.decision.prefilled:
                 self._close_decision(tracked)
+
+    def _load_done(self, tracked: _Request, load: _Load, output: KVConnectorOutput) -> None:
+        """A sent load's pins go once it ran: after its step, or once the workers report an
+        asynchronous one finished (whether vLLM must recompute some of its blocks, too)."""
+        if load.asynchronous:
+            if tracked.req_id not in (output.finished_recving or ()):
+                return  # still loading: its pins hold
+            loaded = tracked.block_ids[load.first_block : load.first_block + len(load.tiers)]
+            tracked.load_failed = not output.invalid_block_ids.isdisjoint(loaded)
+        self._unpin(tracked)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._requests.pop(request.request_id, None)

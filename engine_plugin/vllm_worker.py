@@ -5,15 +5,19 @@ its model-runner thread only (no locks), in this order:
 
     register_kv_caches(kv_caches)       once, before any step
     step_started()                      each step, as its metadata is bound (before the forward)
-    start_load_kv(meta)                 before the forward pass: the step's loads
+    start_load_kv(meta)                 before the forward pass: the step's loads (or after
+                                        it, when all of them are asynchronous)
     wait_for_save(meta)                 after it: the step's saves, audits and prefill timing
+    get_finished()                      the asynchronous loads done since the last step
     build_connector_worker_meta()       the step's measurements, for the scheduler's calibration
     get_block_ids_with_load_errors()    the blocks vLLM must recompute
     get_stats()                         the figures since the last call, for vLLM's stat loggers
 
 Loads and saves move only this rank's shard (its keys in each ``TransferJob``), through one
 ``engine_plugin.transfer.BlockTransfer`` (the arena on the same host, the data port otherwise),
-inside the link's deadline for each job. Every failure — sidecar down or hung, block missing,
+inside the link's deadline for each job. An asynchronous load (``TransferJob.asynchronous``)
+goes to ``engine_plugin.async_loads.AsyncLoader``, with a link and a ``BlockTransfer`` of its
+own, and is counted here once done. Every failure — sidecar down or hung, block missing,
 corrupt — leaves the blocks not loaded to vLLM's recompute (``get_block_ids_with_load_errors``),
 never wrong output; a save that fails is skipped and counted.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 
 from engine_plugin import kv_layout
+from engine_plugin.async_loads import AsyncLoader
 from engine_plugin.prefill_probe import ModelShapes, probe_per_token_s
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.transfer import BlockTransfer, InPlace, StagedLoad
@@ -66,8 +72,12 @@ class WorkerSide:
         audit_tolerance: float = 0.0,
         layerwise: bool = False,
         shapes: ModelShapes | None = None,
+        load_connect: Callable[[], Client] | None = None,
     ) -> None:
         self._link = link
+        self._load_connect = load_connect  # the asynchronous loads' client (None: loads in the step)
+        self._async: AsyncLoader | None = None
+        self._done_inline: set[str] = set()  # asynchronous loads run in the step (no loader)
         self._shapes = shapes  # the model's linear layers, for the prefill probe at start
         self._layerwise = layerwise  # same-host loads copy a layer at a time (on a GPU: events)
         self._loading: _Loading | None = None
@@ -99,9 +109,15 @@ class WorkerSide:
             )
         fingerprint = self._identity.fingerprint()
         self._transfer = BlockTransfer(caches, layouts, fingerprint, layer_bytes, self._same_host, num_blocks)
+        if self._load_connect is not None:
+            own = BlockTransfer(caches, layouts, fingerprint, layer_bytes, self._same_host, num_blocks)
+            address = self._link.address
+            self._async = AsyncLoader(address, self._load_connect, self._identity, own, self._rank)
         if self._same_host and caches[0].is_cuda:
             # Registering the arena's mapping with CUDA faults it all in: here, not in a restore.
             pinned = self._link.call("pinning the arena", PIN_ARENA_S, self._transfer.prepare)
+            if self._async is not None:  # its client maps the arena too
+                pinned = self._async.prepare(PIN_ARENA_S) and pinned
             log.info(
                 "kvstore connector: the arena's mapping %s", "is pinned" if pinned else "is not pinned yet"
             )
@@ -128,35 +144,60 @@ class WorkerSide:
     def start_load_kv(self, meta: KvstoreConnectorMetadata) -> None:
         started = time.perf_counter()
         transfer = self._registered()
-        if self._layerwise and transfer.layerwise and meta.loads:
-            self._stage_layerwise(meta)
+        loads = []
+        for load in meta.loads:
+            if load.asynchronous and self._async is not None:
+                self._async.start(load)
+            else:
+                loads.append(load)
+        # vLLM waits for an asynchronous load to be reported even when it ran in the step
+        self._done_inline.update(load.req_id for load in loads if load.asynchronous)
+        if self._layerwise and transfer.layerwise and loads:
+            self._stage_layerwise(loads)
             self._step_load_s += time.perf_counter() - started
             return
-        for load in meta.loads:
+        for load in loads:
             start = time.perf_counter()
             loaded = self._load(load)
-            seconds = time.perf_counter() - start
-            if loaded < len(load.block_ids):
-                self._load_errors.update(load.block_ids[loaded:])
-                self._stats.add_failed(len(load.block_ids) - loaded)
-            if loaded:
-                tier = load.tiers[0] if len(set(load.tiers[:loaded])) == 1 else "mixed"
-                nbytes = loaded * self._identity.block_bytes
-                self._stats.add_restore(tier, nbytes, seconds)
-                if tier != "mixed":  # one source tier: a clean measurement of it
-                    self._observed.transfers.append((tier, nbytes, seconds))
-            log.debug(
-                "request %s: loaded %d of %d blocks in %.2f ms",
-                load.req_id,
-                loaded,
-                len(load.block_ids),
-                seconds * 1e3,
-            )
+            self._count_load(load, loaded, time.perf_counter() - start)
         self._step_load_s += time.perf_counter() - started
+
+    def get_finished(self) -> set[str]:
+        """The requests whose asynchronous loads ended since the last call, restored or not:
+        the blocks not restored are in this step's ``get_block_ids_with_load_errors``."""
+        done, self._done_inline = self._done_inline, set()
+        if self._async is None:
+            return done
+        for one in self._async.finished():
+            self._count_load(one.job, one.loaded, one.seconds)
+            done.add(one.job.req_id)
+        while not self._async.unreachable.empty():
+            self._stats.add_unreachable(self._async.unreachable.get())
+        return done
+
+    def _count_load(self, load: TransferJob, loaded: int, seconds: float) -> None:
+        """The blocks not restored become load errors; a restore is counted and timed."""
+        if loaded < len(load.block_ids):
+            self._load_errors.update(load.block_ids[loaded:])
+            self._stats.add_failed(len(load.block_ids) - loaded)
+        if loaded:
+            tier = load.tiers[0] if len(set(load.tiers[:loaded])) == 1 else "mixed"
+            nbytes = loaded * self._identity.block_bytes
+            self._stats.add_restore(tier, nbytes, seconds)
+            if tier != "mixed":  # one source tier: a clean measurement of it
+                self._observed.transfers.append((tier, nbytes, seconds))
+        log.debug(
+            "request %s: loaded %d of %d blocks in %.2f ms%s",
+            load.req_id,
+            loaded,
+            len(load.block_ids),
+            seconds * 1e3,
+            " (asynchronously)" if load.asynchronous else "",
+        )
 
     # ----------------------------------------------------------------- layer-wise loads
 
-    def _stage_layerwise(self, meta: KvstoreConnectorMetadata) -> None:
+    def _stage_layerwise(self, loads: list[TransferJob]) -> None:
         """Resolve every load now (the blocks vLLM will not get are known before the forward
         starts), then copy them a layer at a time beside the forward pass;
         ``wait_for_layer_load`` holds each attention layer until its layer is in."""
@@ -165,7 +206,7 @@ class WorkerSide:
         self._finish_layerwise()
         transfer = self._registered()
         staged: list[tuple[TransferJob, StagedLoad, float]] = []
-        for load in meta.loads:
+        for load in loads:
             start = time.perf_counter()
             one = self._stage(load)
             got = len(one.block_ids) if one is not None else 0
@@ -348,6 +389,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._finish_layerwise()
         self._loader.shutdown(wait=True)
+        if self._async is not None:
+            self._async.shutdown()
         self._link.close()
 
 

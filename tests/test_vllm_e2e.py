@@ -241,9 +241,14 @@ def test_tensor_parallel_ranks_store_and_restore_their_own_shards(
     assert engines[1].generate(prompt)["cached"] == 0
 
 
-def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_restarted_sidecar_restores_from_nvme_beside_the_other_requests(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
     """The cache survives a sidecar restart and the engine's connector (scheduler and worker
-    side alike) reconnects on its own: the first restore after the restart loads, no block fails."""
+    side alike) reconnects on its own. The restores after it come from nvme, throttled, and run
+    asynchronously: requests sent with one finish before its first token (a load inside the
+    step would give them all their first token in the same step), its logprobs are the computed
+    ones; a load that runs past its deadline has its blocks recomputed, with the same output."""
     data_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
     overrides = sidecar_settings(data_dir, "128MiB")
     server = start_server(load_settings(env={}, overrides=overrides))
@@ -252,14 +257,34 @@ def test_a_restarted_sidecar_serves_the_next_restore(models: tuple[Path, Path], 
         warm_up = [(i * 3) % 500 + 3 for i in range(200)]
         engine.generate(warm_up, max_tokens=1)
         engine.generate(warm_up, max_tokens=1)  # both sides of the connector have used the sidecar
-        prompt = [(i * 13) % 500 + 3 for i in range(640)]
+        prompt = [(i * 13) % 500 + 3 for i in range(640)]  # 19 usable blocks of 16 KiB
         cold = engine.generate(prompt)
+        lost = [(i * 43) % 500 + 3 for i in range(640)]
+        lost_cold = engine.generate(lost)
         server.stop()  # spills dram to nvme
-        server = start_server(load_settings(env={}, overrides=overrides))
-        warm = engine.generate(prompt)
+        # 19 blocks at 1 MB/s: 0.3 s, within the load's deadline (a new client's: 1.25 s at least)
+        throttled = {**overrides, "nvme.throttle_bytes_per_s": "1000000"}
+        server = start_server(load_settings(env={}, overrides=throttled))
+        before = engine.metrics()
+        others = [{"prompt": [(i * k) % 500 + 3 for i in range(100)], "max_tokens": 1} for k in (31, 37, 41)]
+        warm, *rest = engine.generate_batch([{"prompt": prompt}, *others])
+        grew = growth(before, engine.metrics())
         assert warm["cached"] == 19 * 32
         assert warm["logprobs"] == cold["logprobs"]
-        assert engine.metrics().get("kvstore_connector_load_failed_blocks_total", 0) == 0
+        assert grew("kvstore_connector_restore_seconds_count{tier=nvme}") == 1
+        assert grew("kvstore_connector_load_failed_blocks_total") == 0
+        assert all(other["finished_at"] < warm["first_token_at"] for other in rest), (warm, rest)
+
+        server.stop()
+        # 19 blocks at 100 kB/s: 3.1 s, past the load's deadline
+        throttled["nvme.throttle_bytes_per_s"] = "100000"
+        server = start_server(load_settings(env={}, overrides=throttled))
+        before = engine.metrics()
+        again = engine.generate(lost)
+        grew = growth(before, engine.metrics())
+        assert again["tokens"] == lost_cold["tokens"] and again["logprobs"] == lost_cold["logprobs"]
+        assert grew("kvstore_connector_load_failed_blocks_total") == 19
+        assert grew("kvstore_connector_restore_seconds_count{tier=nvme}") == 0
     finally:
         engine.close()
         server.stop()

@@ -87,7 +87,11 @@ class Harness:
     """One scheduler side on a two-tier store (``hbm`` on the CPU above ``dram``)."""
 
     def __init__(
-        self, tiers: dict[str, TierCost], policy: Policy = "auto", audit_fraction: float = 0.0
+        self,
+        tiers: dict[str, TierCost],
+        policy: Policy = "auto",
+        audit_fraction: float = 0.0,
+        async_load: bool = False,
     ) -> None:
         self.store = TieredStore(
             [
@@ -103,7 +107,15 @@ class Harness:
         calibration = Calibration(tiers, PREFILL)
         try:
             self.side = SchedulerSide(
-                link, self.stats, [MODEL], BLOCK_SIZE, calibration, policy, audit_fraction
+                link,
+                self.stats,
+                [MODEL],
+                BLOCK_SIZE,
+                calibration,
+                policy,
+                audit_fraction,
+                async_load=async_load,
+                same_host=True,
             )
         except BaseException:
             self.store.close()  # its arena is not left in /dev/shm by a test of a refusal
@@ -151,8 +163,24 @@ class Harness:
         )
         return self.side.build_connector_meta(output)
 
-    def step_done(self, observed: ObservedWork | None = None) -> None:
-        self.side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=observed))
+    def step_done(
+        self,
+        observed: ObservedWork | None = None,
+        received: set[str] | None = None,
+        invalid: Sequence[int] = (),
+    ) -> None:
+        """``received``: the asynchronous loads the workers report done; ``invalid``: the blocks
+        they could not restore."""
+        output = SimpleNamespace(
+            kv_connector_worker_meta=observed, finished_recving=received, invalid_block_ids=set(invalid)
+        )
+        self.side.update_connector_output(output)
+
+    def idle_step(self) -> Any:
+        """A step that schedules nothing (the only request waits for its load): its metadata."""
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+        output = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+        return self.side.build_connector_meta(output)
 
     def finish(self, request: SimpleNamespace) -> None:
         assert self.side.request_finished(request) == (False, None)
@@ -495,3 +523,64 @@ def test_the_engines_first_timed_prefill_is_not_learned_but_the_next_one_scales_
     learned = harness.side.calibration.snapshot().prefill
     assert learned.seconds(0, 1000) == pytest.approx(truth_s)
     assert learned.seconds(0, 300) == pytest.approx(start.seconds(0, 300) / 4)  # its shape kept
+
+
+def test_a_restore_not_out_of_dram_runs_beside_the_steps_and_holds_its_pins_until_done() -> None:
+    h = Harness({"hbm": FAST, "dram": SLOW}, async_load=True)
+    try:
+        keys = h.put(8)  # in hbm: not a same-host copy out of the dram arena
+        r = request()
+        assert h.side.get_num_new_matched_tokens(r, 0) == (8 * BLOCK_SIZE, True)
+        h.alloc(r, 8 * BLOCK_SIZE)  # vLLM parks it in WAITING_FOR_REMOTE_KVS, unscheduled
+        [load] = h.idle_step().loads  # sent by itself, in the next step's metadata
+        assert load.asynchronous and load.rank_keys == [keys] and load.block_ids == list(range(8))
+        h.step_done()
+        assert h.leases() == 1  # still loading: the pin holds past the step
+        assert h.idle_step().loads == []  # sent once
+        h.step_done(received={"r1"})
+        assert h.leases() == 0
+        h.alloc(r, 0)  # vLLM schedules it with the loaded tokens computed
+        meta = h.schedule(r, computed=8 * BLOCK_SIZE, scheduled=5)
+        assert meta.loads == [] and meta.saves == []
+        h.step_done()
+        [decision] = h.decisions()
+        assert decision["decision"] == "restore" and decision["restored_tokens"] == 8 * BLOCK_SIZE
+    finally:
+        h.close()
+
+
+def test_an_asynchronous_load_that_restored_nothing_is_recomputed_not_tried_again() -> None:
+    h = Harness({"hbm": FAST, "dram": SLOW}, async_load=True)
+    try:
+        keys = h.put(8)
+        r = request()
+        assert h.side.get_num_new_matched_tokens(r, 0) == (8 * BLOCK_SIZE, True)
+        h.alloc(r, 8 * BLOCK_SIZE)
+        h.idle_step()
+        h.step_done(received={"r1"}, invalid=range(8))
+        assert h.leases() == 0
+        lookups = h.client.lookups
+        # vLLM freed its blocks and asks again: recompute, no second lookup or load
+        assert h.side.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert h.client.lookups == lookups
+        h.alloc(r, 0)
+        meta = h.schedule(r, computed=0, scheduled=len(PROMPT))
+        assert meta.loads == []
+        [save] = meta.saves  # saved again as computed (a no-op for blocks kvstore still holds)
+        assert save.rank_keys == [keys]
+    finally:
+        h.close()
+
+
+def test_a_copy_out_of_dram_on_this_host_stays_in_the_step() -> None:
+    h = Harness({"hbm": FAST, "dram": FAST}, async_load=True)
+    try:
+        h.put(8, tier="dram")
+        r = request()
+        assert h.side.get_num_new_matched_tokens(r, 0) == (8 * BLOCK_SIZE, False)  # a memcpy
+        h.alloc(r, 8 * BLOCK_SIZE)
+        assert h.idle_step().loads == []  # loaded only in the step that schedules it
+        [load] = h.schedule(r, computed=8 * BLOCK_SIZE, scheduled=5).loads
+        assert not load.asynchronous
+    finally:
+        h.close()

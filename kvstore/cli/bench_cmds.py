@@ -162,6 +162,12 @@ def _add_replay(bench_sub: Any, common: argparse.ArgumentParser) -> None:
         default=None,
         help="try every other vLLM KV connector and report which start (default: on, off with --quick)",
     )
+    replay.add_argument(
+        "--concurrency",
+        action="store_true",
+        help="instead: restores from a throttled nvme beside other requests, loads beside and inside the "
+        "step against vLLM alone (benchmarks/replay_concurrency.py)",
+    )
     replay.set_defaults(func=_replay)
 
 
@@ -244,6 +250,11 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.concurrency:
+        from benchmarks.replay_concurrency import run_concurrency_bench
+
+        run_concurrency_bench(model=args.model, quick=args.quick, json_path=args.json)
+        return 0
     from benchmarks.replay import run_replay
 
     run_replay(
