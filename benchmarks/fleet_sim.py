@@ -14,9 +14,11 @@ blocks enter the replica's cache (LRU, ``local_blocks``) and the remote tier (LR
 
 Figures per run: the token hit rate (prompt tokens found in a cache the replica can reach, its
 own or the remote tier, whether or not the plan restores them), the prefill seconds saved against
-computing every token, the mean over arrivals of max/mean requests in flight (counted while at
-least one request per replica is in flight, where the load bound is meaningful), and how often
-the policy's first choice was taken.
+computing every token, the mean over arrivals of max/mean requests in flight right after each
+is routed (counted while at least one request per replica is in flight, where the load bound is
+meaningful) beside the least whole requests allow there (ceil(mean)/mean), the largest in flight
+of the replica each request is routed to over its bound (``kvstore.routing.policies.held_bound``),
+and how often the policy's first choice was taken.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvstore.cost_model import PrefillModel, TierCost, plan_restore
-from kvstore.routing.policies import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin, RouteRequest
+from kvstore.routing.policies import (
+    BoundedRendezvous,
+    ConsistentHash,
+    CostAware,
+    RoundRobin,
+    RouteRequest,
+    held_bound,
+)
 
 Key = int
 
@@ -184,6 +193,8 @@ class RunFigures:
     requests: int = 0
     first_choice: int = 0
     imbalance: list[float] = field(default_factory=list)
+    least_imbalance: list[float] = field(default_factory=list)  # ceil(mean)/mean at the same arrivals
+    over_bound: float = 0.0  # the largest of the routed replica's in flight over held_bound
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (session, turn), in arrival order
 
     @property
@@ -193,6 +204,11 @@ class RunFigures:
     @property
     def max_over_mean(self) -> float:
         return sum(self.imbalance) / len(self.imbalance) if self.imbalance else 1.0
+
+    @property
+    def least_max_over_mean(self) -> float:
+        """What any routing would show at best: the mean of ceil(mean)/mean over the same arrivals."""
+        return sum(self.least_imbalance) / len(self.least_imbalance) if self.least_imbalance else 1.0
 
 
 def make_policy(name: str, spec: FleetSpec) -> RoundRobin | ConsistentHash | BoundedRendezvous | CostAware:
@@ -271,13 +287,18 @@ def simulate(
             head = keys[min(len(keys), 256 // tpb) - 1] if keys else 0
             hits = [hits_of(keys, r) for r in range(spec.replicas)] if policy_name == "cost" else []
             choice = policy.choose(RouteRequest(head.to_bytes(8, "big"), prompt.tokens, hits), loads)
-            if sum(loads) >= spec.replicas:
-                figures.imbalance.append(max(loads) / (sum(loads) / spec.replicas))
+            loads[choice.replica] += 1
+            in_flight = sum(loads)
+            bound = held_bound(in_flight, spec.replicas, spec.slack)
+            figures.over_bound = max(figures.over_bound, loads[choice.replica] / bound)
+            if in_flight >= spec.replicas:
+                mean = in_flight / spec.replicas
+                figures.imbalance.append(max(loads) / mean)
+                figures.least_imbalance.append(-(-in_flight // spec.replicas) / mean)
             figures.first_choice += choice.replica == choice.first
             figures.requests += 1
             figures.arrivals.append((b, a))
             figures.prompt_tokens += prompt.tokens
-            loads[choice.replica] += 1
             queues[choice.replica].append((a, b, keys))
             if running[choice.replica] < spec.slots:
                 start(choice.replica, now)

@@ -93,8 +93,21 @@ def load_bound(loads: Sequence[int], slack: float) -> int:
     the slack times the mean after routing, rounded down so that the slack holds, but never
     below the least-loaded replica's load plus one (where the fleet holds too few requests for
     the slack to allow any, the least loaded takes it). Rounding up instead, as the classic
-    bound does, let a replica of four with 6.4 in flight on average hold 9: 1.35x the mean."""
+    bound does, let a replica of four with 6.4 in flight on average hold 9: 1.35x the mean.
+    What this promises: ``held_bound``."""
     return max(min(loads) + 1, math.floor(slack * (sum(loads) + 1) / len(loads)))
+
+
+def held_bound(in_flight: int, replicas: int, slack: float) -> int:
+    """The most a replica holds right after a request is routed to it under ``load_bound``, with
+    ``in_flight`` requests over ``replicas`` after routing (mean m): max(ceil(m), floor(slack * m)).
+
+    The slack times the mean, except where the mean is so small that no spread of whole requests
+    meets it: with 130 in flight over 64 replicas (m = 2.03) some replica holds 3, 1.48x the mean,
+    whatever routes them; the least loaded plus one is then at most ceil(m). A replica can exceed
+    this later only by the others' requests finishing (routing moves none), so it is promised for
+    the replica routed to, at the moment it is."""
+    return max(-(-in_flight // replicas), math.floor(slack * in_flight / replicas))
 
 
 class BoundedRendezvous:
