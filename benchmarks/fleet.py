@@ -5,7 +5,9 @@ Measured (real processes on 127.0.0.1): a three-master Redis Cluster and two kvs
 the shared role; blocks of a named real model (Llama-3.1-8B: 32 layers x 8 KV heads x 128 dims x
 K and V x 2 bytes = 128 KiB per token, 16-token blocks of 2 MiB) written and read through the
 ``redis`` and ``kvstore`` remote tiers, against a plain redis-py cluster client pipelining the
-same blocks under the same keys layout. And the share of keys that move when a node joins:
+same blocks under the same keys layout; each tier's put and get sealed (what a sidecar with
+encryption on sends) against plain, rounds alternating (``benchmarks.sealed_costs``). And the
+share of keys that move when a node joins:
 rendezvous hashing against modulo hashing.
 
 Replayed on real sidecars (``benchmarks/fleet_real.py``): four ``kvstore serve`` processes, with
@@ -50,6 +52,7 @@ from benchmarks.fleet_sim import (
     single_replica_hit_rate,
 )
 from benchmarks.redis_cluster import RedisClusterProcess, RedisUnavailable
+from benchmarks.sealed_costs import remote_tier_rows
 from benchmarks.service import TOKEN, bench_server
 from kvstore.cost_model import PrefillModel, TierCost
 
@@ -206,6 +209,8 @@ def run_fleet(quick: bool, json_path: str | None, calibration: str = "", plot: s
     try:
         remotes, remote_rows = measure_remotes(count=32 if quick else 128, rounds=3 if quick else 5)
         rows += remote_rows
+        _progress("remote tiers: sealed copies against plain …")
+        rows += remote_tier_rows(count=8 if quick else 32, rounds=3 if quick else 7)
     except RedisUnavailable as exc:
         print(f"kvstore bench fleet: {exc}", file=sys.stderr)
         return 2

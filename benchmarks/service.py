@@ -4,6 +4,8 @@
   raw TCP socket moving the same bytes between two processes: the plain ``client.get`` (views
   from the receive pool; target >= 0.7x) and ``get_into`` the caller's buffers (the data-port
   path, target >= 0.85x), put (target >= 0.6x); the same over the gRPC streams, for orientation;
+- remote put and get of 2 MiB blocks kept in nvme, encrypted at rest (``nvme.encryption_keys_dir``)
+  against the same server without it, rounds alternating (``benchmarks.sealed_costs``);
 - same-host restore into a client buffer (Resolve + copy out of the mapped arena + Release),
   against memcpy of the same bytes between warm buffers (target >= 0.8x);
 - Lookup of 64 keys (all present), one client calling in turn as Redis's ``EXISTS`` is measured,
@@ -45,6 +47,7 @@ from rich.console import Console
 from benchmarks.common import Result, interleaved, print_results, write_json
 from benchmarks.fairness import bench_fairness, fairness_settings
 from benchmarks.gc_pause import bench_gc_pause
+from benchmarks.sealed_costs import nvme_rows
 from benchmarks.server_process import ServerProcess
 from benchmarks.service_peers import bench_peers, say_what_peers_need
 from kvstore.client import Client, ResolvedBlocks, connect
@@ -839,6 +842,8 @@ def run_service_bench(
         results += bench_remote(server, count, rounds, "grpc")
         console.print("[dim]remote get/put over TLS against plaintext …[/]")
         results += bench_tls(server, count, rounds)
+        console.print("[dim]remote get/put from nvme encrypted at rest against plain …[/]")
+        results += nvme_rows(min(count, 64), rounds)
         console.print("[dim]same-host restore against memcpy …[/]")
         # A server of their own: the blocks the rows above left would fill the arena, and each
         # write would then pay for demoting them to nvme, which is not what these rows measure.
