@@ -12,8 +12,9 @@ from multiprocessing.queues import Queue
 import pytest
 
 from tiers import TierKey
+from tiers.base import Slot
 from tiers.dram import UNNAMED_GRACE_S, Arena, DramConfig, DramTier, sweep_unnamed
-from tiers.slab import SLOT_ALIGN_BYTES, SlabAllocator, Slot
+from tiers.slab_alloc import SLOT_ALIGN_BYTES, SlabAllocator
 
 FP = b"\x01" * 32
 MIB = 1 << 20

@@ -51,7 +51,8 @@ from tiers import cuda
 from tiers.base import BytesLike, Slot, TierKey
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
-from tiers.slab import SlabEntry, SlabTier, check_pool
+from tiers.slab import SlabEntry, SlabTier
+from tiers.slab_alloc import check_pool
 
 try:
     from tiers import _gather  # type: ignore[attr-defined]

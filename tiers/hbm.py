@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from tiers.base import BytesLike, Slot
 from tiers.errors import TierUnavailable
-from tiers.slab import SlabTier, check_pool
+from tiers.slab import SlabTier
+from tiers.slab_alloc import check_pool
 
 if TYPE_CHECKING:
     import torch
