@@ -29,9 +29,6 @@ What a tier says about itself:
     in_place_read_s(n)   -> seconds a read of n bytes made in place (through a mapped slot)
                          costs beyond the reader's own copy: 0 for real media; a throttle
                          wrapper (``tiers.throttle``) answers its delay.
-    frees_batched()      -> a context in which what the tier records of the space it frees may be
-                         written once at its end (the `dram` journal: one write for an
-                         eviction pass, not one a victim); nothing for other tiers.
 
 Threads: every method may be called from any thread. The caller must not put and delete the
 same key concurrently; the tiered store guarantees that by holding its own index lock.
@@ -270,10 +267,6 @@ class Tier(ABC):
         """Seconds an in-place read of ``nbytes`` costs beyond the reader's copy (0: none)."""
         return 0.0
 
-    def frees_batched(self) -> contextlib.AbstractContextManager[None]:
-        """See the module docstring; a tier that records nothing of its frees has no batch."""
-        return contextlib.nullcontext()
-
 
 class MappedRegion(Protocol):
     """The shared memory an arena tier's slots live in, as its clients find and map it."""
@@ -306,6 +299,9 @@ class InPlaceTier(Protocol):
     Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
     there; ``verified_checksum`` checks a committed block's bytes against it before they leave
     the process (and takes the checksum then for a block that has none: ``tiers.slab``).
+
+    ``frees_batched()``: a context in which what the arena records of the slots it frees may be
+    written once at its end (its journal: one write for an eviction pass, not one a victim).
     """
 
     @property
@@ -344,6 +340,8 @@ class InPlaceTier(Protocol):
     def settle(self, mark: int) -> int: ...
 
     def retiring_mark(self, nbytes: int) -> int: ...
+
+    def frees_batched(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 def check_key(key: bytes) -> None:

@@ -10,7 +10,6 @@ else passes through to the wrapped tier, which keeps its contract (including ``a
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 
@@ -79,9 +78,6 @@ class Throttled(Tier):
 
     def as_arena(self) -> InPlaceTier | None:
         return self.inner.as_arena()
-
-    def frees_batched(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.frees_batched()
 
     def in_place_read_s(self, nbytes: int) -> float:
         return nbytes / self.bytes_per_s

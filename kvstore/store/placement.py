@@ -44,7 +44,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.asleep import asleep
 from kvstore.store.changes import BlockChanges
@@ -114,7 +114,7 @@ class Placement:
         stuck: list[Block] = []  # could neither move down nor go: back in the heap afterwards
         coming_until = self.retired_bytes + max(size_bytes, room_bytes)
         try:
-            with tier.frees_batched():  # the victims' frees recorded in one write at the end
+            with _frees_batched(tier):  # the victims' frees recorded in one write at the end
                 while not enough():
                     if self.retired_bytes >= coming_until:
                         return False  # enough retired: the room comes when the disk has written it
@@ -464,6 +464,12 @@ class Placement:
                 if fresh:
                     self._eviction.touch(block)
         return copied
+
+
+def _frees_batched(tier: Tier) -> AbstractContextManager[None]:
+    """An arena's frees batched (``InPlaceTier.frees_batched``); other tiers record none."""
+    arena = tier.as_arena()
+    return arena.frees_batched() if arena is not None else nullcontext()
 
 
 def _degraded(below: Sequence[Tier]) -> bool:
