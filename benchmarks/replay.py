@@ -114,7 +114,7 @@ QUICK = ReplaySpec(
     sessions=6,
     pool_tokens=5120,
     prefix_tokens=3008,
-    rounds=5,
+    rounds=9,
     peers=False,
     layerwise=True,
 )
@@ -474,6 +474,20 @@ def _restore_vs_local(
                 f"{statistics.median(restored_s[name]) * 1e3:.1f} ms, vLLM's hit "
                 f"{statistics.median(local_s[name]) * 1e3:.1f} ms"
                 + ("" if whole else "; the connector's default loads whole blocks before the forward"),
+            )
+        )
+    if "layer-wise" in engines:  # the A/B that sets layerwise_load's default
+        pairs = [lw / w for lw, w in zip(restored_s["layer-wise"], restored_s["whole"], strict=True)]
+        rows.append(
+            Result(
+                f"layer-wise restore TTFT vs whole-block restore, {spec.prefix_tokens} tokens",
+                statistics.median(pairs),
+                "x",
+                "whole-block restore",
+                1.0,
+                None,
+                f"median of {spec.rounds} rounds' ratios, the two engines alternating; per-round "
+                f"ratios {', '.join(f'{p:.2f}' for p in pairs)}",
             )
         )
     return rows
