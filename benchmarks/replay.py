@@ -160,6 +160,7 @@ def run_replay(
     trace: str | None = None,
     tokenizer: str | None = None,
     tokens_per_id: int = BLOCK_SIZE,
+    limit: int | None = None,
     workloads: Sequence[str] | None = None,
     peers: bool | None = None,
     configs: Sequence[str] | None = None,
@@ -177,7 +178,7 @@ def run_replay(
     model_dir = Path(model) if model else build_tiny_llama(folder / "llama", seed=0, size=spec.model_size)
     vocab = _vocab(model_dir)
     traces = _traces(
-        spec, vocab, trace, Path(tokenizer) if tokenizer else model_dir, workloads, tokens_per_id
+        spec, vocab, trace, Path(tokenizer) if tokenizer else model_dir, workloads, tokens_per_id, limit
     )
     block_bytes = block_bytes_of(model_dir, BLOCK_SIZE)
     token_bytes = block_bytes // BLOCK_SIZE
@@ -286,9 +287,10 @@ def _traces(
     tokenizer: Path,
     workloads: Sequence[str] | None,
     tokens_per_id: int = BLOCK_SIZE,
+    limit: int | None = None,
 ) -> dict[str, list[TraceRequest]]:
     if trace:
-        return {Path(trace).stem: read_trace(Path(trace), vocab, tokenizer, tokens_per_id)}
+        return {Path(trace).stem: read_trace(Path(trace), vocab, tokenizer, tokens_per_id)[:limit]}
     names = tuple(workloads or spec.workloads)
     for name in names:
         if name not in WORKLOADS:

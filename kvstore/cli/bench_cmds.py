@@ -150,6 +150,7 @@ def _add_replay(bench_sub: Any, common: argparse.ArgumentParser) -> None:
     replay.add_argument(
         "--tokens-per-id", type=int, default=32, help="tokens per Mooncake hash id (default 32: one block)"
     )
+    replay.add_argument("--limit", type=int, metavar="N", help="only the first N requests of --trace")
     replay.add_argument(
         "--workloads", help="comma list of agent, chats, rag, tenants (default: all; quick: two)"
     )
@@ -265,6 +266,7 @@ def _replay(args: argparse.Namespace) -> int:
         trace=args.trace,
         tokenizer=args.tokenizer,
         tokens_per_id=args.tokens_per_id,
+        limit=args.limit,
         workloads=args.workloads.split(",") if args.workloads else None,
         peers=args.peers,
         configs=args.configs.split(",") if args.configs else None,
