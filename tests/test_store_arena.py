@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import kvstore.store.arena
 from kvstore.errors import KvStoreError, LeaseExpired, LeaseNotFound
 from kvstore.keys import BlockKey, Fingerprint, block_keys
 from kvstore.store import Reservation, Scope, StoreConfig, TieredStore
@@ -448,6 +449,74 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
         assert counters["demotions"] == 2 and counters.get("nvme_busy_skipped_blocks", 0) == 0
         assert [s.tier_of(A, k) for k in first] == ["dram"] * 2 + ["nvme"] * 2  # none lost (tail first)
         assert not _held_slots(s)  # each write took the room held for it
+    finally:
+        commits.release(100)
+        s.close()
+
+
+def test_two_promotions_into_a_full_arena_each_keep_the_slot_they_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two resolves of blocks that only nvme holds, into an arena full of blocks the disk has not
+    written: each evicts a victim and waits for its copy; the first victim's slot, once free, is
+    the first resolve's, and the second waits for its own (no third victim evicted for it)."""
+    dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
+    nvme = NvmeTier(NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, batch_max_blocks=1))
+    commits = threading.Semaphore(0)
+    commit = nvme._writer._commit
+
+    def one_at_a_time(batch: object) -> None:
+        assert commits.acquire(timeout=30), "the test never let the disk go on"
+        commit(batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme._writer, "_commit", one_at_a_time)
+    # the resolves' wait for the disk outlasts this test's steps on a loaded host (CI's 2 cores)
+    monkeypatch.setattr(kvstore.store.arena, "PACE_S", 30.0)
+    s = TieredStore([dram, nvme], StoreConfig(clean_ahead=0))
+    wait_retired = s._placement.wait_retired
+
+    def descheduled(t: int, size_bytes: int, timeout_s: float) -> object:
+        room = wait_retired(t, size_bytes, timeout_s)
+        time.sleep(0.2)  # a resolve descheduled between its wait and its promotion (a busy host)
+        return room
+
+    try:
+        wanted = [chain(1, salt="x"), chain(1, salt="y")]
+        for keys in wanted:
+            s.put(A, keys, [data(keys[0])])
+        full = chain(4, salt="full")
+        commits.release(2)  # the two wanted blocks go to the disk as the arena fills
+        s.put(A, full, [data(k) for k in full])  # paced: it waited for their slots
+        assert [s.tier_of(A, keys[0]) for keys in wanted] == ["nvme", "nvme"]
+        assert [s.tier_of(A, k) for k in full] == ["dram"] * 4  # on no disk yet
+        before = s.stats().counters["demotions"]
+        monkeypatch.setattr(s._placement, "wait_retired", descheduled)
+        resolved: dict[int, object] = {}
+
+        def resolve(n: int) -> None:
+            resolved[n] = s.resolve(A, wanted[n])
+
+        resolves = [threading.Thread(target=resolve, args=(n,)) for n in range(2)]
+        for n, thread in enumerate(resolves, 1):  # in line one after the other
+            thread.start()
+            deadline = time.monotonic() + 10
+            while s.stats().counters["demotions"] < before + n and time.monotonic() < deadline:
+                time.sleep(0.01)
+        resolves[0].join(0.3)
+        assert all(thread.is_alive() for thread in resolves)  # each evicted a victim and waits for it
+        commits.release()  # the first victim's copy written: one slot free, one still retiring
+        resolves[0].join(10)
+        assert not resolves[0].is_alive()  # first in line, first served...
+        assert resolves[1].is_alive()  # ...and the second waits for its own slot, not the first's
+        commits.release(100)
+        resolves[1].join(10)
+        assert not resolves[1].is_alive()
+        assert [len(resolved[n].slots) for n in range(2)] == [1, 1]  # type: ignore[attr-defined]
+        assert [s.tier_of(A, keys[0]) for keys in wanted] == ["dram", "dram"]
+        assert s.stats().counters["demotions"] == before + 2  # one victim each, no third
+        assert not _held_slots(s)  # each promotion took the room held for it
+        for n in range(2):
+            s.release(resolved[n].lease.lease_id)  # type: ignore[attr-defined]
     finally:
         commits.release(100)
         s.close()

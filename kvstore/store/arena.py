@@ -29,6 +29,7 @@ from kvstore.leases import LeaseTable
 from kvstore.store.counts import Counts
 from kvstore.store.eviction import Eviction
 from kvstore.store.governance import Governance
+from kvstore.store.held import Held
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import (
     ArenaSlot,
@@ -133,49 +134,60 @@ class ArenaCalls:
             self._expire()
         done = False
         deadline = time.monotonic() + PACE_S  # for room in the arena that waits on the disk
-        while not done:
-            promotions: list[_Promotion] = []
-            room_coming = 0  # bytes of arena room a promotion waits for (retired slots)
-            with self._lock:
-                while len(held) < len(keys):
-                    block = self._index.visible((scope, keys[len(held)]))
-                    if block is None:
-                        done = True
-                        break
-                    if a not in block.tiers and block.ident in self._promoting:
-                        if promotions:
-                            break  # copy ours first; then wait for theirs
-                        self._changed.wait(PROMOTION_WAIT_S)
-                        continue
-                    self._pins.hold(block)  # before promotion: making room for the next must not evict it
-                    source = block.fastest
-                    if a not in block.tiers:
-                        promotion = self._start_promotion(block, a, arena)
-                        if promotion is None:
-                            self._pins.unhold(block)
-                            # Room on its way (victims waiting for the disk): wait outside the
-                            # lock, then go on from this block; else the prefix ends here.
-                            room_coming = block.size_bytes if time.monotonic() < deadline else 0
-                            done = not room_coming
+        # The room a promotion waited for is held for it (``kvstore.store.held``), as a paced
+        # write's is: no writer or other resolve takes it between the wait and the promotion.
+        room: Held | None = None
+        try:
+            while not done:
+                promotions: list[_Promotion] = []
+                room_coming = 0  # bytes of arena room a promotion waits for (retired slots)
+                with self._lock:
+                    while len(held) < len(keys):
+                        block = self._index.visible((scope, keys[len(held)]))
+                        if block is None:
+                            done = True
                             break
-                        promotions.append(promotion)
+                        if a not in block.tiers and block.ident in self._promoting:
+                            if promotions:
+                                break  # copy ours first; then wait for theirs
+                            self._changed.wait(PROMOTION_WAIT_S)
+                            continue
+                        self._pins.hold(block)  # before promotion: making room for the next must not evict it
+                        source = block.fastest
+                        if a not in block.tiers:
+                            self._placement.use(room)  # the room waited for, taken under this hold
+                            room = None
+                            promotion = self._start_promotion(block, a, arena)
+                            if promotion is None:
+                                self._pins.unhold(block)
+                                # Room on its way (victims waiting for the disk): wait outside the
+                                # lock, then go on from this block; else the prefix ends here.
+                                room_coming = block.size_bytes if time.monotonic() < deadline else 0
+                                done = not room_coming
+                                break
+                            promotions.append(promotion)
+                        else:
+                            delay_s += self._tiers[source].in_place_read_s(block.size_bytes)
+                        held.append(block)
+                        sources.append(self._tiers[source].name)
                     else:
-                        delay_s += self._tiers[source].in_place_read_s(block.size_bytes)
-                    held.append(block)
-                    sources.append(self._tiers[source].name)
-                else:
-                    done = True
-            if promotions:
-                failed_at = self._finish_promotions(promotions, arena, a)
-                if failed_at is not None:
-                    cut = held.index(failed_at)
-                    with self._lock:
-                        for block in held[cut:]:
-                            self._pins.unhold(block)
-                    del held[cut:], sources[cut:]
-                    done = True
-            if room_coming and not done:
-                done = not self._placement.wait_retired(a, room_coming, deadline - time.monotonic())
+                        done = True
+                if promotions:
+                    failed_at = self._finish_promotions(promotions, arena, a)
+                    if failed_at is not None:
+                        cut = held.index(failed_at)
+                        with self._lock:
+                            for block in held[cut:]:
+                                self._pins.unhold(block)
+                        del held[cut:], sources[cut:]
+                        done = True
+                if room_coming and not done:
+                    room = self._placement.wait_retired(a, room_coming, deadline - time.monotonic())
+                    done = room is None
+        finally:
+            if room is not None:  # left before it took its room (an exception): the room goes back
+                with self._lock:
+                    self._placement.use(room)
         with self._lock:
             # The lease first, then the transient holds go: a block deleted while this call
             # copied outside the lock is doomed, and must stay until the lease ends.

@@ -214,11 +214,23 @@ class Placement:
         # The victims' slots come free only once the disk has written their copies (retired,
         # ``_let_go``): evict now, briefly under the lock, and wait for the disk here, in line,
         # so that the write finds its room instead of stopping short.
-        held = Held(t, list(sizes))
+        return self._held_when_written(t, d, Held(t, list(sizes)), deadline, size_bytes)
+
+    def _held_when_written(
+        self, t: int, d: int, held: Held, deadline: float, room_bytes: int = 0
+    ) -> Held | None:
+        """Outside the lock: ``held`` into the line, ``room_bytes`` of room made (victims
+        retired), then wait for the disk to write what the room in line up to ``held`` waits
+        for; ``held`` then holds its share (see the module docstring). Past ``deadline``, with
+        ``room_bytes`` (a write), what retires goes unwritten; without, the wait just ends."""
+        arena = self.tiers[t].as_arena()
+        assert arena is not None
         try:
             with self._lock:
                 self._line.join(held)
-                self.make_room(t, size_bytes, lambda: _free_bytes(tier) >= size_bytes, size_bytes)
+                if room_bytes:
+                    tier = self.tiers[t]
+                    self.make_room(t, room_bytes, lambda: _free_bytes(tier) >= room_bytes, room_bytes)
                 self._line.hold(t, arena)
             while held.sizes:
                 with self._lock:
@@ -229,8 +241,9 @@ class Placement:
                 written = self.tiers[d].wait_written(mark, max(0.0, deadline - time.monotonic()))
                 with self._lock:
                     self.settle(t)
-                    if held.sizes and not written:  # out of time: what retires goes unwritten
-                        self._timed_out(t, self._line.wanted_through(held))
+                    if held.sizes and not written:  # out of time
+                        if room_bytes:  # a write's victims: what retires goes unwritten
+                            self._timed_out(t, self._line.wanted_through(held))
                         break
         except BaseException:
             with self._lock:
@@ -254,16 +267,16 @@ class Placement:
             if freed:
                 self._line.hold(t, arena)
 
-    def wait_retired(self, t: int, size_bytes: int, timeout_s: float) -> bool:
-        """Outside the lock: wait (at most ``timeout_s``) until the disk has written the copies
-        that ``size_bytes`` of arena tier ``t``'s retired slots wait for; False when the time
-        ran out first, or when none retire (no room is on its way)."""
+    def wait_retired(self, t: int, size_bytes: int, timeout_s: float) -> Held | None:
+        """Outside the lock, for room already made (victims retired, as a promotion's
+        ``make_room`` leaves them): wait (at most ``timeout_s``) in the paced writes' line until
+        the disk has written the copies that ``size_bytes`` of arena tier ``t``'s room waits for;
+        that room comes back held (``use`` it under the lock next). None when it holds nothing:
+        nothing retires (no room on its way), or the time ran out first."""
         d = self._queued_below.get(t)
-        arena = self.tiers[t].as_arena()
-        if d is None or arena is None:
-            return False
-        mark = arena.retiring_mark(size_bytes)
-        return bool(mark) and self.tiers[d].wait_written(mark, max(0.0, timeout_s))
+        if d is None or self.tiers[t].as_arena() is None:
+            return None
+        return self._held_when_written(t, d, Held(t, [size_bytes]), time.monotonic() + timeout_s)
 
     def wait_below(self, t: int, size_bytes: int, timeout_s: float) -> bool:
         """Outside the lock: wait (at most ``timeout_s``) until the tiers below ``t`` can take
