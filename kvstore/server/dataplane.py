@@ -40,7 +40,7 @@ from kvstore.errors import FailedPrecondition, KvStoreError, LeaseExpired
 from kvstore.keys import BlockKey
 from kvstore.server.auth import Caller
 from kvstore.store import LookupResult, Reservation, Resolved, Scope, TieredStore, tier_key
-from kvstore.store.placement import PACE_SLICE_BYTES, slices
+from kvstore.store.writes import PACE_SLICE_BYTES, slices
 from tiers import InPlaceTier
 
 BATCH_BLOCKS = 32  # pinned or reserved per step of a transfer

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.asleep import asleep
@@ -58,7 +58,6 @@ from tiers import BytesLike, Tier, TierBusy, TierError, TierFull
 log = logging.getLogger("kvstore.store")
 
 PACE_S = 2.0  # the longest a write waits for the disk to take its victims (past it they are dropped)
-PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
 PACE_LOOK_BLOCKS = 1024  # the most victims a paced write looks at (past them, all count as dirty)
 DEMOTE_WAIT_S = 30.0  # an operator's demote waits this long for the disk outside the lock, a block at a time
 
@@ -496,16 +495,3 @@ def _degraded(below: Sequence[Tier]) -> bool:
 def _free_bytes(tier: Tier) -> int:
     usage = tier.usage()
     return usage.capacity_bytes - usage.stored_bytes
-
-
-def slices(sizes: Sequence[int], max_bytes: int, max_blocks: int | None = None) -> Iterator[tuple[int, int]]:
-    """(first, end) of consecutive runs of blocks of ``sizes``, each at least one block and
-    ending once it holds ``max_bytes`` (or ``max_blocks``): the steps a write is paced in."""
-    first = 0
-    while first < len(sizes):
-        end, nbytes = first + 1, sizes[first]
-        while end < len(sizes) and nbytes < max_bytes and (max_blocks is None or end - first < max_blocks):
-            nbytes += sizes[end]
-            end += 1
-        yield first, end
-        first = end

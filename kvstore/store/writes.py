@@ -9,7 +9,7 @@ on between them. A child never lands in a faster tier than its parent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.keys import BlockKey
@@ -22,9 +22,11 @@ from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block, Scope, StoreConfig, check_keys, check_sizes, new_block
 from kvstore.store.parts import Expiry, Locked
 from kvstore.store.pins import Pins
-from kvstore.store.placement import PACE_S, PACE_SLICE_BYTES, Placement, slices
+from kvstore.store.placement import PACE_S, Placement
 from kvstore.store.remote import RemoteCalls
 from tiers import BytesLike
+
+PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
 
 
 class Writes:
@@ -171,3 +173,16 @@ class Writes:
         if self._remote is not None and to_remote:
             for block in blocks:
                 self._remote.offer(block)
+
+
+def slices(sizes: Sequence[int], max_bytes: int, max_blocks: int | None = None) -> Iterator[tuple[int, int]]:
+    """(first, end) of consecutive runs of blocks of ``sizes``, each at least one block and
+    ending once it holds ``max_bytes`` (or ``max_blocks``): the steps a write is paced in."""
+    first = 0
+    while first < len(sizes):
+        end, nbytes = first + 1, sizes[first]
+        while end < len(sizes) and nbytes < max_bytes and (max_blocks is None or end - first < max_blocks):
+            nbytes += sizes[end]
+            end += 1
+        yield first, end
+        first = end
