@@ -109,7 +109,10 @@ def run_concurrency(
                 replies = engines[name].generate_timed([_request(one) for one in salted])
                 rows[name].append(_figures(trace, replies))
             console.print(f"[dim]round {r + 1}/{spec.rounds}: " + _round_line(rows, r) + "[/]")
-        failed = engines["async"].metrics().get("kvstore_connector_load_failed_blocks_total", 0.0)
+        failed = {
+            name: engines[name].metrics().get("kvstore_connector_load_failed_blocks_total", 0.0)
+            for name in ("async", "sync")
+        }
     finally:
         for engine in engines.values():
             engine.close()
@@ -195,7 +198,9 @@ def _ratio(rows: dict[str, list[dict[str, float]]], name: str, key: str, against
     return statistics.median(a[key] / b[key] for a, b in zip(rows[name], rows[against], strict=True))
 
 
-def _results(rows: dict[str, list[dict[str, float]]], spec: ConcurrencySpec, failed: float) -> list[Result]:
+def _results(
+    rows: dict[str, list[dict[str, float]]], spec: ConcurrencySpec, failed: dict[str, float]
+) -> list[Result]:
     def med(name: str, key: str) -> float:
         return statistics.median(row[key] for row in rows[name])
 
@@ -242,7 +247,8 @@ def _results(rows: dict[str, list[dict[str, float]]], spec: ConcurrencySpec, fai
             "ms",
             "vLLM alone (computed)",
             med("vllm", "long_ttft_p50_s") * 1e3,
-            note=f"{restored:.0%} of their tokens restored; {failed:.0f} blocks failed to load (recomputed)",
+            note=f"{restored:.0%} of their tokens restored; blocks that failed to load (recomputed): "
+            f"{failed['async']:.0f} beside, {failed['sync']:.0f} inside the step",
         )
     )
     return out
@@ -254,7 +260,7 @@ def run_concurrency_bench(model: str | None, quick: bool, json_path: str | None)
 
     from benchmarks.tiny_model import build_tiny_llama
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=110)
     folder = Path(tempfile.mkdtemp(prefix="kvconc-model-"))
     try:
         model_dir = Path(model) if model else build_tiny_llama(folder / "llama", seed=0)

@@ -30,7 +30,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from engine_plugin.sidecar import SidecarLink
@@ -92,6 +92,15 @@ class AsyncLoader:
         """Register the arena's mapping of the loader's client with CUDA now, not in a restore
         (``BlockTransfer.prepare``); before any ``start``."""
         return bool(self._link.call("pinning the arena", timeout_s, self._transfer.prepare))
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Sleep until a load ends, ``timeout_s`` at most: for a step that ran nothing else.
+        vLLM steps again at once while requests wait for their KV, and a loop that spins keeps
+        the GIL from the loader's thread (on a busy 2-core host, loads then ran past their
+        deadlines)."""
+        running = [future for _, future in self._running.values()]
+        if running:
+            wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     @property
     def running(self) -> int:

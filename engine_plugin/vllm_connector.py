@@ -296,7 +296,8 @@ class KvstoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(saves done: none, every save ends inside its step; asynchronous loads done)."""
-        return None, self.worker_side.get_finished()
+        idle = self.has_connector_metadata() and not self._metadata().steps  # nothing scheduled
+        return None, self.worker_side.get_finished(idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker_side.wait_for_layer_load(layer_name)

@@ -56,6 +56,9 @@ log = logging.getLogger(f"vllm.{__name__}")
 # Registering the arena's mapping with CUDA pins every page of it: 1.05-1.29 s for 4 GiB on an
 # H200 host (`kvstore bench device`), so a minute covers ~200 GiB; it happens once an engine.
 PIN_ARENA_S = 60.0
+# After a step that ran nothing, how long to wait for an asynchronous load to end: a request
+# arriving meanwhile waits this much more at most.
+IDLE_WAIT_S = 0.01
 
 
 class WorkerSide:
@@ -162,12 +165,16 @@ class WorkerSide:
             self._count_load(load, loaded, time.perf_counter() - start)
         self._step_load_s += time.perf_counter() - started
 
-    def get_finished(self) -> set[str]:
+    def get_finished(self, idle: bool = False) -> set[str]:
         """The requests whose asynchronous loads ended since the last call, restored or not:
-        the blocks not restored are in this step's ``get_block_ids_with_load_errors``."""
+        the blocks not restored are in this step's ``get_block_ids_with_load_errors``. After a
+        step that ran nothing (``idle``: every request waits for its KV) it waits a little for
+        one to end (``AsyncLoader.wait_any``) instead of letting vLLM spin."""
         done, self._done_inline = self._done_inline, set()
         if self._async is None:
             return done
+        if idle:
+            self._async.wait_any(IDLE_WAIT_S)
         for one in self._async.finished():
             self._count_load(one.job, one.loaded, one.seconds)
             done.add(one.job.req_id)
