@@ -34,7 +34,9 @@ from tiers import (
     TierUnavailable,
     nvme_folder,
 )
-from tiers.nvme import VERIFY_CHUNK_BYTES, Durability, NvmeConfig, NvmeTier, verified_copy_py
+from tiers.nvme import NvmeConfig, NvmeTier
+from tiers.nvme_config import Durability
+from tiers.nvme_stored import VERIFY_CHUNK_BYTES, verified_copy_py
 
 FP = b"\x01" * 32
 FP2 = b"\x02" * 32
@@ -315,10 +317,10 @@ def test_corrupt_payload_is_a_counted_miss_and_is_deleted(config: NvmeConfig, si
 
 def read_loop(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
     """Batched reads through the C loop over plain blocks ("native", asserted built) or Python's."""
-    import tiers.nvme
+    import tiers.nvme_stored
 
     if loop == "python":
-        monkeypatch.setattr(tiers.nvme, "_verify", None)
+        monkeypatch.setattr(tiers.nvme_stored, "native", None)
     else:
         native_verify()
 
@@ -335,18 +337,18 @@ def three_blocks_stored(config: NvmeConfig, size: int) -> None:
 def test_a_batched_read_serves_committed_queued_missing_and_corrupt_blocks_in_one_transaction(
     config: NvmeConfig, monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
-    import tiers.nvme
+    import tiers.nvme_stored
 
     read_loop(monkeypatch, loop)
     starts: list[int] = []  # where each native run over the plain blocks began
     if loop == "native":
-        read_plain = tiers.nvme._verify.read_plain
+        read_plain = tiers.nvme_stored.native.read_plain
 
         def counted_run(*args: object) -> object:
             starts.append(cast(int, args[6]))
             return read_plain(*args)
 
-        monkeypatch.setattr(tiers.nvme._verify, "read_plain", counted_run)
+        monkeypatch.setattr(tiers.nvme_stored.native, "read_plain", counted_run)
     size = 300_000
     three_blocks_stored(config, size)
     with raw_env(config) as env, env.begin(write=True, db=env.open_db(b"payloads")) as txn:
@@ -461,12 +463,14 @@ def test_a_batched_read_stops_at_a_buffer_too_small_and_gives_its_readers_back(c
 
 def native_verify(way: str = "verified_copy") -> Callable[[memoryview, memoryview, int], bool]:
     """``tiers._verify``'s way for this CPU (``verified_copy``), or either of its two."""
-    import tiers.nvme
+    import tiers.nvme_stored
 
-    assert tiers.nvme.verified_copy is not verified_copy_py, "tiers._verify is not built: no C compiler?"
+    assert tiers.nvme_stored.verified_copy is not verified_copy_py, (
+        "tiers._verify is not built: no C compiler?"
+    )
     from tiers import _verify  # type: ignore[attr-defined]
 
-    assert tiers.nvme.verified_copy is _verify.verified_copy
+    assert tiers.nvme_stored.verified_copy is _verify.verified_copy
     return cast(Callable[[memoryview, memoryview, int], bool], getattr(_verify, way))
 
 

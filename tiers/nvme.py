@@ -18,11 +18,10 @@ put_nowait() raises TierBusy then (the store's placements under its lock use it)
 flush() returns once everything queued before it is committed and ``env.sync(True)`` has run;
 close() drains the queue, syncs and closes.
 
-Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case;
-figures in BENCHMARKS.md): writes include the final sync; a warm read pays for the xxh3 check
-on every read, which ``verified_copy`` hides by reading the map once: each stripe is hashed and
-stored in one pass (``tiers._verify``, in C with xxHash's own kernels; in Python, hashing a
-chunk and then copying it, where no C compiler built it).
+Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case,
+``kvstore bench tiers``): writes include the final sync; reads pay for the checksum, which
+``tiers.nvme_stored.verified_copy`` checks while it copies. The settings: ``tiers.nvme_config``;
+the index and its byte counts: ``tiers.nvme_index``.
 
 Durability: in "cache" mode (the default) the writer syncs every ``sync_interval_s`` while
 commits are unsynced; in "durable" mode every commit is on disk when it returns. The LMDB flags
@@ -66,104 +65,34 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NamedTuple, cast
-
-import lmdb
-import numpy as np
-import xxhash
 
 from tiers import nvme_folder, nvme_room
 from tiers.base import (
-    BlockHeader,
     BytesLike,
     Codec,
     StoredBlock,
     Tier,
     TierKey,
     TierUsage,
-    bound_checksum,
     check_fingerprint,
     check_key,
     check_meta,
 )
-from tiers.cipher import OVERHEAD_BYTES, BlockCipher
-from tiers.codec import DEFAULT_ZSTD_LEVEL, CodecError, byte_view, decode_into, encode
+from tiers.cipher import BlockCipher
+from tiers.codec import byte_view
 from tiers.errors import BlockTooLarge, TierBusy, TierClosed, TierCorrupt, TierFull
+from tiers.nvme_config import NvmeConfig
 from tiers.nvme_env import open_env
-from tiers.nvme_writer import BufferPool, NvmeWriter, PutOp
+from tiers.nvme_index import NvmeIndex
+from tiers.nvme_queue import BufferPool
+from tiers.nvme_stored import Corrupt, Entry, copy_committed, make_stored, read_batch, read_pending
+from tiers.nvme_writer import NvmeWriter
+
+# NvmeConfig too: whoever makes the tier makes its config (tiers.nvme_config holds it).
+__all__ = ["NvmeConfig", "NvmeTier"]
 
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-
-Durability = Literal["cache", "durable"]
-
-
-@dataclass(frozen=True)
-class NvmeConfig:
-    """The LMDB tier on local disk: the long tail below the arena, and what survives a restart."""
-
-    enabled: bool = True  # keep an nvme tier
-    path: str = ""  # its folder, which the tier owns; "": <data_dir>/nvme
-    capacity_bytes: int = 16 << 30  # bytes of blocks it may hold (the LMDB map is sparse and larger)
-    # cache: fast flags, synced every sync_interval_s (a power loss loses the writes since);
-    # durable: every transaction synced. No torn block is readable in either
-    durability: Durability = "cache"
-    sync_interval_s: float = 1.0  # how often cache mode syncs
-    # zstd-byteplane compresses only the high bytes of bf16 values
-    codec: Codec = Codec.NONE
-    zstd_level: int = DEFAULT_ZSTD_LEVEL  # zstd level for the codecs
-    encryption_keys_dir: str = ""  # AES-256-GCM at rest, a key file per tenant here; "" = off
-    batch_max_blocks: int = 64  # puts committed in one write transaction, at most
-    batch_max_bytes: int = 32 * MiB  # bytes committed in one write transaction, at most
-    # Puts queued for the disk; beyond: refused as busy (also what the buffer pool keeps for reuse)
-    max_pending_bytes: int = 64 * MiB
-    map_size_bytes: int = 0  # the LMDB map (sparse); 0: 2 * capacity_bytes + 64MiB
-    throttle_bytes_per_s: int = 0  # benchmarks only: emulate a slower tier; 0 = off
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"nvme.capacity_bytes must be positive, got {self.capacity_bytes}")
-        if self.durability not in ("cache", "durable"):
-            raise ValueError(f"nvme.durability must be 'cache' or 'durable', got {self.durability!r}")
-        if self.sync_interval_s <= 0 or self.batch_max_blocks <= 0 or self.batch_max_bytes <= 0:
-            raise ValueError("nvme.sync_interval_s, batch_max_blocks and batch_max_bytes must be positive")
-        if self.max_pending_bytes <= 0:
-            raise ValueError(f"nvme.max_pending_bytes must be positive, got {self.max_pending_bytes}")
-        if self.map_size_bytes and self.map_size_bytes < self.capacity_bytes:
-            raise ValueError("nvme.map_size_bytes must be at least nvme.capacity_bytes")
-
-    @property
-    def effective_map_size_bytes(self) -> int:
-        if self.map_size_bytes:
-            return self.map_size_bytes
-        return 2 * self.capacity_bytes + 64 * MiB
-
-
-class _Entry(NamedTuple):
-    """What the index keeps of a header: enough to read and verify without fetching it."""
-
-    fingerprint: bytes
-    payload_len: int
-    stored_len: int
-    meta: bytes
-    codec: Codec
-    checksum: int  # xxh3-64 of the stored bytes (unbound from the key: ``_index_add_locked``)
-
-
-@dataclass(frozen=True)
-class _Corrupt:
-    """A committed block whose stored bytes fail their header."""
-
-
-@dataclass
-class _Counters:
-    checksum_failures: int = 0
-    stored_total: int = 0
-    payload_total: int = 0
-    fingerprints: dict[bytes, bytes] = field(default_factory=dict)  # interned: few models, many blocks
 
 
 class NvmeTier(Tier):
@@ -201,8 +130,7 @@ class NvmeTier(Tier):
         # Separate from _cond (same lock) so that finishing a read never wakes the writer:
         # only close() waits for readers to drain.
         self._readers_gone = threading.Condition(lock)
-        self._index: dict[TierKey, _Entry] = {}
-        self._counts = _Counters()
+        self._index = NvmeIndex()
         self._pool = BufferPool(config.max_pending_bytes)
         self._readers = 0
         self._closed = False
@@ -225,7 +153,7 @@ class NvmeTier(Tier):
                     self._writer.delete_locked(key)
                     dropped += 1
                 else:
-                    self._index_add_locked(key, header)
+                    self._index.add(key, header)
         if dropped:
             log.warning(
                 "nvme tier %s: dropped %d blocks whose header is unreadable or of an older format",
@@ -233,7 +161,7 @@ class NvmeTier(Tier):
                 dropped,
             )
         log.info(
-            "nvme tier %s: %d blocks, %d bytes", self._folder, len(self._index), self._counts.stored_total
+            "nvme tier %s: %d blocks, %d bytes", self._folder, len(self._index), self._index.stored_total
         )
         self._writer.start()
 
@@ -248,10 +176,8 @@ class NvmeTier(Tier):
         """
         with self._cond:
             self._check_open_locked()
-            counts = self._counts
-            ratio = counts.stored_total / counts.payload_total if counts.payload_total else 1.0
-            estimate = size_bytes if self._config.codec is Codec.NONE else int(size_bytes * min(ratio, 1.0))
-            return counts.stored_total + estimate <= self._config.capacity_bytes
+            compressed = self._config.codec is not Codec.NONE
+            return self._index.may_fit(size_bytes, compressed, self._config.capacity_bytes)
 
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
         self._put(key, payload, fingerprint, meta, wait=True)
@@ -276,23 +202,10 @@ class NvmeTier(Tier):
                 raise TierFull(f"nvme tier degraded: {self._writer.degraded}")
             if not wait and self._writer.queue_full_locked(payload_len):
                 raise self._busy()
-        codec = self._config.codec
-        stored: bytes | bytearray = b""
-        if codec is not Codec.NONE:
-            stored = encode(codec, view, self._config.zstd_level)
-            if len(stored) >= payload_len:
-                codec = Codec.NONE  # compression did not pay
-        cipher = self._cipher
-        if cipher is not None:
-            plain = byte_view(stored) if codec is not Codec.NONE else view
-            with self._cond:
-                sealed = self._pool.take(len(plain) + OVERHEAD_BYTES)
-            cipher.seal_into(key, plain, memoryview(sealed))
-            stored = sealed
-        elif codec is Codec.NONE:
-            stored = payload if isinstance(payload, bytes) else self._copy(view)
-        checksum = bound_checksum(key, xxhash.xxh3_64_intdigest(stored))
-        header = BlockHeader(fingerprint, payload_len, len(stored), codec, checksum, meta=bytes(meta))
+        config, take = self._config, self._take_buffer
+        header, stored = make_stored(
+            key, payload, view, fingerprint, meta, config.codec, config.zstd_level, self._cipher, take
+        )
         with self._cond:
             try:
                 self._check_open_locked()
@@ -308,7 +221,7 @@ class NvmeTier(Tier):
                     self._pool.give(stored)
                 raise
             self._forget_locked(key)
-            self._index_add_locked(key, header)
+            self._index.add(key, header)
             self._writer.put_locked(key, header, stored)
 
     @property
@@ -350,13 +263,9 @@ class NvmeTier(Tier):
             f"the nvme write queue is full ({self._config.max_pending_bytes} B): the disk is behind"
         )
 
-    def _copy(self, view: memoryview) -> bytearray:
-        """A private copy of the payload, in a recycled buffer where one is free."""
+    def _take_buffer(self, size: int) -> bytearray:
         with self._cond:
-            copy = self._pool.take(len(view))
-        # numpy releases the GIL for the copy, so the writer thread keeps committing meanwhile
-        np.copyto(np.frombuffer(copy, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
-        return copy
+            return self._pool.take(size)
 
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         dst = byte_view(out)
@@ -372,7 +281,7 @@ class NvmeTier(Tier):
                 self._readers += 1
         if op is not None:
             try:
-                return self._read_pending(key, op, dst)
+                return read_pending(self._cipher, key, op, dst)
             finally:
                 with self._lock:
                     self._writer.release_locked(op)
@@ -383,7 +292,7 @@ class NvmeTier(Tier):
                 self._readers -= 1
                 if not self._readers and self._closed:
                     self._readers_gone.notify_all()
-        if isinstance(result, _Corrupt):
+        if isinstance(result, Corrupt):
             self._drop_corrupt(key, entry)
             return None
         return result
@@ -396,8 +305,7 @@ class NvmeTier(Tier):
         and one read transaction for all its committed blocks (the store reads a request's
         blocks of one tier this way). A buffer too small for its block raises ValueError after
         the blocks before it were read, nothing copied into it. Runs of plain blocks (committed,
-        no codec, no cipher) are read by ``tiers._verify.read_plain`` where it is built: the
-        same steps as ``_copy_committed`` without the interpreter between blocks."""
+        no codec, no cipher) go through C where it is built (``nvme_stored.read_batch``)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys and {len(outs)} buffers")
         dsts = [byte_view(out) for out in outs]
@@ -417,31 +325,12 @@ class NvmeTier(Tier):
             else:  # a warm read: nothing queued to pin
                 ops = [None] * limit
             self._readers += 1
-        corrupt: list[tuple[TierKey, _Entry]] = []
+        corrupt: list[tuple[TierKey, Entry]] = []
         try:
             with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
-                batch = list(keys[:limit])
-                plain = _verify is not None and self._cipher is None
-                i = 0
-                while i < limit:
-                    if plain:  # the plain blocks from i on in C, up to one it hands back
-                        bad: list[int] = []
-                        i = _verify.read_plain(txn.get, batch, entries, ops, dsts, Codec.NONE, i, sizes, bad)
-                        corrupt += [(batch[j], cast(_Entry, entries[j])) for j in bad]
-                        if i == limit:
-                            break
-                    key, entry, op, dst = batch[i], entries[i], ops[i], dsts[i]
-                    if entry is None:
-                        sizes.append(None)
-                    elif op is not None:
-                        sizes.append(self._read_pending(key, op, dst))
-                    else:
-                        result = self._copy_committed(txn, key, dst, entry)
-                        if isinstance(result, _Corrupt):
-                            corrupt.append((key, entry))
-                            result = None
-                        sizes.append(result)
-                    i += 1
+                read_batch(
+                    txn, self._payloads, self._cipher, list(keys[:limit]), entries, ops, dsts, sizes, corrupt
+                )
         finally:
             with self._lock:
                 for op in ops:
@@ -483,10 +372,10 @@ class NvmeTier(Tier):
             return TierUsage(
                 name=self.name,
                 capacity_bytes=self._config.capacity_bytes,
-                used_bytes=self._counts.payload_total,
+                used_bytes=self._index.payload_total,
                 blocks=len(self._index),
-                checksum_failures=self._counts.checksum_failures,
-                stored_bytes=self._counts.stored_total,
+                checksum_failures=self._index.checksum_failures,
+                stored_bytes=self._index.stored_total,
                 degraded=self._writer.degraded is not None,
                 write_failures=self._writer.write_failures + self._writer.refused_writes,
                 damaged_moved=self._damaged_moved,
@@ -543,64 +432,18 @@ class NvmeTier(Tier):
 
     # ---- reading -------------------------------------------------------------------------
 
-    def _read_committed(self, key: TierKey, dst: memoryview, entry: _Entry) -> int | _Corrupt | None:
-        """Copy one committed block into ``dst`` and verify it against the header ``entry``
-        the index holds (read at open or written by put), so a read fetches only the payload.
-        Views of the map die with the transaction."""
+    def _read_committed(self, key: TierKey, dst: memoryview, entry: Entry) -> int | Corrupt | None:
+        """``copy_committed`` in a read transaction of its own: views of the map die with it."""
         with self._env.begin(buffers=True) as txn:
-            return self._copy_committed(txn, key, dst, entry)
+            return copy_committed(txn, self._payloads, self._cipher, key, dst, entry)
 
-    def _copy_committed(
-        self, txn: lmdb.Transaction[memoryview], key: TierKey, dst: memoryview, entry: _Entry
-    ) -> int | _Corrupt | None:
-        n = entry.payload_len
-        stored = txn.get(key, db=self._payloads)
-        if stored is None:
-            return None  # deleted since the index lookup
-        if len(stored) != entry.stored_len:
-            return _Corrupt()
-        if self._cipher is not None:
-            if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
-                return _Corrupt()
-            opened = self._open(key, stored, dst, entry.codec, n)
-            return _Corrupt() if opened is None else opened
-        if entry.codec is Codec.NONE:
-            return n if verified_copy(stored, dst, entry.checksum) else _Corrupt()
-        if xxhash.xxh3_64_intdigest(stored) != entry.checksum:
-            return _Corrupt()
-        try:
-            return decode_into(entry.codec, stored, dst, n)
-        except CodecError:
-            return _Corrupt()
-
-    def _read_pending(self, key: TierKey, op: PutOp, dst: memoryview) -> int | None:
-        # Queued bytes are private to this tier and were made by put(): nothing to verify.
-        if self._cipher is not None:
-            return self._open(key, memoryview(op.stored), dst, op.header.codec, op.header.payload_len)
-        return decode_into(op.header.codec, op.stored, dst, op.header.payload_len)
-
-    def _open(self, key: TierKey, sealed: memoryview, dst: memoryview, codec: Codec, n: int) -> int | None:
-        """Decrypt (straight into ``dst`` without a codec) and decode; None when it does not
-        open: a shredded or wrong key, or tampered bytes."""
-        cipher = self._cipher
-        assert cipher is not None
-        if codec is Codec.NONE:
-            return n if cipher.open_into(key, sealed, dst) == n else None
-        plain = bytearray(len(sealed) - OVERHEAD_BYTES)
-        if cipher.open_into(key, sealed, memoryview(plain)) is None:
-            return None
-        try:
-            return decode_into(codec, plain, dst, n)
-        except CodecError:
-            return None
-
-    def _drop_corrupt(self, key: TierKey, seen: _Entry) -> None:
+    def _drop_corrupt(self, key: TierKey, seen: Entry) -> None:
         with self._cond:
             # A put that replaced the block since the index lookup explains the mismatch: the
             # bytes read were the newer block's. Not corruption, and not ours to delete.
             if self._closed or self._index.get(key) is not seen or self._writer.is_pending_locked(key):
                 return
-            self._counts.checksum_failures += 1
+            self._index.checksum_failures += 1
             log.warning("nvme tier: block %s failed its checksum; deleting it", key.hex())
             self._forget_locked(key)
             self._writer.delete_locked(key)
@@ -619,71 +462,14 @@ class NvmeTier(Tier):
             raise TierCorrupt(f"nvme tier writer failed: {failure}")
 
     def _check_room_locked(self, key: TierKey, stored_len: int) -> None:
-        old = self._index.get(key)
-        after = self._counts.stored_total - (old.stored_len if old else 0) + stored_len
-        if after > self._config.capacity_bytes:
+        if not self._index.fits(key, stored_len, self._config.capacity_bytes):
             raise TierFull(
-                f"nvme tier full: {self._counts.stored_total} of {self._config.capacity_bytes} bytes used"
+                f"nvme tier full: {self._index.stored_total} of {self._config.capacity_bytes} bytes used"
             )
-
-    def _index_add_locked(self, key: TierKey, header: BlockHeader) -> None:
-        fingerprint = self._counts.fingerprints.setdefault(header.fingerprint, header.fingerprint)
-        # The index keeps the xxh3-64 the stored bytes must have under *this* key (the header's
-        # is bound to the key it was written under), so every read path, C's included, compares
-        # the bytes' plain hash: a header and payload moved under another key fail it.
-        checksum = bound_checksum(key, header.checksum)
-        self._index[key] = _Entry(
-            fingerprint, header.payload_len, header.stored_len, header.meta, header.codec, checksum
-        )
-        self._counts.stored_total += header.stored_len
-        self._counts.payload_total += header.payload_len
 
     def _forget_locked(self, key: TierKey) -> bool:
         """Drop ``key`` from the index and cancel its queued put; whether it was present."""
-        entry = self._index.pop(key, None)
-        if entry is None:
+        if self._index.pop(key) is None:
             return False
-        self._counts.stored_total -= entry.stored_len
-        self._counts.payload_total -= entry.payload_len
         self._writer.cancel_locked(key)
         return True
-
-
-VERIFY_CHUNK_BYTES = 1 << 20  # hashed, then copied while the hash left it in cache (L2 2 MiB here)
-
-
-def verified_copy_py(stored: memoryview, dst: memoryview, checksum: int) -> bool:
-    """Copy ``stored`` into ``dst``; whether its xxh3-64 is ``checksum``. The fallback of
-    ``tiers._verify.verified_copy`` (tiers/native/verify.c), which hashes and stores each
-    stripe in one pass without the GIL; this one reads at 0.65-0.78x of raw LMDB's bare copy
-    where that one reads at 0.8-1.3x (BENCHMARKS.md, "Tiers").
-
-    Each chunk is hashed first and copied right after, from the cache the hash just filled
-    (copying first and hashing the copy was slower). A block of one chunk that fails is not
-    copied at all. It verifies what reaches
-    ``dst`` because the bytes hashed and the bytes copied are the same pages of one read
-    transaction: LMDB never rewrites a page a live reader sees (copy-on-write), and no other
-    process writes the folder (its flock). The codec and cipher paths read the map the same
-    way: hash, then decode or decrypt.
-    """
-    n = len(stored)
-    if n <= VERIFY_CHUNK_BYTES:
-        if xxhash.xxh3_64_intdigest(stored) != checksum:
-            return False
-        dst[:n] = stored
-        return True
-    hasher = xxhash.xxh3_64()  # streamed, the digest equals the one-shot one put() stored
-    for start in range(0, n, VERIFY_CHUNK_BYTES):
-        chunk = stored[start : start + VERIFY_CHUNK_BYTES]
-        hasher.update(chunk)
-        dst[start : start + len(chunk)] = chunk
-    return hasher.intdigest() == checksum
-
-
-try:
-    from tiers import _verify  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler
-    _verify = None
-    verified_copy = verified_copy_py
-else:
-    verified_copy = _verify.verified_copy

@@ -48,16 +48,14 @@ from __future__ import annotations
 import errno
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import lmdb
 
 from tiers import nvme_folder, nvme_room
 from tiers.base import BlockHeader, TierKey
 from tiers.errors import MediumNoRoom, TierCorrupt
-
-if TYPE_CHECKING:
-    from tiers.nvme import NvmeConfig
+from tiers.nvme_config import NvmeConfig
 
 log = logging.getLogger("tiers.nvme")  # the tier's name: its logs stay under one logger
 

@@ -45,6 +45,13 @@ PATH_PAGES = 16  # pages one put or delete may copy: two trees' paths (depth <= 
 MARGIN_BYTES = 1 << 20  # the free-page list and the meta bookkeeping of a commit
 LOCK_BYTES = 128 << 10  # lock.mdb for 512 readers is 33 KiB (64 B a reader slot)
 # The errors that say the medium has no room or takes no writes: the tier degrades, not dies.
+# How often a degraded writer looks for room again.
+PROBE_S = 1.0
+# Room a degraded writer asks for before it takes writes again: a few blocks' worth, not a
+# batch (32 MiB would keep a small disk degraded for good); a batch finding less commits what fits.
+PROBE_BYTES = 8 << 20
+# Reserved past what a put commit needs, so that deletes still commit once puts find no room.
+DELETE_ROOM_BYTES = 8 << 20
 NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 

@@ -1,7 +1,8 @@
 """The ``nvme`` tier's writer: the queue of puts and deletes, and the one thread that commits it.
 
 The tier (``tiers.nvme``) makes each block's stored bytes and keeps the index; this module owns
-what happens between put() returning and the block being on disk:
+what happens between put() returning and the block being on disk (the ``_locked`` queue
+methods below, from put_locked() to queue_full_locked(), are ``tiers.nvme_queue.WriteQueue``'s):
 
     NvmeWriter(config, folder, env, headers, payloads, cond, pool, forget)
     put_locked(key, header, stored)   queue a put: the key is *pending* until it is committed
@@ -42,8 +43,8 @@ back would be SIGBUS). A commit that cannot have its room, or whose marker or sy
 full or read-only file system, makes the tier *degraded* (``degraded`` says why; one warning):
 its puts are dropped (``write_failures``), its deletes still commit within the room reserved,
 put() refuses new blocks (``refuse_locked``, counted in ``refused_writes``), reads go on. Every
-PROBE_S the thread tries the room of a few blocks (PROBE_BYTES) again, and the tier takes writes once it has it
-(one line). An environment opened read-only stays degraded.
+``nvme_room.PROBE_S`` the thread tries the room of a few blocks (``PROBE_BYTES``) again, and the
+tier takes writes once it has it (one line). An environment opened read-only stays degraded.
 
 Failure: any other ``lmdb.Error`` or ``OSError`` from a sync or a marker write means the medium is
 unusable. The thread stops, ``failure`` says why, and the tier refuses its calls from then on.
@@ -53,91 +54,31 @@ it held. The thread holds it only to take a batch and to record the result, neve
 write transaction, a sync or a marker write, and notifies it after each commit and sync (put()
 and flush() wait on it). Once the tier is open only this thread writes to LMDB or the marker.
 
-Buffers: from put_locked() the queue owns ``stored``; a bytearray from the pool goes back to it
-when the queue's reference and every reader's pin are gone.
+Buffers: from put_locked() the queue owns ``stored`` (``tiers.nvme_queue``: the queue, which
+``NvmeWriter`` extends with its thread, the queue's items and the buffer pool).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import lmdb
 
 from tiers import nvme_folder
-from tiers.base import BlockHeader, TierKey
-from tiers.nvme_room import DiskRoom, NoRoom, is_no_room
+from tiers.base import TierKey
+from tiers.nvme_config import NvmeConfig
+from tiers.nvme_queue import Batch, BufferPool, PutOp, WriteQueue
+from tiers.nvme_room import DELETE_ROOM_BYTES, PROBE_BYTES, PROBE_S, DiskRoom, NoRoom, is_no_room
 from tiers.nvme_wipe import Span, Wiper, span, zero
-
-if TYPE_CHECKING:
-    from tiers.nvme import NvmeConfig
 
 log = logging.getLogger("tiers.nvme")  # the tier's name: its logs stay under one logger
 
-PROBE_S = 1.0  # how often a degraded writer looks for room again
-# Room a degraded writer asks for before it takes writes again: a few blocks' worth, not a
-# batch (32 MiB would keep a small disk degraded for good); a batch finding less commits what fits.
-PROBE_BYTES = 8 << 20
-# Reserved past what a put commit needs, so that deletes still commit once puts find no room.
-DELETE_ROOM_BYTES = 8 << 20
 
-
-class BufferPool:
-    """Recycled payload copies, by exact size (a deployment stores one or two block sizes).
-
-    Fresh memory faults in at ~2 GB/s on these machines against ~11 GB/s for a copy into warm
-    memory, so put() copies into a buffer an earlier block has released. Holds at most
-    ``max_bytes``; the tier's lock guards it.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max_bytes = max_bytes
-        self._held_bytes = 0
-        self._free: dict[int, list[bytearray]] = {}
-
-    def take(self, size: int) -> bytearray:
-        free = self._free.get(size)
-        if not free:
-            return bytearray(size)
-        self._held_bytes -= size
-        return free.pop()
-
-    def give(self, buffer: bytearray) -> None:
-        if self._held_bytes + len(buffer) <= self._max_bytes:
-            self._free.setdefault(len(buffer), []).append(buffer)
-            self._held_bytes += len(buffer)
-
-
-@dataclass(eq=False)
-class PutOp:
-    """A queued put; readers use ``header`` and ``stored`` only while they hold a pin."""
-
-    key: TierKey
-    header: BlockHeader
-    stored: bytes | bytearray  # a bytearray comes from the pool and goes back to it
-    seq: int
-    live: bool = True  # False once cancelled or committed: its bytes left the pending count
-    refs: int = 1  # the queue's (then the writer's) reference, plus readers copying from it
-
-
-@dataclass(frozen=True)
-class _DeleteOp:
-    key: TierKey
-    seq: int
-
-
-_Op = PutOp | _DeleteOp
-# Each operation of one transaction with the bytes it writes, captured under the lock.
-_Batch = list[tuple[_Op, bytes | bytearray]]
-
-
-class NvmeWriter:
+class NvmeWriter(WriteQueue):
     """The write queue of one nvme tier and its thread; see the module docstring."""
 
     def __init__(
@@ -156,19 +97,13 @@ class NvmeWriter:
         """``forget(key)`` is called with ``cond`` held for a pending put whose commit failed;
         ``no_room``: why the tier starts degraded (None: it does not); ``sealed``: values are
         encrypted (the tier's cipher), so what a commit frees needs no clearing."""
-        self._config = config
+        super().__init__(config, cond, pool)
         self._sealed = sealed
         self._folder = folder
         self._env = env
         self._headers = headers
         self._payloads = payloads
-        self._cond = cond
-        self._pool = pool
         self._forget = forget
-        self._pending: dict[TierKey, PutOp] = {}
-        self._queue: collections.deque[_Op] = collections.deque()
-        self._pending_bytes = 0
-        self._next_seq = 1
         self._committed_seq = 0
         self._synced_seq = 0
         self._sync_target = 0
@@ -226,60 +161,11 @@ class NvmeWriter:
     def refuse_locked(self) -> None:
         self._refused += 1
 
-    def put_locked(self, key: TierKey, header: BlockHeader, stored: bytes | bytearray) -> None:
-        op = PutOp(key, header, stored, self._take_seq_locked())
-        self._pending[key] = op
-        self._pending_bytes += len(stored)
-        self._enqueue_locked(op)
-
-    def delete_locked(self, key: TierKey) -> None:
-        self._enqueue_locked(_DeleteOp(key, self._take_seq_locked()))
-
-    def cancel_locked(self, key: TierKey) -> None:
-        op = self._pending.pop(key, None)
-        if op is not None:
-            self._uncount_locked(op)  # the writer skips it, or writes it and its successor follows
-
-    def is_pending_locked(self, key: TierKey) -> bool:
-        return key in self._pending
-
-    def pending_seq_locked(self, key: TierKey) -> int:
-        """The sequence number of ``key``'s pending put (``committed_seq`` passes it once it is
-        committed); 0 when none is pending."""
-        op = self._pending.get(key)
-        return 0 if op is None else op.seq
-
     @property
     def committed_seq(self) -> int:
         """Every operation up to this sequence number is committed (or failed). Read with the
         lock held."""
         return self._committed_seq
-
-    def any_pending_locked(self) -> bool:
-        """Whether any put waits for the writer (none: a batched read pins nothing)."""
-        return bool(self._pending)
-
-    def pin_pending_locked(self, key: TierKey) -> PutOp | None:
-        """The pending put of ``key``, pinned until release_locked(); None when none is pending."""
-        op = self._pending.get(key)
-        if op is not None:
-            op.refs += 1
-        return op
-
-    def release_locked(self, op: PutOp) -> None:
-        """Drop one reference; the last one returns a pooled buffer to the pool."""
-        op.refs -= 1
-        if op.refs < 0:
-            raise AssertionError("nvme tier: put operation released twice")
-        if not op.refs and isinstance(op.stored, bytearray):
-            self._pool.give(op.stored)
-            op.stored = b""
-
-    def queue_full_locked(self, stored_len: int) -> bool:
-        """Whether ``stored_len`` more bytes would pass ``max_pending_bytes``; a block larger
-        than the bound goes once nothing else is pending."""
-        pending = self._pending_bytes
-        return bool(pending) and pending + stored_len > self._config.max_pending_bytes
 
     def request_sync_locked(self) -> int:
         """Ask for a sync covering every operation queued so far; returns the sequence number
@@ -294,22 +180,6 @@ class NvmeWriter:
         """Whether operations up to ``seq`` are synced, or, degraded, handled (committed or
         dropped: a sync that cannot happen is not waited for)."""
         return self._synced_seq >= seq or (self._degraded is not None and self._committed_seq >= seq)
-
-    def _uncount_locked(self, op: PutOp) -> None:
-        """The op's bytes stop counting against ``max_pending_bytes``."""
-        if op.live:
-            op.live = False
-            self._pending_bytes -= op.header.stored_len
-            self._cond.notify_all()
-
-    def _take_seq_locked(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
-
-    def _enqueue_locked(self, op: _Op) -> None:
-        self._queue.append(op)
-        self._cond.notify_all()
 
     # ---- the writer thread ---------------------------------------------------------------
 
@@ -358,25 +228,7 @@ class NvmeWriter:
             if done:
                 return
 
-    def _take_batch_locked(self) -> _Batch:
-        """Pop up to one transaction's worth of operations, capturing each put's bytes."""
-        batch: _Batch = []
-        size = 0
-        while (
-            self._queue and len(batch) < self._config.batch_max_blocks and size < self._config.batch_max_bytes
-        ):
-            op = self._queue.popleft()
-            if isinstance(op, PutOp):
-                if not op.live:
-                    self.release_locked(op)
-                    continue  # cancelled by a delete or a newer put
-                size += len(op.stored)
-                batch.append((op, op.stored))
-            else:
-                batch.append((op, b""))
-        return batch
-
-    def _commit(self, batch: _Batch) -> None:
+    def _commit(self, batch: Batch) -> None:
         try:
             failed = self._write_within_room(batch)
         except NoRoom:
@@ -401,7 +253,7 @@ class NvmeWriter:
                     "nvme tier %s: %d operations dropped (map full or LMDB error)", self._folder, len(failed)
                 )
 
-    def _write_within_room(self, batch: _Batch) -> _Batch:
+    def _write_within_room(self, batch: Batch) -> Batch:
         """Commit ``batch`` once its room is reserved and the marker says dirty; the items that
         failed. Raises NoRoom, having written nothing, when the file system has no room."""
         puts = any(isinstance(op, PutOp) for op, _ in batch)
@@ -423,11 +275,11 @@ class NvmeWriter:
             log.error("nvme tier %s: commit of %d operations failed: %s", self._folder, len(batch), exc)
             return batch
 
-    def _write_what_fits(self, batch: _Batch) -> _Batch:
+    def _write_what_fits(self, batch: Batch) -> Batch:
         """A batch without room: its operations one a commit until the first that finds none,
         then the tier degrades, the puts left are dropped and the deletes go in the room
         reserved for them; the items that failed."""
-        failed: _Batch = []
+        failed: Batch = []
         for i, item in enumerate(batch):
             try:
                 failed += self._write_within_room([item])
@@ -511,29 +363,10 @@ class NvmeWriter:
             failed,
         )
 
-    def _write_txn(self, batch: _Batch) -> None:
-        # Values this commit deletes or replaces are cleared where they lie (tiers.nvme_wipe);
-        # buffers=True makes get() a view of the map. Sealed values need no clearing: shredding
-        # their key is what makes them unreadable.
-        plain = not self._sealed
-        freed: list[Span] = []
-        written: set[bytes] = set()
-        with self._env.begin(write=True, buffers=True) as txn:
-            snapshot = txn.id() - 1
-            for op, stored in batch:
-                where = span(txn, op.key, self._payloads) if plain else None
-                if where is not None and op.key in written:
-                    zero([where])  # written by this transaction: no reader sees these pages
-                elif where is not None:
-                    freed.append(where)
-                if isinstance(op, PutOp):
-                    txn.put(op.key, op.header.pack(), db=self._headers)
-                    txn.put(op.key, stored, db=self._payloads)
-                    written.add(op.key)
-                else:
-                    txn.delete(op.key, db=self._headers)
-                    txn.delete(op.key, db=self._payloads)
-        if freed and self._wiper.freed(snapshot, freed):
+    def _write_txn(self, batch: Batch) -> None:
+        if write_txn(
+            self._env, self._headers, self._payloads, batch, self._wiper if not self._sealed else None
+        ):
             with self._cond:
                 self._dirty = True  # the zeros reach the disk with the next sync, in either mode
 
@@ -574,3 +407,35 @@ class NvmeWriter:
             self._dirty = False
             self._last_sync = time.monotonic()
             self._cond.notify_all()
+
+
+def write_txn(
+    env: lmdb.Environment,
+    headers: lmdb._Database,
+    payloads: lmdb._Database,
+    batch: Batch,
+    wiper: Wiper | None,
+) -> bool:
+    """Commit ``batch`` in one write transaction; whether ``wiper`` then cleared values it
+    deleted or replaced (pages the next sync must write). ``wiper`` None: values are sealed."""
+    # Values this commit deletes or replaces are cleared where they lie (tiers.nvme_wipe);
+    # buffers=True makes get() a view of the map. Sealed values need no clearing: shredding
+    # their key is what makes them unreadable.
+    freed: list[Span] = []
+    written: set[bytes] = set()
+    with env.begin(write=True, buffers=True) as txn:
+        snapshot = txn.id() - 1
+        for op, stored in batch:
+            where = span(txn, op.key, payloads) if wiper is not None else None
+            if where is not None and op.key in written:
+                zero([where])  # written by this transaction: no reader sees these pages
+            elif where is not None:
+                freed.append(where)
+            if isinstance(op, PutOp):
+                txn.put(op.key, op.header.pack(), db=headers)
+                txn.put(op.key, stored, db=payloads)
+                written.add(op.key)
+            else:
+                txn.delete(op.key, db=headers)
+                txn.delete(op.key, db=payloads)
+    return bool(freed) and wiper is not None and wiper.freed(snapshot, freed)

@@ -24,18 +24,18 @@
  *
  * two_pass: a block of at most WHOLE_MAX bytes is hashed whole and then copied out of L2 (not
  * copied when it fails); a longer one in PIECE-byte pieces, each hashed while the next is
- * prefetched and then copied out of L1, streamed from STREAM_FROM on. What Python's version (tiers.nvme.verified_copy_py) does,
+ * prefetched and then copied out of L1, streamed from STREAM_FROM on. What Python's version (tiers.nvme_stored.verified_copy_py) does,
  * in one call.
  *
  * read_plain(get, keys, entries, ops, dsts, plain_codec, start, sizes, corrupt) -> int
- *   The loop of tiers.nvme.NvmeTier.get_into_many over its plain blocks, from ``start``: for
+ *   The loop of tiers.nvme_stored.read_batch over its plain blocks, from ``start``: for
  *   block i, ``stored = get(keys[i])`` (the get of a read transaction begun on the payloads'
  *   database: no keyword to parse, ~0.06 us a block), then
  *   verified_copy(stored, dsts[i], entries[i].checksum) after checking len(stored) against
  *   entries[i].stored_len; appends entries[i].payload_len to ``sizes`` (None when the key is
  *   gone since the index lookup, None and i to ``corrupt`` when the check fails). It stops, and
  *   returns i, at a block that is not plain: no entry, a queued put (ops[i] not None), a codec
- *   other than ``plain_codec``; len(keys) when done. ``entries`` are the tier's _Entry named
+ *   other than ``plain_codec``; len(keys) when done. ``entries`` are the tier's Entry named
  *   tuples (payload_len, stored_len, codec and checksum at 1, 2, 4 and 5). In C: the Python
  *   loop spent ~0.9 us a block around each copy, raw LMDB's own loop ~0.6 (BENCHMARKS.md).
  *
