@@ -9,7 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, write_json
-from benchmarks.tiers import COPY_OFFSETS, _Working, bench_copy_offsets, bench_dram, bench_keys, bench_nvme
+from benchmarks.tiers_cpu import bench_keys
+from benchmarks.tiers_memory import COPY_OFFSETS, bench_copy_offsets, bench_dram
+from benchmarks.tiers_nvme import bench_nvme
+from benchmarks.tiers_working import Working
 
 KEYS = {
     "metric",
@@ -27,7 +30,7 @@ KEYS = {
 
 
 def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
-    w = _Working(256 * 1024, 4 << 20)
+    w = Working(256 * 1024, 4 << 20)
     rows = bench_dram(w, rounds=1) + bench_nvme(w, rounds=1, folder=tmp_path)
     assert {r.metric.split()[0] for r in rows} == {"memcpy", "dram", "store", "nvme"}
     for r in rows:
@@ -38,7 +41,7 @@ def test_dram_and_nvme_rows_have_references_and_ratios(tmp_path: Path) -> None:
 
 def test_the_destination_block_starts_on_a_page_as_a_restores_do() -> None:
     for size in (1000, 256 * 1024, 2 << 20):
-        w = _Working(size, 4 << 20)
+        w = Working(size, 4 << 20)
         assert np.frombuffer(w.dst_view, dtype=np.uint8).ctypes.data % 4096 == 0
         assert len(w.dst_view) == size and w.dst.flags.writeable
 
