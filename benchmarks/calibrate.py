@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, machine_info, print_results
-from benchmarks.service import TOKEN, bench_server, settle_mapping
+from benchmarks.service_same_host import settle_mapping
+from benchmarks.service_setup import TOKEN, bench_server
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration, fit_prefill
 from kvstore.cost_model import TierCost

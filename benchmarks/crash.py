@@ -30,7 +30,7 @@ from rich.progress import Progress
 
 from benchmarks.common import Result, print_results, write_json
 from benchmarks.server_process import ServerProcess
-from benchmarks.service import bench_server
+from benchmarks.service_setup import bench_server
 from kvstore.client import Client, connect
 from kvstore.errors import KvStoreError
 from kvstore.keys import BlockKey, ModelIdentity, block_keys

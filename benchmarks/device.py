@@ -213,7 +213,7 @@ def bench_remote_restore(blocks: int, rounds: int) -> Result:
     """The connector's remote restore (a ``kvstore serve`` on 127.0.0.1, the data port) into GPU
     caches through its pinned staging buffer, against the same restore through the client's
     pageable receive buffers (what it did before)."""
-    from benchmarks.service import MODEL, TOKEN, bench_server
+    from benchmarks.service_setup import MODEL, TOKEN, bench_server
     from engine_plugin.transfer import BlockTransfer
     from kvstore.client import connect
     from kvstore.keys import block_keys

@@ -53,7 +53,7 @@ from benchmarks.fleet_sim import (
 )
 from benchmarks.redis_cluster import RedisClusterProcess, RedisUnavailable
 from benchmarks.sealed_costs import remote_tier_rows
-from benchmarks.service import TOKEN, bench_server
+from benchmarks.service_setup import TOKEN, bench_server
 from kvstore.cost_model import PrefillModel, TierCost
 
 BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B, bf16 KV

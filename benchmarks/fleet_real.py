@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from benchmarks.fleet_sim import Prompt, agent
 from benchmarks.server_process import ServerProcess
-from benchmarks.service import TOKEN, bench_server
+from benchmarks.service_setup import TOKEN, bench_server
 from benchmarks.traces import Request
 from kvstore.client import Client, connect
 from kvstore.keys import ModelIdentity

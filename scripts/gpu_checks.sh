@@ -61,7 +61,10 @@ echo "== service rows on this machine's cores"
 # A file, not stdin: the lookup clients are spawned processes that import it.
 cat >/tmp/service_rows.py <<'EOF'
 from benchmarks.common import print_results
-from benchmarks.service import BLOCK, bench_lookup, bench_remote, bench_same_host, bench_server
+from benchmarks.service_lookup import bench_lookup
+from benchmarks.service_remote import bench_remote
+from benchmarks.service_same_host import bench_same_host
+from benchmarks.service_setup import BLOCK, bench_server
 
 if __name__ == "__main__":
     count, rounds = 64, 5

@@ -94,7 +94,7 @@ def test_an_empty_trace_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_peer_that_does_not_start_is_reported_with_its_error() -> None:
-    from benchmarks.replay import _reason
+    from benchmarks.replay_setup import failure_reason
 
     log = (
         "INFO starting\n"
@@ -102,7 +102,7 @@ def test_a_peer_that_does_not_start_is_reported_with_its_error() -> None:
         "[rank0]: ValueError: The environment variable 'MOONCAKE_CONFIG_PATH' is not set.\n"
         "RuntimeError: the engine exited with 1:\n"
     )
-    assert _reason(log) == "ValueError: The environment variable 'MOONCAKE_CONFIG_PATH' is not set."
+    assert failure_reason(log) == "ValueError: The environment variable 'MOONCAKE_CONFIG_PATH' is not set."
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,8 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(900)  # on a CPU without AVX-512 vLLM's bf16 linears fall back: ~4x slower
 def test_a_short_replay_through_vllm_with_and_without_kvstore(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="the replay drives vLLM CPU engines (scripts/setup.sh installs it)")
-    from benchmarks.replay import ReplaySpec, run_replay
+    from benchmarks.replay import run_replay
+    from benchmarks.replay_setup import ReplaySpec
 
     spec = ReplaySpec(
         "small", ("chats",), sessions=7, pool_tokens=5120, prefix_tokens=2048, rounds=2, peers=False

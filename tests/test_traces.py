@@ -178,9 +178,9 @@ def test_bench_replay_reads_the_field_formats_cut_to_the_model(tmp_path: Path) -
     salted = [TraceRequest(same, "x"), TraceRequest(same, "y"), TraceRequest(same, "x")]
     assert unbounded_hit_rate(salted, 32) == pytest.approx(64 / 192)
     # --limit N: the first N requests, under the file's name
-    from benchmarks.replay import QUICK, _traces
+    from benchmarks.replay_setup import QUICK, make_traces
 
-    limited = _traces(QUICK, 1000, str(moon), tmp_path, None, 32, limit=1)
+    limited = make_traces(QUICK, 1000, str(moon), tmp_path, None, 32, limit=1)
     assert list(limited) == ["m"] and [r.tokens[:80] for r in limited["m"]] == [first.tokens]
 
 
