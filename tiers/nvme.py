@@ -18,7 +18,7 @@ put_nowait() raises TierBusy then (the store's placements under its lock use it)
 flush() returns once everything queued before it is committed and ``env.sync(True)`` has run;
 close() drains the queue, syncs and closes.
 
-Measured against raw LMDB with the same flags and batch (``benchmarks/tiers.py``'s nvme case,
+Measured against raw LMDB with the same flags and batch (``benchmarks/tiers_nvme.py``,
 ``kvstore bench tiers``): writes include the final sync; reads pay for the checksum, which
 ``tiers.nvme_stored.verified_copy`` checks while it copies. The settings: ``tiers.nvme_config``;
 the index and its byte counts: ``tiers.nvme_index``.
