@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.redis_cluster import RedisClusterProcess
 from kvstore.client import connect
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
 from tests.service_fixtures import MODEL, settings_for
@@ -101,14 +101,13 @@ def check_restored_through_the_other(a: Sidecar, b: Sidecar) -> None:
 def test_a_remote_backend_without_nodes_is_refused_at_start() -> None:
     data_dir = tempfile.mkdtemp(prefix="kvf-", dir="/tmp")
     try:
-        with pytest.raises(FailedPrecondition, match=r"remote\.nodes"):
-            start_server(
-                load_settings(env={}, overrides=settings_for(data_dir, **{"remote.backend": "redis"}))
-            )
+        # the [remote] section checks itself when settings are read, before anything starts
+        with pytest.raises(InvalidArgument, match=r"remote\.nodes"):
+            load_settings(env={}, overrides=settings_for(data_dir, **{"remote.backend": "redis"}))
         bad = settings_for(data_dir, **{"remote.backend": "kvstore", "remote.nodes": "127.0.0.1:1"})
         bad["remote.tokens"] = "tenant-a=tok-a"  # not a namespace
-        with pytest.raises(FailedPrecondition, match="keyed by namespace"):
-            start_server(load_settings(env={}, overrides=bad))
+        with pytest.raises(InvalidArgument, match="keyed by namespace"):
+            load_settings(env={}, overrides=bad)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
 
