@@ -214,6 +214,24 @@ def test_sidecars_sharing_a_key_folder_agree_on_a_tenants_key_made_at_once(tmp_p
             assert out == payload
 
 
+def test_a_key_made_by_another_sidecar_after_this_one_looked_opens_its_copies(tmp_path: Path) -> None:
+    """Sidecar a asks for a tenant's copies before any sidecar has made the tenant's key (it
+    finds none); sidecar b then makes it by sealing: a opens b's copies from then on, and a
+    shred still leaves nothing that opens."""
+    a, b = BlockCipher(tmp_path, namespace_of_tier_key), BlockCipher(tmp_path, namespace_of_tier_key)
+    key = tier_key(Scope("t/late", MODEL.fingerprint()), chain(1, "late")[0])
+    payload = memoryview(patterned(1)[0])
+    sealed = bytearray(len(payload) + OVERHEAD_BYTES)
+    out = bytearray(len(payload))
+    assert a.key_id(key) is None  # a looks first: no key in the folder yet
+    b.seal_into(key, payload, memoryview(sealed))
+    assert a.key_id(key) == b.key_id(key) is not None
+    assert a.open_into(key, memoryview(sealed), memoryview(out)) == len(payload) and out == payload
+    assert b.shred("t/late")
+    assert a.vanished() == ["t/late"]
+    assert a.open_into(key, memoryview(sealed), memoryview(out)) is None
+
+
 def test_with_encryption_on_and_no_nvme_tier_nothing_leaves_the_host_unsealed(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

@@ -64,15 +64,19 @@ class BlockCipher:
     def _aead(self, key: bytes, create: bool) -> AESGCM | None:
         namespace = self._namespace_of(key)
         with self._lock:
-            if namespace in self._keys and (self._keys[namespace] is not None or not create):
-                return self._keys[namespace]
+            aead = self._keys.get(namespace)
+            if aead is not None:
+                return aead
+            # no key known: the folder is asked each time (a failed open, only on this rare path),
+            # because a sidecar sharing it may make the namespace's key after this one first
+            # looked; remembering "none" would leave its copies unopenable here until this
+            # sidecar sealed a block of its own
             path = self.key_path(namespace)
             try:
                 raw = path.read_bytes()
             except FileNotFoundError:
                 if not create:
-                    self._keys[namespace] = None  # shredded, or never had a block: nothing opens
-                    return None
+                    return None  # shredded, or never had a block: nothing opens
                 raw = _make_key_file(path)
             aead = self._aesgcm(raw) if len(raw) == 32 else None
             self._keys[namespace] = aead
