@@ -168,7 +168,7 @@ def run_replay(
             engine.close()
         for server in servers.values():
             server.stop()
-        shutil.rmtree(folder / "example", ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)  # the model, the calibration, the peer's files
     figures = {
         workload: {name: config_figures(s, cold, pool_bytes) for name, s in by_config.items()}
         for workload, by_config in served.items()
