@@ -87,7 +87,7 @@ from engine_plugin.vllm_decisions import DecisionRecord
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
 from kvstore.client import Client, Lookup
-from kvstore.cost_model import DEFAULT_TIERS, EXPLORE_FRACTION, PrefillModel, explore, plan_restore
+from kvstore.cost_model import DEFAULT_TIERS, EXPLORE_FRACTION, Plan, PrefillModel, explore, plan_restore
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 
 if TYPE_CHECKING:
@@ -273,30 +273,25 @@ class SchedulerSide:
         tiers = {t: snap.tiers.get(t, DEFAULT_TIERS.get(t, DEFAULT_TIERS["nvme"])) for t in set(hit.tiers)}
         policy = self._policy_of(request)
         forced = {"auto": None, "restore": hit.hit_blocks, "recompute": 0}[policy]
-        plan = plan_restore(
-            hit.tiers,
-            self._block_bytes,
-            self._block_size,
-            prompt,
-            tiers,
-            snap.prefill,
-            forced,
-            local_tokens=local,
-        )
-        why = f"the policy is {policy}" if policy != "auto" else ""
-        may_explore = why == "" and plan.usable_blocks > 0 and self.explore_fraction > 0
-        explored = explore(plan, self._rng.random(), self.explore_fraction) if may_explore else None
-        if explored is not None:  # near the crossover: the other side, measured now and then
-            plan = plan_restore(
+
+        def plan_for(forced: int | None) -> Plan:
+            return plan_restore(
                 hit.tiers,
                 self._block_bytes,
                 self._block_size,
                 prompt,
                 tiers,
                 snap.prefill,
-                explored,
+                forced,
                 local_tokens=local,
             )
+
+        plan = plan_for(forced)
+        why = f"the policy is {policy}" if policy != "auto" else ""
+        may_explore = why == "" and plan.usable_blocks > 0 and self.explore_fraction > 0
+        explored = explore(plan, self._rng.random(), self.explore_fraction) if may_explore else None
+        if explored is not None:  # near the crossover: the other side, measured now and then
+            plan = plan_for(explored)
             why = "the other side of a close call, taken now and then so that both stay measured"
         further = max(0, len(rank_keys[0]) - local_blocks)
         if hit is _UNANSWERED:

@@ -245,15 +245,11 @@ def unframe(value: BytesLike, key: TierKey, fingerprint: bytes) -> memoryview | 
 
 def unframe_born(value: BytesLike, key: TierKey, fingerprint: bytes) -> tuple[memoryview, float] | None:
     """``unframe``, with the block's birth time from its header (0.0: unknown)."""
-    view = memoryview(value)
-    if len(view) < _HEADER_LEN.size:
+    found = _header_of(value)
+    if found is None or found[0].fingerprint != fingerprint:
         return None
-    (header_len,) = _HEADER_LEN.unpack_from(view)
-    start = _HEADER_LEN.size + header_len
-    header = BlockHeader.unpack(view[_HEADER_LEN.size : start]) if start <= len(view) else None
-    if header is None or header.fingerprint != fingerprint or header.codec is not Codec.NONE:
-        return None
-    payload = view[start:]
+    header, start = found
+    payload = memoryview(value)[start:]
     if len(payload) != header.stored_len:
         return None
     if xxhash.xxh3_64_intdigest(payload) != bound_checksum(key, header.checksum):
