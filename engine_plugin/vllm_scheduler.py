@@ -30,7 +30,7 @@ load by itself and the pins go when the workers report it finished (``finished_r
 ``update_connector_output``), not after the step. A load none of whose blocks arrived has vLLM
 free the request's blocks and ask about it again: that request is recomputed, not restored again.
 
-Pins: the lookup pins every hit block of every rank under a lease (``PIN_TTL_S``), so eviction
+Pins: the lookup pins every hit block of every rank under a lease (``vllm_lookup.PIN_TTL_S``), so eviction
 cannot take a planned block before the worker copies it. The leases live on the ``_Load`` and
 are released on every arrow into ``(none)`` above; a plan that loads nothing releases them at
 once. Over the Unix socket the lookup also says where each hit lies in the arena: a rank whose
@@ -84,11 +84,12 @@ from engine_plugin.sidecar import (
 )
 from engine_plugin.transfer import InPlace
 from engine_plugin.vllm_decisions import DecisionRecord
+from engine_plugin.vllm_lookup import NO_HIT, UNANSWERED, RankHit, in_place_slots, lookup_ranks
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
-from kvstore.client import Client, Lookup
+from kvstore.client import Client
 from kvstore.cost_model import DEFAULT_TIERS, EXPLORE_FRACTION, Plan, PrefillModel, explore, plan_restore
-from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
+from kvstore.keys import BlockKey, ModelIdentity, block_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -99,10 +100,7 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so that warnings show up in the engine's own log at its level.
 log = logging.getLogger(f"vllm.{__name__}")
 
-PIN_TTL_S = 30.0  # a pin outlives a stalled engine by this much at most
-
 Policy = Literal["auto", "restore", "recompute"]
-_TIER_ORDER = {name: i for i, name in enumerate(DEFAULT_TIERS)}  # fastest first
 
 
 def parse_policy(value: object) -> Policy:
@@ -110,50 +108,6 @@ def parse_policy(value: object) -> Policy:
     if policy not in ("auto", "restore", "recompute"):
         raise ValueError(f"policy is 'auto', 'restore' or 'recompute', got {policy!r}")
     return cast(Policy, policy)
-
-
-@dataclass(frozen=True)
-class _RankHit:
-    hit_blocks: int  # the shortest hit over the ranks: a block is usable only with every shard
-    tiers: tuple[str, ...]  # per block, the slowest tier any rank holds it in
-    lookups: tuple[Lookup, ...] = ()  # per rank, as the sidecar answered (leases, arena slots)
-
-    @property
-    def lease_ids(self) -> tuple[int, ...]:
-        return tuple(lookup.lease_id for lookup in self.lookups if lookup.lease_id)
-
-
-_NO_HIT = _RankHit(0, ())
-_UNANSWERED = _RankHit(0, ())  # no hit because the sidecar did not say (told apart by identity)
-
-
-def _in_place(lookups: Sequence[Lookup], n: int) -> list[InPlace | None]:
-    """Per rank, the first ``n`` blocks of its pinned hit as arena slots, when the arena holds
-    every one of them (else None: that rank's worker resolves them)."""
-    out: list[InPlace | None] = []
-    for lookup in lookups:
-        slots = lookup.slots[:n]
-        held = [slot for slot in slots if slot is not None]
-        whole = bool(lookup.lease_id) and len(held) == n
-        out.append(InPlace(lookup.arena, lookup.lease_id, held) if whole else None)
-    return out
-
-
-def _lookup_ranks(
-    kv: Client, fingerprints: Sequence[Fingerprint], rank_keys: Sequence[Sequence[BlockKey]]
-) -> _RankHit:
-    # A failure after some ranks answered leaves their pins to expire (PIN_TTL_S): releasing
-    # them would wait on the same sidecar that just failed.
-    lookups = [
-        kv.lookup_tiers(fp, keys, pin_ttl_s=PIN_TTL_S, slots=True)
-        for fp, keys in zip(fingerprints, rank_keys, strict=True)
-    ]
-    hit = min(lookup.hit_blocks for lookup in lookups)
-    tiers = tuple(
-        max((lookup.tiers[i] for lookup in lookups), key=lambda t: _TIER_ORDER.get(t, len(_TIER_ORDER)))
-        for i in range(hit)
-    )
-    return _RankHit(hit, tiers, tuple(lookups))
 
 
 @dataclass
@@ -294,7 +248,7 @@ class SchedulerSide:
             plan = plan_for(explored)
             why = "the other side of a close call, taken now and then so that both stay measured"
         further = max(0, len(rank_keys[0]) - local_blocks)
-        if hit is _UNANSWERED:
+        if hit is UNANSWERED:
             why = "the sidecar gave no answer to the lookup: down, slow, or its breaker open"
         tracked.decision = DecisionRecord(
             request.request_id, plan, hit.hit_blocks, further, prompt, time.perf_counter(), hit.tiers, why
@@ -310,7 +264,7 @@ class SchedulerSide:
             return 0, False
         if load_blocks:
             timeout_s = load_deadline_s(plan.all_recompute_s)
-            in_place = _in_place(hit.lookups, load_blocks)
+            in_place = in_place_slots(hit.lookups, load_blocks)
             load_tiers = hit.tiers[:load_blocks]
             # Out of the arena on this host a restore is a memcpy: it stays inside the step.
             memcpy = self._same_host and all(tier == "dram" for tier in load_tiers)
@@ -322,20 +276,20 @@ class SchedulerSide:
 
     def _lookup(
         self, rank_keys: list[list[BlockKey]], local_blocks: int, prompt_tokens: int, prefill: PrefillModel
-    ) -> _RankHit:
+    ) -> RankHit:
         """The pinned hit after vLLM's own blocks; none when the sidecar cannot say in time."""
         # Only blocks a restore could use (the prompt's last token is always computed) are worth
         # a sidecar call; when vLLM holds all of them there is nothing to ask.
         if (prompt_tokens - 1) // self._block_size <= local_blocks:
-            return _NO_HIT
+            return NO_HIT
         local = local_blocks * self._block_size
         further = [keys[local_blocks:] for keys in rank_keys]
         found = self._link.call(
             "lookup",
             lookup_deadline_s(prefill.seconds(local, prompt_tokens - local)),
-            lambda kv: _lookup_ranks(kv, self._fingerprints, further),
+            lambda kv: lookup_ranks(kv, self._fingerprints, further),
         )
-        return _UNANSWERED if found is None else found
+        return UNANSWERED if found is None else found
 
     def _policy_of(self, request: Request) -> Policy:
         policy = self.policy

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_plugin.vllm_lookup import in_place_slots, lookup_ranks
 from engine_plugin.vllm_metadata import KvstoreConnectorMetadata, TransferJob
-from engine_plugin.vllm_scheduler import _in_place, _lookup_ranks
 from kvstore.client import Client, connect
 from kvstore.server.serve import RunningServer
 from tests.service_fixtures import MODEL
@@ -20,8 +20,8 @@ __all__ = ["sidecar"]
 
 def in_place_load(kv: Client, keys: list[bytes], block_ids: list[int]) -> tuple[TransferJob, int]:
     """The scheduler's pinning lookup of ``keys`` and the load it sends: (job, its lease)."""
-    hit = _lookup_ranks(kv, [MODEL.fingerprint()], [keys])
-    in_place = _in_place(hit.lookups, len(keys))
+    hit = lookup_ranks(kv, [MODEL.fingerprint()], [keys])
+    in_place = in_place_slots(hit.lookups, len(keys))
     assert hit.hit_blocks == len(keys) and in_place[0] is not None
     job = TransferJob("r", [keys], block_ids, 5.0, tiers=hit.tiers, in_place=in_place)
     return job, hit.lease_ids[0]
@@ -87,7 +87,7 @@ def test_a_rank_reads_in_place_only_when_the_arena_holds_every_block_it_loads() 
     tail_below = Lookup(4, ("dram", "dram", "nvme", "nvme"), 7, "arena", ((0, 8), (8, 8), None, None))
     head_below = Lookup(4, ("nvme", "dram", "dram", "dram"), 9, "arena", (None, (8, 8), (16, 8), (24, 8)))
     unpinned = Lookup(4, ("dram",) * 4, 0, "arena", ((0, 8), (8, 8), (16, 8), (24, 8)))
-    first, second, third = _in_place([tail_below, head_below, unpinned], 2)
+    first, second, third = in_place_slots([tail_below, head_below, unpinned], 2)
     assert first is not None and (first.arena, first.lease_id, first.slots) == ("arena", 7, [(0, 8), (8, 8)])
     assert second is None and third is None
-    assert _in_place([tail_below], 3) == [None]
+    assert in_place_slots([tail_below], 3) == [None]
