@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from kvstore.keys import ModelIdentity
+from kvstore.client import Client
+from kvstore.keys import BlockKey, Fingerprint, ModelIdentity, block_keys
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
+from kvstore.store import TieredStore
 
 TOKENS = {"tok-a": "tenant-a", "tok-b": "tenant-b", "tok-c": "tenant-c", "tok-ops": "ops"}
 MODEL = ModelIdentity("test/tiny", "aa" * 32, num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16)
@@ -71,3 +75,29 @@ def served() -> Iterator[Served]:
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def chain(n: int, salt: str = "s", start: int = 0) -> list[BlockKey]:
+    return block_keys(MODEL.fingerprint(), list(range(start, start + n * 16)), 16, cache_salt=salt)
+
+
+def blocks_for(keys: list[BlockKey]) -> list[bytes]:
+    return [os.urandom(BLOCK) for _ in keys]
+
+
+def stored_chain(kv: Client, n: int, salt: str) -> tuple[Fingerprint, list[BlockKey], list[bytes]]:
+    """A chain of ``n`` random blocks written through ``kv``: (fingerprint, keys, blocks)."""
+    fp = kv.register(MODEL)
+    keys = chain(n, salt=salt)
+    blocks = blocks_for(keys)
+    kv.write(fp, keys, blocks)
+    return fp, keys, blocks
+
+
+def leases_drop_to_zero(store: TieredStore, within_s: float = 5.0) -> bool:
+    """Whether the store holds no lease within ``within_s`` (a release sent without waiting
+    lands when the server reads it)."""
+    deadline = time.monotonic() + within_s
+    while store.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.stats().leases == 0
