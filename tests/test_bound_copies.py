@@ -14,9 +14,7 @@ import struct
 import threading
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 import xxhash
@@ -28,7 +26,9 @@ from kvstore.client.dataport import DataPortClient
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.remote.nodes import KvStoreNodesTier
 from kvstore.store import Scope, tier_key
-from kvstore.wire import END, OK_FRAME, recv_exact
+from kvstore.stream import recv_exact
+from kvstore.wire import END, OK_FRAME
+from tests.nvme_fixtures import config, raw_env
 from tiers import Codec, TierKey
 from tiers.dram import Arena
 from tiers.nvme import NvmeConfig, NvmeTier
@@ -36,8 +36,9 @@ from tiers.remote import RemoteBlock, RemoteConfig
 
 FP = Fingerprint(bytes(range(32)))
 OTHER_FP = Fingerprint(bytes(reversed(range(32))))
-MiB = 1 << 20
 SIZE = 100_000
+
+__all__ = ["config"]
 
 
 def key(namespace: str, n: int, fingerprint: Fingerprint = FP) -> TierKey:
@@ -46,15 +47,6 @@ def key(namespace: str, n: int, fingerprint: Fingerprint = FP) -> TierKey:
 
 def payload(seed: int) -> bytes:
     return np.random.default_rng(seed).bytes(SIZE)
-
-
-@pytest.fixture
-def config(tmp_path: Path) -> NvmeConfig:
-    return NvmeConfig(path=tmp_path / "nvme", capacity_bytes=64 * MiB)
-
-
-def raw_env(config: NvmeConfig) -> lmdb.Environment:
-    return lmdb.open(str(config.path), map_size=config.effective_map_size_bytes, max_dbs=2)
 
 
 MOVES = {
