@@ -19,7 +19,7 @@ The server answers one request at a time, in order, so the answers are read in t
 requests went out. Two chunks of copying (about 1.5 ms at 8 MiB) stand between a reserve going
 out and its answer being needed: a server thread descheduled for less than that costs nothing.
 With one chunk between (AHEAD = 2) a 512 x 256 KiB write ran 2% slower here, in each of three
-runs measured against a copy into the very slots it used (BENCHMARKS.md "Service").
+runs measured against a copy into the very slots it used.
 
 A reserve reaches the server before the chunks before it are committed, so it cannot hold its
 parent (not stored yet); the server takes the depth of a chain's blocks from the parent at
@@ -69,7 +69,7 @@ except ImportError:  # built without a C compiler: the copies run in Python, blo
 # The first reserve's answer and the last commit's are waited for with nothing to copy
 # meanwhile, and the server's work on each is some microseconds a block: small chunks there,
 # large ones between, where the server works while this process copies (a 512 x 256 KiB
-# write 2% faster than in even 8 MiB chunks; BENCHMARKS.md "Service").
+# write 2% faster than in even 8 MiB chunks).
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20
 LAST_CHUNK_BYTES = 1 << 20

@@ -4,13 +4,13 @@
  * From a few KiB to about 1 MiB glibc's memcpy copies with `rep movsb`, which on the AMD EPYC
  * these figures come from slows down badly when the two differ in line offset: 256 KiB
  * blocks, page-aligned source, destination 16 bytes into a line 6.5-6.8 GB/s, 8 bytes in 3.4,
- * the same offset 12.2-13.2 (`kvstore bench tiers`, its `copy ... past a line` rows; BENCHMARKS.md
- * "Tiers", sitting 27). Where the offsets differ is chance: malloc's buffers (bytearray, bytes,
- * numpy's arrays) start 16 bytes past a line as often as on one, while the arena's slots and the
- * engines' pages start on pages; so a plain `get` into the receive pool, a restore into a numpy
- * array, a write from bytes objects met it block by block. A loop of unaligned 16-byte loads and
- * aligned 16-byte stores (SSE2, every x86-64) ran at 13.1-14.5 GB/s at every offset there, so it
- * copies those; a copy whose ends share their line offset is left to memcpy, exactly as before.
+ * the same offset 12.2-13.2 (`kvstore bench tiers`, its `copy ... past a line` rows). Where
+ * the offsets differ is chance: malloc's buffers (bytearray, bytes, numpy's arrays) start 16
+ * bytes past a line as often as on one, while the arena's slots and the engines' pages start
+ * on pages; so a plain `get` into the receive pool, a restore into a numpy array, a write from
+ * bytes objects meet it block by block. A loop of unaligned 16-byte loads and aligned 16-byte
+ * stores (SSE2, every x86-64) ran at 13.1-14.5 GB/s at every offset there, so it copies those;
+ * a copy whose ends share their line offset is left to memcpy.
  * Elsewhere than x86-64: memcpy.
  */
 #ifndef KVSTORE_COPY_H

@@ -36,8 +36,8 @@
  *   gone since the index lookup, None and i to ``corrupt`` when the check fails). It stops, and
  *   returns i, at a block that is not plain: no entry, a queued put (ops[i] not None), a codec
  *   other than ``plain_codec``; len(keys) when done. ``entries`` are the tier's Entry named
- *   tuples (payload_len, stored_len, codec and checksum at 1, 2, 4 and 5). In C: the Python
- *   loop spent ~0.9 us a block around each copy, raw LMDB's own loop ~0.6 (BENCHMARKS.md).
+ *   tuples (payload_len, stored_len, codec and checksum at 1, 2, 4 and 5). In C because the
+ *   Python loop spent ~0.9 us a block around each copy, more than raw LMDB's own loop (~0.6).
  *
  * The GIL is released for the copy: src stays valid because the caller's read transaction is
  * open on its own thread until the call returns, and LMDB never rewrites a page a live reader
@@ -67,7 +67,7 @@
 #endif
 
 /* Chosen on a 2-vCPU AMD EPYC (L2 1 MiB a core, L3 32 MiB) against a bare copy of the same
- * pages and against each other (BENCHMARKS.md, "Tiers", sitting 25). */
+ * pages and against each other; the figures are each copy's speed against the bare one. */
 #define PREFETCH_AHEAD (8 * 1024)       /* 4, 16 and 32 KiB: 0.77 / 0.80 / 0.78x at 256 KiB */
 #define STREAM_FROM (16 * 1024 * 1024) /* streamed from 2 MiB: 0.51-0.67x, dst stays in L3 */
 #define WHOLE_MAX (512 * 1024)         /* two_pass: hashed whole, then copied out of L2 */
