@@ -6,7 +6,7 @@ section below; an unknown section or field is an error, never silently ignored.
 
     [store]   StoreConfig (placement, leases, quotas)      KVSTORE_STORE_LEASE_TTL_S=10
     [dram]    tiers.dram.DramConfig (arena size, page size) KVSTORE_DRAM_CAPACITY_BYTES=8GiB
-    [nvme]    tiers.nvme.NvmeConfig (LMDB folder, size)    KVSTORE_NVME_DURABILITY=durable
+    [nvme]    tiers.nvme_config.NvmeConfig (LMDB folder, size) KVSTORE_NVME_DURABILITY=durable
     [hbm]     tiers.hbm.HbmConfig (GPU pool; off unless on) KVSTORE_HBM_ENABLED=true
     [server]  ServerSettings (listeners, tenants, metrics) KVSTORE_SERVER_TCP_ADDRESS=127.0.0.1:7070
     [remote]  tiers.remote.RemoteConfig (the shared tier)  KVSTORE_REMOTE_BACKEND=redis
@@ -39,7 +39,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.store import StoreConfig
 from tiers.dram import DramConfig
 from tiers.hbm import HbmConfig
-from tiers.nvme import NvmeConfig
+from tiers.nvme_config import NvmeConfig
 from tiers.remote import RemoteConfig
 
 GiB = 1 << 30
