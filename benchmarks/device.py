@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.common import Result, gbps, interleaved, print_results, size_label, write_json
 from benchmarks.device_layerwise import bench_layerwise
+from benchmarks.tiers_working import timed
 from engine_plugin import kv_layout
 from tiers import TierKey
 from tiers.dram import Arena, DramConfig, DramTier
@@ -47,14 +48,7 @@ LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
 
 
 def _timed(fn: Callable[[], None]) -> Callable[[], float]:
-    def run() -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    return run
+    return timed(fn, settle=torch.cuda.synchronize)
 
 
 def _blockwise(dst: torch.Tensor, src: torch.Tensor, size: int) -> Callable[[], None]:

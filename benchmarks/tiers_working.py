@@ -75,10 +75,18 @@ class Working:
         return time.perf_counter() - start
 
 
-def timed(fn: Callable[[], None]) -> Callable[[], float]:
+def timed(fn: Callable[[], None], settle: Callable[[], None] | None = None) -> Callable[[], float]:
+    """``fn`` made into a call that returns its seconds. ``settle`` (a device's synchronize) runs
+    before the clock starts and again before it stops: work queued on the device is counted in
+    the call that queued it, and only there."""
+
     def run() -> float:
+        if settle is not None:
+            settle()
         start = time.perf_counter()
         fn()
+        if settle is not None:
+            settle()
         return time.perf_counter() - start
 
     return run
