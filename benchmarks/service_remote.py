@@ -246,8 +246,7 @@ def bench_remote(server: ServerProcess, count: int, rounds: int, data_plane: str
             "GB/s",
             "raw TCP through one buffer",
             total / ref_hot / 1e9,
-            note="the reference before sitting 15: the same 2 MiB sent and received over and over, "
-            "warm in the caches",
+            note="a kinder reference: the same 2 MiB sent and received over and over, warm in the caches",
         ),
         Result(
             f"remote get 2 MiB{label} (plain client.get)",

@@ -316,8 +316,8 @@ def _full_arena_writes(
                 return time.perf_counter() - start
 
             # The empty-arena writes come after the same pause as the full ones: a write after
-            # 0.6 s idle ran 20-28% slower than one straight after another here (scratch fa.py),
-            # which is the machine waking, not the arena being full.
+            # 0.6 s idle ran 20-28% slower than one straight after another here, which is the
+            # machine waking, not the arena being full.
             empty = []
             for _ in range(3):
                 time.sleep(FULL_ARENA_PAUSE_S)

@@ -156,8 +156,8 @@ def bench_sglang_pages(rounds: int, pages: int = 64, pieces: int = 64) -> list[R
     """SGLang HiCache's page restore (``engine_plugin.sglang_pages``): 2 MiB blocks copied into
     the pages of a layer-first host pool, ``pieces`` pieces a page (K and V of each of 32
     layers, each in its layer's own region), through the backend's own copy, against memcpy of
-    the same bytes into one contiguous buffer a page; and the copy the backend made before
-    sitting 16 (one numpy copy a piece) on the same pages."""
+    the same bytes into one contiguous buffer a page; and one numpy copy a piece (what the
+    native call replaces) on the same pages."""
     from engine_plugin.sglang_pages import PageTransfer
 
     size = 2 * MiB
@@ -207,7 +207,7 @@ def bench_sglang_pages(rounds: int, pages: int = 64, pieces: int = 64) -> list[R
             "GB/s",
             "memcpy into one buffer a page",
             gbps(total, ref_s),
-            note=note + "; the backend's copy before sitting 16",
+            note=note + "; the copy the native call replaces",
         ),
     ]
 

@@ -22,8 +22,8 @@ class _RawLmdb:
 
     ``read`` keeps its environment open across rounds, as the tier keeps its own: a fresh
     environment maps the file again and faults every page in on the first read (measured here
-    5.8 against 14.6 GB/s at 32 MiB, 19.4 against 24.4 at 256 KiB), which before sitting 25
-    handicapped the reference of the warm row. ``read_cold`` reopens after dropping the page
+    5.8 against 14.6 GB/s at 32 MiB, 19.4 against 24.4 at 256 KiB), which would handicap the
+    reference of the warm row. ``read_cold`` reopens after dropping the page
     cache, as the tier's cold read does."""
 
     def __init__(self, path: Path, w: Working) -> None:
