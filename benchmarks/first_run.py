@@ -59,12 +59,6 @@ def serve(engine: Engine, tokens: list[int]) -> dict[str, Any]:
     return out
 
 
-def close(engine: Engine) -> None:
-    """Stop the engine and remove its log."""
-    engine.close()
-    Path(engine.log.name).unlink(missing_ok=True)
-
-
 def serve_all(engine: Engine, label: str) -> list[dict[str, object]]:
     """Each prompt once: the connector's decision and its figures for it."""
     rows: list[dict[str, object]] = []
@@ -107,7 +101,7 @@ def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
                 rows += serve_all(engine, label)
                 metrics = engine.metrics()
             finally:
-                close(engine)
+                engine.close()
         restored = metrics.get("kvstore_connector_restored_bytes_total{tier=dram}", 0.0)
         return rows, (restored, metrics.get("kvstore_connector_restore_seconds_sum{tier=dram}", 0.0))
     finally:

