@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tiers.durable import fsync_dir
+
 if TYPE_CHECKING:  # cryptography is the encryption extra: imported when a cipher is made
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -95,7 +97,7 @@ class BlockCipher:
                 self.key_path(namespace).unlink()
             except FileNotFoundError:
                 return False
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)  # a shredded key must not come back after a crash
             return True
 
     def vanished(self) -> list[str]:
@@ -162,7 +164,7 @@ def _make_key_file(path: Path) -> bytes:
             os.link(tmp, path)
         except FileExistsError:
             return path.read_bytes()
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return raw
     finally:
         tmp.unlink()
@@ -186,12 +188,3 @@ def _file_id(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a removal in ``folder`` durable: a shredded key must not come back after a crash."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from tiers.durable import fsync_dir
 from tiers.errors import MediumNoRoom, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,7 @@ def write_marker(folder: Path, *, dirty: bool) -> None:
             raise
         return
     os.replace(tmp, folder / MARKER_FILE)
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(folder)
 
 
 def _overwrite(path: Path, text: str) -> bool:
