@@ -5,9 +5,10 @@ existence check it replaced (``contains``), alternating rounds, medians printed:
     python -m benchmarks.lookup_heads [--keys 64] [--block-kib 256] [--rounds 30]
 
 over a Redis Cluster (3 masters on 127.0.0.1; ``heads`` is one pipelined GETRANGE) and a kvstore
-node (``kvstore serve``; no ranged read on its wire, so ``heads`` reads whole values when a
-cutoff (retention, an invalidation) or a sealed key id must be checked, and is ``contains``
-otherwise: the "no cutoff" row).
+node (``kvstore serve``; ``heads`` is its data port's head request when a cutoff (retention, an
+invalidation) or a sealed key id must be checked, and is ``contains`` otherwise: the "no cutoff"
+row). "whole values" is the contract's default ``heads`` over the same tier (each value read
+whole): what a kvstore node's lookup did before it had a head request.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def measure(label: str, remote: dict[str, str], keys: int, block: int, rounds: i
             "heads, no cutoff": lambda: [h is not None for h in plain.heads(plain_keys, FP)],
             "heads, plain": lambda: [h is not None for h in plain.heads(plain_keys, FP, now - 60)],
             "heads, sealed": lambda: [h is not None for h in sealed.heads(sealed_keys, FP, now - 60)],
+            "whole values": lambda: [
+                h is not None for h in RemoteTier.heads(plain, plain_keys, FP, now - 60)
+            ],
         }
         times: dict[str, list[float]] = {name: [] for name in calls}
         try:

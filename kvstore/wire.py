@@ -32,6 +32,9 @@ Framing (little-endian), one request at a time per connection:
     put      client: u8 2, fingerprint[32], u8 has_parent, parent[32], u32 n, n x (key[32], u64 size),
                      then the n payloads back to back
              server: status, u32 stored
+    head     client: u8 12, fingerprint[32], u32 n, n x key[32], u32 head_bytes (<= MAX_HEAD_BYTES)
+             server: status, u32 hit, hit x u32 length, the hit heads back to back: the first
+                     head_bytes (or fewer: a shorter block) of each block of the present prefix
     status   u8 gRPC status code (0 = OK, ``kvstore.status.Status``), u32 len + UTF-8 message
 
 A request that fails is answered with its status and the connection closes. The message of a
@@ -62,7 +65,7 @@ from kvstore.stream import Stream, recv_exact
 MAGIC = b"KVD2"  # 2: a get's blocks carry their checksum
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
-OP_LOOKUP_SLOTS, OP_LEASE_HELD = 10, 11
+OP_LOOKUP_SLOTS, OP_LEASE_HELD, OP_HEAD = 10, 11, 12
 OP_NAMES = {
     OP_GET: "Get",
     OP_PUT: "Put",
@@ -75,6 +78,7 @@ OP_NAMES = {
     OP_RESERVE: "Reserve",
     OP_COMMIT: "Commit",
     OP_ABORT: "Abort",
+    OP_HEAD: "Heads",
 }
 KEYS_OPS = frozenset((OP_GET, OP_LOOKUP, OP_LOOKUP_SLOTS, OP_RESOLVE))  # keys_request's
 ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD, OP_COMMIT, OP_ABORT))  # id_request's
@@ -83,6 +87,7 @@ TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1  # the size that ends a get's blocks
 IDLE_S = 600.0  # the server closes a connection idle between requests longer than this
 KEY_BYTES = 32  # a key, a fingerprint, a parent: no length on the wire
+MAX_HEAD_BYTES = 4096  # a head asks at most this of each block (a remote value's header is 71)
 
 # Every layout, once. A request's op byte comes first and is read alone by the server.
 STATUS = Struct("<BI")  # code, message length; the UTF-8 message follows
@@ -213,6 +218,14 @@ def release_request(lease_id: int) -> bytes:
     return _OP_ID.pack(OP_RELEASE_NOWAIT, lease_id)
 
 
+def head_request(fingerprint: bytes, keys: Sequence[bytes], head_bytes: int) -> bytes:
+    """The first ``head_bytes`` of each block of the present prefix of ``keys``."""
+    check_ids(fingerprint, keys)
+    if not 0 <= head_bytes <= MAX_HEAD_BYTES:
+        raise InvalidArgument(f"a head asks 0 to {MAX_HEAD_BYTES} bytes of a block, got {head_bytes}")
+    return b"".join([_OP_KEYS_HEAD.pack(OP_HEAD, fingerprint, len(keys)), *keys, COUNT.pack(head_bytes)])
+
+
 def put_head(fingerprint: bytes, keys: Sequence[bytes], sizes: Sequence[int], parent: bytes | None) -> bytes:
     """A put up to its payloads, which follow back to back."""
     check_ids(fingerprint, keys if parent is None else [*keys, parent])
@@ -251,6 +264,14 @@ def read_keys(read: Read, max_keys: int) -> tuple[Fingerprint, list[BlockKey]]:
 def read_ttl(read: Read) -> float:
     ttl_s: float = TTL.unpack(read(TTL.size))[0]
     return ttl_s
+
+
+def read_head_bytes(read: Read) -> int:
+    """What a head asks of each block, after its keys."""
+    head_bytes: int = COUNT.unpack(read(COUNT.size))[0]
+    if head_bytes > MAX_HEAD_BYTES:
+        raise InvalidArgument(f"a head asks at most {MAX_HEAD_BYTES} bytes of a block, got {head_bytes}")
+    return head_bytes
 
 
 def read_reserve_tail(read: Read, n_keys: int) -> tuple[BlockKey | None, float, list[int]]:
@@ -329,6 +350,12 @@ def lookup_answer(
     return b"".join(body)
 
 
+def heads_answer(heads: Sequence[bytes | memoryview]) -> bytes:
+    """A head's: each block's first bytes, their lengths first."""
+    lengths = _lengths(len(heads)).pack(*map(len, heads))
+    return b"".join([OK_FRAME, COUNT.pack(len(heads)), lengths, *heads])
+
+
 def held_answer(held: bool) -> bytes:
     return OK_FRAME + bytes([held])
 
@@ -390,6 +417,18 @@ def read_lookup_slots_answer(read: Read) -> tuple[int, bytes, int, str, Sequence
     return hit, tiers, lease_id, name, fields[0::2], fields[1::2]
 
 
+def read_heads_answer(read: Read) -> list[bytes]:
+    """The first bytes of each block of the present prefix (a ``heads_answer``)."""
+    (hit,) = COUNT.unpack(read(COUNT.size))
+    lengths = _lengths(hit).unpack(read(COUNT.size * hit))
+    raw = memoryview(read(sum(lengths)))
+    out, at = [], 0
+    for n in lengths:
+        out.append(bytes(raw[at : at + n]))
+        at += n
+    return out
+
+
 def read_held(read: Read) -> bool:
     return bool(read(1)[0])
 
@@ -439,3 +478,9 @@ def _repeated(fields: str, count: int) -> Struct:
 def _sizes(count: int) -> Struct:
     """``count`` sizes in a row: one field with a repeat count, small however many."""
     return Struct(f"<{count}{SIZE.format[1:]}")
+
+
+@lru_cache(maxsize=128)
+def _lengths(count: int) -> Struct:
+    """``count`` u32 lengths in a row: a head's answer."""
+    return Struct(f"<{count}{COUNT.format[1:]}")

@@ -112,6 +112,24 @@ class ExistsResponse(_message.Message):
     present: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
+class HeadsRequest(_message.Message):
+    __slots__ = ("fingerprint", "keys", "head_bytes", "scope")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    head_bytes: int
+    scope: str
+    def __init__(self, fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., head_bytes: _Optional[int] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class HeadsResponse(_message.Message):
+    __slots__ = ("heads",)
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    heads: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, heads: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class DeleteRequest(_message.Message):
     __slots__ = ("fingerprint", "keys", "scope")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]

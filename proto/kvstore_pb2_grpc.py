@@ -49,6 +49,11 @@ class KvStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.ExistsRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.ExistsResponse.FromString,
                 _registered_method=True)
+        self.Heads = channel.unary_unary(
+                '/kvstore.v1.KvStore/Heads',
+                request_serializer=proto_dot_kvstore__pb2.HeadsRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.HeadsResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KvStore/Delete',
                 request_serializer=proto_dot_kvstore__pb2.DeleteRequest.SerializeToString,
@@ -140,6 +145,14 @@ class KvStoreServicer:
 
     def Exists(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heads(self, request, context):
+        """The first head_bytes of each block of the present prefix (a copy's header, checked without
+        its payload moving); nothing promoted, no hit counted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -251,6 +264,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Exists,
                     request_deserializer=proto_dot_kvstore__pb2.ExistsRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.ExistsResponse.SerializeToString,
+            ),
+            'Heads': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heads,
+                    request_deserializer=proto_dot_kvstore__pb2.HeadsRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.HeadsResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -404,6 +422,33 @@ class KvStore:
             '/kvstore.v1.KvStore/Exists',
             proto_dot_kvstore__pb2.ExistsRequest.SerializeToString,
             proto_dot_kvstore__pb2.ExistsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KvStore/Heads',
+            proto_dot_kvstore__pb2.HeadsRequest.SerializeToString,
+            proto_dot_kvstore__pb2.HeadsResponse.FromString,
             options,
             channel_credentials,
             insecure,

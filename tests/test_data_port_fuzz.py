@@ -19,7 +19,7 @@ from kvstore.client import connect
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
 from kvstore.status import Status
-from kvstore.wire import MAGIC, OP_GET, OP_LOOKUP, OP_PUT, OP_RELEASE, OP_RESOLVE
+from kvstore.wire import MAGIC, OP_GET, OP_HEAD, OP_LOOKUP, OP_PUT, OP_RELEASE, OP_RESOLVE
 from tests.service_fixtures import MODEL, settings_for
 from tests.test_service import blocks_for, chain
 
@@ -61,12 +61,14 @@ counts = st.one_of(st.integers(0, 4), st.just(2**32 - 1), st.integers(0, 2**32 -
 
 @st.composite
 def operation(draw: st.DrawFn) -> bytes:
-    op = draw(st.sampled_from([OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE, 0, 7, 255]))
+    op = draw(st.sampled_from([OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE, OP_HEAD, 0, 7, 255]))
     n = draw(counts)
     listed = draw(st.lists(key, max_size=3))
-    if op in (OP_GET, OP_LOOKUP, OP_RESOLVE):
+    if op in (OP_GET, OP_LOOKUP, OP_RESOLVE, OP_HEAD):
         body = FP + struct.pack("<I", n) + b"".join(listed)
-        if op != OP_GET:
+        if op == OP_HEAD:  # the bytes asked of each block
+            body += struct.pack("<I", draw(counts))
+        elif op != OP_GET:
             body += struct.pack("<d", draw(st.floats(allow_nan=True, allow_infinity=True)))
     elif op == OP_PUT:
         body = FP + struct.pack("<B32s", draw(st.integers(0, 1)), b"\1" * 32) + struct.pack("<I", n)

@@ -34,6 +34,7 @@ UNARY = {
     "Register": (pb.RegisterRequest, pb.RegisterResponse),
     "Lookup": (pb.LookupRequest, pb.LookupResponse),
     "Exists": (pb.ExistsRequest, pb.ExistsResponse),
+    "Heads": (pb.HeadsRequest, pb.HeadsResponse),
     "Delete": (pb.DeleteRequest, pb.DeleteResponse),
     "Invalidate": (pb.InvalidateRequest, pb.InvalidateResponse),
     "Demote": (pb.DemoteRequest, pb.DemoteResponse),
@@ -68,6 +69,13 @@ requests = st.one_of(
         lambda f, k, s: ("Exists", pb.ExistsRequest(fingerprint=f, keys=k, scope=s)),
         fingerprints,
         keys,
+        scopes,
+    ),
+    st.builds(
+        lambda f, k, n, s: ("Heads", pb.HeadsRequest(fingerprint=f, keys=k, head_bytes=n, scope=s)),
+        fingerprints,
+        keys,
+        st.integers(0, 2**32 - 1),
         scopes,
     ),
     st.builds(

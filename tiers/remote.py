@@ -14,10 +14,11 @@ fingerprint, so two tenants' blocks never share a remote key):
                                of a copy ``get_many`` would not refuse by its header (another
                                fingerprint, born before ``not_before_s``), else None; a copy
                                refused is deleted and counted as by ``get_many``. Backends with
-                               a ranged read (Redis ``GETRANGE``) move the header and ``n``
-                               bytes; the others read whole values (the default), except
-                               when nothing but a damaged header could refuse a copy (no
-                               ``not_before_s``, no bytes asked): then ``contains`` answers
+                               a ranged read (Redis ``GETRANGE``, a kvstore node's head request)
+                               move the header and ``n`` bytes; the others read whole values
+                               (the default: Mooncake), except when nothing but a damaged
+                               header could refuse a copy (no ``not_before_s``, no bytes
+                               asked): then ``contains`` answers
     get_many(keys, fp, not_before_s, born)
                             -> per key, the payload (its header checked), or None for a miss;
                                a copy born before ``not_before_s`` is expired (below); ``born``,
@@ -269,26 +270,28 @@ def served_heads(
     n: int,
     count: Callable[[str, int], None],
     delete_many: Callable[[Sequence[TierKey]], object],
+    plain_ok: bool = False,
 ) -> list[bytes | None]:
     """``heads`` for a backend that read the first ``2 + HEAD_SLACK + n`` bytes of each value
     (None or empty: absent; ``values`` None: unreachable, every key a miss): each copy's first
     ``n`` payload bytes, or None where ``get_many`` would refuse it by its header, which is then
     deleted there and counted as ``get_many`` would (a header that does not parse or names
     another fingerprint: a checksum failure; born before ``not_before_s``, or unknown under a
-    retention: expired). The payload's checksum needs the whole value: a ``get_many`` checks it."""
+    retention: expired). ``plain_ok`` as for ``open_values``. The payload's checksum needs the
+    whole value: a ``get_many`` checks it."""
     if values is None:
         return [None] * len(keys)
     out: list[bytes | None] = []
     corrupt: list[TierKey] = []
     expired: list[TierKey] = []
     for key, value in zip(keys, values, strict=True):
-        head, header = None, _header_of(value) if value else None
-        if value and (header is None or header[0].fingerprint != fingerprint or len(value) < header[1] + n):
+        head, opened = None, _head_of(value, fingerprint, n, plain_ok) if value else None
+        if value and opened is None:
             corrupt.append(key)
-        elif header is not None and not_before_s > 0 and header[0].born_s < not_before_s:
+        elif opened is not None and not_before_s > 0 and opened[1] < not_before_s:  # 0.0: unknown
             expired.append(key)
-        elif header is not None:
-            head = bytes(memoryview(value)[header[1] : header[1] + n])  # type: ignore[arg-type]
+        elif opened is not None:
+            head = bytes(memoryview(value)[opened[0] : opened[0] + n])  # type: ignore[arg-type]
         out.append(head)
     if corrupt:
         log.warning("%s tier: %d blocks failed their header check; deleted", what, len(corrupt))
@@ -298,6 +301,19 @@ def served_heads(
     if corrupt or expired:
         delete_many(corrupt + expired)
     return out
+
+
+def _head_of(value: BytesLike, fingerprint: bytes, n: int, plain_ok: bool) -> tuple[int, float] | None:
+    """Where the payload starts in a value's head and the block's birth time (0.0: unknown), or
+    None when a get would refuse the value by its header (or its head is short of ``n`` payload
+    bytes); ``plain_ok``: a value with no header is a plain block of unknown age."""
+    found = _header_of(value)
+    if found is None:
+        return (0, 0.0) if plain_ok and not _framed(value) and len(value) >= n else None
+    header, start = found
+    if header.fingerprint != fingerprint or len(value) < start + n:  # type: ignore[arg-type]
+        return None
+    return start, header.born_s
 
 
 def _header_of(value: BytesLike) -> tuple[BlockHeader, int] | None:

@@ -295,6 +295,14 @@ class Client:
         may hold part of the blocks."""
         return self._transport().get_into(fingerprint, keys, outs, scope, exact)
 
+    def heads(
+        self, fingerprint: bytes, keys: Sequence[bytes], head_bytes: int, scope: str = ""
+    ) -> list[bytes]:
+        """The first ``head_bytes`` (at most ``kvstore.wire.MAX_HEAD_BYTES``) of each block of
+        the present prefix of ``keys``, fewer of a shorter block: a copy's header checked
+        without its payload moving. The server promotes nothing and counts no hit."""
+        return self._transport().heads(fingerprint, keys, head_bytes, scope)
+
     # ----------------------------------------------------------------- same host
 
     def attach(self) -> Arena:

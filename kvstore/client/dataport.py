@@ -213,6 +213,11 @@ class DataPortClient:
         hit, tiers, lease_id, name, offsets, sizes = wire.read_lookup_slots_answer(self._stream.read)
         return hit, tiers, lease_id, name, Spans.of(sizes, offsets, sizes)
 
+    def heads(self, fingerprint: bytes, keys: Sequence[bytes], head_bytes: int) -> list[bytes]:
+        """The first ``head_bytes`` of each block of the present prefix (fewer of a shorter one)."""
+        self._request(wire.head_request(fingerprint, keys, head_bytes))
+        return wire.read_heads_answer(self._stream.read)
+
     def lease_held(self, lease_id: int) -> bool:
         self._request(id_request(OP_LEASE_HELD, lease_id))
         return wire.read_held(self._stream.read)

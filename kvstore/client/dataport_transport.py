@@ -46,6 +46,9 @@ class DataPortTransport:
     ) -> int:
         return self._data.call(scope, lambda c: c.get_into(fingerprint, keys, outs, exact))
 
+    def heads(self, fingerprint: bytes, keys: Sequence[bytes], head_bytes: int, scope: str) -> list[bytes]:
+        return self._data.call(scope, lambda c: c.heads(fingerprint, keys, head_bytes))
+
     def put(
         self, fingerprint: bytes, keys: Sequence[bytes], blocks: Blocks, parent: bytes | None, scope: str
     ) -> int:

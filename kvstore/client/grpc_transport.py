@@ -111,6 +111,13 @@ class GrpcTransport:
             n += 1
         return n
 
+    def heads(self, fingerprint: bytes, keys: Sequence[bytes], head_bytes: int, scope: str) -> list[bytes]:
+        request = pb.HeadsRequest(
+            fingerprint=fingerprint, keys=list(keys), head_bytes=head_bytes, scope=scope
+        )
+        r: pb.HeadsResponse = self.call(self.stub.Heads, request)
+        return list(r.heads)
+
     def put(
         self, fingerprint: bytes, keys: Sequence[bytes], blocks: Blocks, parent: bytes | None, scope: str
     ) -> int:

@@ -59,6 +59,10 @@ class Transport(Protocol):
         self, fingerprint: bytes, keys: Sequence[bytes], outs: Sequence[memoryview], scope: str, exact: bool
     ) -> int: ...
 
+    def heads(
+        self, fingerprint: bytes, keys: Sequence[bytes], head_bytes: int, scope: str
+    ) -> list[bytes]: ...
+
     def put(
         self, fingerprint: bytes, keys: Sequence[bytes], blocks: Blocks, parent: bytes | None, scope: str
     ) -> int: ...

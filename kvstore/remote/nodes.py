@@ -24,6 +24,10 @@ set, counts from when the value reached it (a little later than the birth). A va
 without a header (by the node's own clients, or before the header was added) is served as a
 block of unknown age: a miss, deleted, where a retention applies (its age cannot be known).
 
+Lookups (``heads``): a node answers a head request with the first bytes of each value (its
+header, a sealed copy's key id), so a lookup that checks births or key ids moves about 270
+bytes a key, not the block.
+
 Failure: each node has its own backoff (``tiers.remote.Backoff``); a node that fails a call
 (unreachable, timed out, refused) is skipped until it passes, its keys reading as misses and
 writes to it dropped, all counted. Every call is bounded by ``timeout_s``.
@@ -47,8 +51,19 @@ from kvstore.keys import BlockKey
 from kvstore.remote.rendezvous import Rendezvous
 from kvstore.store.model import Scope, parse_tier_key
 from kvstore.tls import ClientTls
+from kvstore.wire import MAX_HEAD_BYTES
 from tiers import BytesLike, TierKey
-from tiers.remote import Backoff, RemoteBlock, RemoteConfig, RemoteTier, RemoteUsage, frame, open_values
+from tiers.remote import (
+    HEAD_SLACK,
+    Backoff,
+    RemoteBlock,
+    RemoteConfig,
+    RemoteTier,
+    RemoteUsage,
+    frame,
+    open_values,
+    served_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +153,36 @@ class KvStoreNodesTier(RemoteTier):
         self._count("gets", len(keys))
         self._count("hits", sum(b is not None for b in opened.payloads))
         return opened.payloads
+
+    def heads(
+        self, keys: Sequence[TierKey], fingerprint: bytes, not_before_s: float = 0.0, n: int = 0
+    ) -> list[bytes | None]:
+        """Each node's head request (``Client.heads``): the header and ``n`` bytes of each
+        copy, about ``2 + HEAD_SLACK + n`` bytes a key, not the value; a copy a get would refuse
+        by its header is deleted and counted as there. With no cutoff and no bytes asked, the
+        existence check answers (the contract's default)."""
+        asked = 2 + HEAD_SLACK + n
+        if (not_before_s <= 0.0 and n == 0) or asked > MAX_HEAD_BYTES:
+            return super().heads(keys, fingerprint, not_before_s, n)
+        values: list[BytesLike | None] = [None] * len(keys)
+
+        def fetch(client: Client, group: _Group) -> None:
+            got = client.heads(group.scope.fingerprint, group.keys, asked, scope=_scope_of(group.scope))
+            for position, value in zip(group.positions, got, strict=False):
+                values[position] = value
+
+        self._fan_out([g for g in self._groups(keys) if g.scope.fingerprint == fingerprint], fetch)
+        return served_heads(
+            "kvstore",
+            keys,
+            values,
+            fingerprint,
+            not_before_s,
+            n,
+            self._count,
+            self.delete_many,
+            plain_ok=True,
+        )
 
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int:
         now = time.time()

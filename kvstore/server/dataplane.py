@@ -6,6 +6,8 @@ adapters over this, so a request has the same outcome, status and metrics whiche
     release(caller, lease_id)
     reserve(caller, scope, keys, sizes, parent, ttl_s) -> Reservation (same host: slots to fill)
     commit(caller, reservation_id) -> blocks stored;  abort(caller, reservation_id)
+    heads(scope, keys, n)                      -> the first n bytes of each block of the present
+                                                  prefix: nothing promoted, no hit recorded
     read(caller, scope, keys, each)            -> yields, per batch of BATCH_BLOCKS, the results
                                                   of ``each(key, slot view, its xxh3-64)`` for the present
                                                   prefix; the batch is pinned while ``each`` runs
@@ -117,6 +119,11 @@ class DataPlane:
 
     def abort(self, caller: Caller, reservation_id: int) -> None:
         self.store.abort(reservation_id, owner=caller.tenant)
+
+    def heads(self, scope: Scope, keys: Sequence[BlockKey], n: int) -> list[bytes]:
+        """The first ``n`` bytes of each block of the present prefix (``TieredStore.heads``): a
+        sidecar's lookup checking headers; no hit is recorded, nothing promoted."""
+        return self.store.heads(scope, keys, n)
 
     def read(
         self,

@@ -37,6 +37,7 @@ from kvstore.server.answering import AnsweringLoop, Outcome, Parked
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
 from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
+from kvstore.server.head_op import serve_heads
 from kvstore.store import Scope
 from kvstore.stream import Stream
 from kvstore.wire import (
@@ -318,6 +319,8 @@ class DataPort:
             self._get(stream, session)
         elif op == OP_PUT:
             self._put(stream, session)
+        elif op == wire.OP_HEAD:
+            serve_heads(stream, self.plane, session.namespace, MAX_BLOCKS_PER_REQUEST)
         else:
             raise InvalidArgument(f"unknown data port operation {op}")
 

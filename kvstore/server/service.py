@@ -29,6 +29,7 @@ from kvstore.server.dataplane import BATCH_BLOCKS
 from kvstore.server.handlers import abort
 from kvstore.server.servicer import override
 from kvstore.store import Scope
+from kvstore.wire import MAX_HEAD_BYTES
 from proto import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,17 @@ class KvStoreService(ControlCalls):
             return pb.ExistsResponse(present=self.store.exists(scope, [BlockKey(k) for k in request.keys]))
 
         return self._serve("Exists", context, body)
+
+    @override
+    def Heads(self, request: pb.HeadsRequest, context: grpc.ServicerContext) -> pb.HeadsResponse:
+        def body(caller: Caller) -> pb.HeadsResponse:
+            if request.head_bytes > MAX_HEAD_BYTES:
+                raise InvalidArgument(f"Heads asks at most {MAX_HEAD_BYTES} bytes of a block")
+            scope = self._scope(caller, request.fingerprint, request.scope)
+            keys = [BlockKey(k) for k in request.keys]
+            return pb.HeadsResponse(heads=self.plane.heads(scope, keys, request.head_bytes))
+
+        return self._serve("Heads", context, body)
 
     @override
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

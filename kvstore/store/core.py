@@ -202,6 +202,9 @@ class TieredStore:
     def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
         return self._reads.get(scope, keys)
 
+    def heads(self, scope: Scope, keys: Sequence[BlockKey], n: int) -> list[bytes]:
+        return self._reads.heads(scope, keys, n)
+
     # ----------------------------------------------------------------- writes
 
     def put(

@@ -174,6 +174,34 @@ class Reads:
             if 0 in block.tiers:
                 self._counts["promotions"] += 1
 
+    def heads(self, scope: Scope, keys: Sequence[BlockKey], n: int) -> list[bytes]:
+        """The first ``n`` bytes of each block of the present prefix of ``keys`` (fewer of a
+        shorter block): what a sidecar checks of a shared node's copy (its header) before it
+        promises it. Out of each block's fastest tier, the arena's slot sliced, a slower tier's
+        value read whole (nvme: compressed or sealed, its head is not at its front); nothing is
+        promoted or counted as a hit (nothing was restored). A copy that fails its tier's
+        checks is forgotten there and ends the prefix; the remote tier is not asked."""
+        check_keys(keys)
+        with self._lock:
+            held = self._index.prefix(self._index.intern(scope), keys)
+            self._pins.hold_many(held)  # the reads below run without the lock
+            sources = [min(block.tiers) for block in held]
+        out: list[bytes] = []
+        failed: tuple[Block, int] | None = None
+        try:
+            for block, t in zip(held, sources, strict=True):
+                value = self._placement.bytes_of(block, t)
+                if value is None:
+                    failed = block, t
+                    break
+                out.append(bytes(value[:n]))
+        finally:
+            with self._lock:
+                self._pins.unhold_many(held)
+                if failed is not None:
+                    self._placement.failed_read(*failed)
+        return out
+
     def get(self, scope: Scope, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Convenience for scripts and tests: each block's bytes, or None for a miss."""
         if self._remote is not None:
