@@ -67,6 +67,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import lmdb
+
 from tiers import nvme_folder, nvme_room
 from tiers.base import (
     BytesLike,
@@ -287,6 +289,9 @@ class NvmeTier(Tier):
                     self._writer.release_locked(op)
         try:
             result = self._read_committed(key, dst, entry)
+        except lmdb.Error as exc:  # a page LMDB itself finds damaged: the block is lost
+            self._drop_corrupt(key, entry, f"is on a damaged page ({exc})")
+            return None
         finally:
             with self._lock:
                 self._readers -= 1
@@ -326,11 +331,31 @@ class NvmeTier(Tier):
                 ops = [None] * limit
             self._readers += 1
         corrupt: list[tuple[TierKey, Entry]] = []
+        damaged: list[tuple[TierKey, Entry, str]] = []
+        first, done = len(sizes), 0
         try:
-            with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
-                read_batch(
-                    txn, self._payloads, self._cipher, list(keys[:limit]), entries, ops, dsts, sizes, corrupt
-                )
+            while done < limit:
+                try:
+                    with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
+                        read_batch(
+                            txn,
+                            self._payloads,
+                            self._cipher,
+                            list(keys[done:limit]),
+                            entries[done:limit],
+                            ops[done:limit],
+                            dsts[done:limit],
+                            sizes,
+                            corrupt,
+                        )
+                    done = limit
+                except lmdb.Error as exc:  # a page LMDB finds damaged: that block lost, the rest read on
+                    done = len(sizes) - first  # the block whose read met it
+                    entry = entries[done]
+                    if entry is not None:
+                        damaged.append((keys[done], entry, str(exc)))
+                    sizes.append(None)
+                    done += 1
         finally:
             with self._lock:
                 for op in ops:
@@ -341,6 +366,8 @@ class NvmeTier(Tier):
                     self._readers_gone.notify_all()
             for key, entry in corrupt:
                 self._drop_corrupt(key, entry)
+            for key, entry, why in damaged:
+                self._drop_corrupt(key, entry, f"is on a damaged page ({why})")
         if limit < len(keys):
             raise ValueError(f"output buffer holds {len(dsts[limit])} bytes, block needs {need}")
 
@@ -437,14 +464,14 @@ class NvmeTier(Tier):
         with self._env.begin(buffers=True) as txn:
             return copy_committed(txn, self._payloads, self._cipher, key, dst, entry)
 
-    def _drop_corrupt(self, key: TierKey, seen: Entry) -> None:
+    def _drop_corrupt(self, key: TierKey, seen: Entry, why: str = "failed its checksum") -> None:
         with self._cond:
             # A put that replaced the block since the index lookup explains the mismatch: the
             # bytes read were the newer block's. Not corruption, and not ours to delete.
             if self._closed or self._index.get(key) is not seen or self._writer.is_pending_locked(key):
                 return
             self._index.checksum_failures += 1
-            log.warning("nvme tier: block %s failed its checksum; deleting it", key.hex())
+            log.warning("nvme tier: block %s %s; deleting it", key.hex(), why)
             self._forget_locked(key)
             self._writer.delete_locked(key)
 
