@@ -11,11 +11,11 @@ prompts from two tenants never share a block unless both use a scope granted to 
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.errors import FailedPrecondition, PermissionDenied, Unauthenticated
+from kvstore.secret_files import read_owner_only
 from kvstore.server.config import ServerSettings
 
 
@@ -41,16 +41,7 @@ def read_tokens_file(path: str, setting: str = "server.tokens_file") -> dict[str
     """``TOKEN=TENANT`` per line (``#`` comments, blank lines); refused unless only its owner
     can read it: a token file others can read is a leaked token. ``setting`` names the file in
     errors (``kvstore route --keys-file`` reads its API keys here too)."""
-    try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise FailedPrecondition(f"{setting} {path}: {exc.strerror or exc}") from None
-    if mode & 0o077:
-        raise FailedPrecondition(
-            f"{setting} {path} is readable by group or others (mode {mode & 0o777:o}): chmod 600 it"
-        )
+    text = read_owner_only(path, setting)
     tokens: dict[str, str] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
