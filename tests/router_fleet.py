@@ -23,6 +23,7 @@ from kvstore.routing.http import HEALTH, FrontSettings, build_app, runner
 FP = Fingerprint(b"\x07" * 32)
 NAMES = ["r0", "r1", "r2"]
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-ops": "ops"}
+SALT_SECRET = b"router-fleet-salt-secret"
 A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}
 OPS = {"Authorization": "Bearer key-ops"}
@@ -30,6 +31,7 @@ SETTINGS = FrontSettings(
     keys=KEYS,
     ops_tenants=frozenset({"ops"}),
     backend_key="engine-secret",
+    salt_secret=SALT_SECRET,
     header_timeout_s=1.0,
     body_timeout_s=1.0,
     connect_timeout_s=1.0,

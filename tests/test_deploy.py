@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvstore.cli.main import build_parser
+from kvstore.cli.route import read_salt_secret
 from kvstore.server.auth import read_tokens_file
 from kvstore.server.config import Settings, load_settings, parse_size
 
@@ -313,6 +314,12 @@ def test_the_router_names_every_replica_and_its_sidecar(sidecar: Settings, tmp_p
     keys_file.chmod(0o600)
     tenants = read_tokens_file(str(keys_file), setting="--keys-file")
     assert tenants[secrets["ops-key"]] in args.ops_tenant
+    # Its salt secret comes from the Secret (one for every pod and restart: warm caches), which
+    # the router accepts (it refuses to start with keys and none).
+    variable = "KVSTORE_ROUTE_SALT_SECRET"
+    salt_ref = next(v for v in router["env"] if v["name"] == variable)["valueFrom"]["secretKeyRef"]
+    assert salt_ref["name"] == "kvstore-tokens" and not args.salt_secret_file
+    assert read_salt_secret("", {variable: secrets[salt_ref["key"]]})
 
 
 # ------------------------------------------------------------------ systemd

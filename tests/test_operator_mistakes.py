@@ -128,3 +128,20 @@ def test_route_mistakes(tmp_path: Path) -> None:
     assert_one_line_exit_2(partial, "kvstore route:", "config.json", "num_attention_heads")
     port = run_kvstore("route", "--model", str(tmp_path / "model"), *backend, "--listen", "127.0.0.1:99999")
     assert_one_line_exit_2(port, "kvstore route:", "--listen", "65535")
+
+
+def test_salt_secret_mistakes(tmp_path: Path) -> None:
+    route = ["route", "--model", str(tmp_path / "model"), "--backend", "http://127.0.0.1:1"]
+    keys = tmp_path / "keys"
+    keys.write_text("key-a=tenant-a\n")
+    keys.chmod(0o600)
+    unsalted = run_kvstore(*route, "--keys-file", str(keys))
+    assert_one_line_exit_2(unsalted, "kvstore route:", "--salt-secret-file", "KVSTORE_ROUTE_SALT_SECRET")
+    secret = tmp_path / "salt-secret"
+    secret.write_text("a-salt-secret-long-enough-to-use\n")
+    secret.chmod(0o644)
+    readable = run_kvstore(*route, "--keys-file", str(keys), "--salt-secret-file", str(secret))
+    assert_one_line_exit_2(readable, "kvstore route:", str(secret), "mode 644", "chmod 600")
+    short = run_kvstore(*route, "--keys-file", str(keys), env={"KVSTORE_ROUTE_SALT_SECRET": "hunter2"})
+    assert_one_line_exit_2(short, "kvstore route:", "KVSTORE_ROUTE_SALT_SECRET", "7 characters")
+    assert "hunter2" not in short.stderr

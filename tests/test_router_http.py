@@ -16,7 +16,7 @@ from kvstore.cli.route import read_keys_file
 from kvstore.errors import FailedPrecondition
 from kvstore.routing.callers import tenant_salt
 from kvstore.routing.http import tokenizer_for
-from tests.router_fleet import NAMES, OPS, B, Fleet, wait_for, with_fleet
+from tests.router_fleet import NAMES, OPS, SALT_SECRET, B, Fleet, wait_for, with_fleet
 
 
 def test_a_shared_prefix_goes_to_one_replica_and_prefixes_spread() -> None:
@@ -89,12 +89,13 @@ def test_a_tenant_cannot_name_another_tenants_salt() -> None:
     async def test(fleet: Fleet) -> None:
         _, a = await fleet.post({"prompt": "same prompt"})
         _, b = await fleet.post({"prompt": "same prompt"}, B)
-        assert a["cache_salt"] == tenant_salt("tenant-a") != b["cache_salt"] == tenant_salt("tenant-b")
+        salt_a, salt_b = tenant_salt(SALT_SECRET, "tenant-a"), tenant_salt(SALT_SECRET, "tenant-b")
+        assert a["cache_salt"] == salt_a != b["cache_salt"] == salt_b
         for asked in (b["cache_salt"], "tenant-b", ""):  # B's salt as B's requests carry it, and raw
             _, forged = await fleet.post({"prompt": "same prompt", "cache_salt": asked})
             assert forged["cache_salt"] != b["cache_salt"]
         _, own = await fleet.post({"prompt": "same prompt", "cache_salt": "mine"})
-        assert own["cache_salt"] == tenant_salt("tenant-a", "mine") != a["cache_salt"]  # namespaced
+        assert own["cache_salt"] == tenant_salt(SALT_SECRET, "tenant-a", "mine") != salt_a  # namespaced
 
     with_fleet(test)
 

@@ -38,6 +38,7 @@ from kvstore.tls import ClientTls
 
 SLACK = 1.25
 KEYS = {"a": "key-of-a", "b": "key-of-b", "ops": "key-of-ops"}  # tenant -> its API key
+SALT_SECRET = b"vllm-route-salt-secret"  # the router gets it from $KVSTORE_ROUTE_SALT_SECRET
 
 
 @dataclass
@@ -90,7 +91,7 @@ def router() -> Iterator[Routed]:
         argv += ["--keys-file", str(keys), "--ops-tenant", "ops"]
         certs = make_certs(folder / "certs")
         argv += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
-        proc = subprocess.Popen(argv)
+        proc = subprocess.Popen(argv, env={**os.environ, "KVSTORE_ROUTE_SALT_SECRET": SALT_SECRET.decode()})
         routed = Routed(
             f"https://127.0.0.1:{port}",
             [f"r{i}" for i in range(len(servers))],  # the replicas' names in /metrics
@@ -147,13 +148,14 @@ def first_choice(tokens: list[int], tenant: str, asked: str = "") -> int:
     first (the cost policy's order when every replica is idle and none holds the prompt)."""
     names = ["r0", "r1"]
     keyer = Router(names, BoundedRendezvous(names), lambda: None, 32, prefix_tokens=256)
-    return BoundedRendezvous(names).order(keyer.request_for(tokens, tenant_salt(tenant, asked))[0])[0]
+    salt = tenant_salt(SALT_SECRET, tenant, asked)
+    return BoundedRendezvous(names).order(keyer.request_for(tokens, salt)[0])[0]
 
 
 def test_two_tenants_never_share_a_prefix_whatever_salt_they_name(router: Routed) -> None:
     # a prompt that both tenants' requests, and a's forgeries, send to one replica: there a
     # shared block would be found, so 0 cached tokens means the salts kept them apart
-    forgeries = (tenant_salt("b"), "b")  # b's salt as b's requests carry it, and b's name
+    forgeries = (tenant_salt(SALT_SECRET, "b"), "b")  # b's salt as b's requests carry it, and b's name
     for seed in range(500):
         shared = [(i * 11 + seed * 7) % 500 + 3 for i in range(960)]  # 30 blocks of 32
         picks = {first_choice(shared, "a"), first_choice(shared, "b")}

@@ -71,7 +71,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    from kvstore.cli.route import read_keys_file, serve_router
+    from kvstore.cli.route import read_keys_file, read_salt_secret, serve_router
     from kvstore.routing.http import FrontSettings
     from kvstore.tls import ServerTls
 
@@ -98,6 +98,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
                 ops_tenants=frozenset(args.ops_tenant),
                 ops_loopback=args.ops_loopback,
                 backend_key=os.environ.get("KVSTORE_BACKEND_KEY", ""),
+                salt_secret=read_salt_secret(args.salt_secret_file, os.environ),
                 header_timeout_s=args.header_timeout_s,
                 body_timeout_s=args.body_timeout_s,
                 max_body_bytes=args.max_body_bytes,
@@ -179,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--keys-file",
         metavar="FILE",
         help="API keys, KEY=TENANT lines, mode 0600 (none: one anonymous tenant)",
+    )
+    route.add_argument(
+        "--salt-secret-file",
+        metavar="FILE",
+        default="",
+        help="keys each tenant's cache salt, mode 0600, the same on every router of the fleet "
+        "(or $KVSTORE_ROUTE_SALT_SECRET); required with --keys-file",
     )
     route.add_argument(
         "--ops-tenant", metavar="TENANT", action="append", default=[], help="its keys open /metrics, /health"

@@ -9,22 +9,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS
+from kvstore.errors import InvalidArgument
 from kvstore.extras import require
 from kvstore.keys import Fingerprint
 from kvstore.model_folder import block_bytes_of
-from kvstore.routing.http import FrontSettings, build_app, run, tokenizer_for
+from kvstore.routing.http import SALT_SECRET_VARIABLE, FrontSettings, build_app, run, tokenizer_for
 from kvstore.routing.policies import BoundedRendezvous, ConsistentHash, CostAware, RoundRobin
 from kvstore.routing.router import Policy, Router, SidecarProbe
+from kvstore.secret_files import read_secret_file
 from kvstore.server.auth import read_tokens_file
 from kvstore.tls import ServerTls
 
 log = logging.getLogger("kvstore.route")
 
 POLICIES = ("cost", "rendezvous", "hash", "round-robin")
+MIN_SALT_SECRET_CHARS = 16  # a shorter one could be guessed offline, tenant names being known
 _REDISCOVER_S = 2.0
 
 
@@ -32,6 +35,28 @@ def read_keys_file(path: str) -> dict[str, str]:
     """``--keys-file``: ``KEY=TENANT`` lines, refused unless only its owner can read it, as the
     server's tokens file (the same parser)."""
     return read_tokens_file(path, setting="--keys-file")
+
+
+def read_salt_secret(path: str, environ: Mapping[str, str]) -> bytes:
+    """The key of every tenant's cache salt: ``--salt-secret-file`` (refused unless 0600, as every
+    secret file) or ``$KVSTORE_ROUTE_SALT_SECRET`` (a Kubernetes Secret's usual way in); b"" when
+    neither is given. Raises ``FailedPrecondition`` or ``InvalidArgument``, naming where, never
+    the secret."""
+    variable = environ.get(SALT_SECRET_VARIABLE, "").strip()
+    if path and variable:
+        raise InvalidArgument(f"--salt-secret-file and ${SALT_SECRET_VARIABLE} are both set: give one")
+    if path:
+        secret, where = read_secret_file(path, "--salt-secret-file"), f"--salt-secret-file {path}"
+    elif variable:
+        secret, where = variable, f"${SALT_SECRET_VARIABLE}"
+    else:
+        return b""
+    if len(secret) < MIN_SALT_SECRET_CHARS:
+        raise InvalidArgument(
+            f"{where}: a salt secret of {len(secret)} characters could be guessed; "
+            f"give at least {MIN_SALT_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
+        )
+    return secret.encode()
 
 
 def build_policy(

@@ -5,12 +5,14 @@ KEY``) to its tenant, compared in constant time. With keys, a request without a 
 refused (``Refused``, the router's 401); with none, every caller is one anonymous tenant (``""``)
 and the engines' own keys, if any, are the only check.
 
-A request's cache salt is always the router's: ``tenant_salt(tenant, asked)`` hashes the tenant
-with the salt the caller asked for (namespaced, so a tenant can still keep its own requests apart,
-and no caller can name another tenant's salt: the tenant is length-prefixed into the hash). The
-engines and their sidecars key blocks by it, so two tenants' identical prompts never share a
-block, a hit, or a timing. The salt is derived, not secret: callers must reach the engines only
-through the router.
+A request's cache salt is always the router's: ``tenant_salt(secret, tenant, asked)`` is an
+HMAC-SHA256, keyed by the router's salt secret, of the tenant and the salt the caller asked for
+(namespaced, so a tenant can still keep its own requests apart, and no caller can name another
+tenant's salt: the tenant is length-prefixed into the message). The engines and their sidecars
+key blocks by it, so two tenants' identical prompts never share a block, a hit, or a timing. It is
+keyed so that a caller who reaches an engine directly cannot compute another tenant's salt from
+its name and probe which of its prompts are cached. The same secret gives the same salts on
+every router of a fleet and across restarts, so the engines' caches stay warm.
 
 ``/metrics`` and ``/health`` (the fleet's hit figures, replicas up and down) are for operators:
 a key of one of ``ops_tenants``, or, with ``ops_loopback``, any request from a loopback address
@@ -32,9 +34,9 @@ class Refused(Exception):
     """The caller is not known (401); the message says why, for the caller."""
 
 
-def tenant_salt(tenant: str, asked: str = "") -> str:
+def tenant_salt(secret: bytes, tenant: str, asked: str = "") -> str:
     t, a = tenant.encode(), asked.encode()
-    digest = hashlib.sha256(b"kvstore-route-salt\0" + len(t).to_bytes(8, "big") + t + a)
+    digest = hmac.new(secret, b"kvstore-route-salt\0" + len(t).to_bytes(8, "big") + t + a, hashlib.sha256)
     return "kvstore-" + digest.hexdigest()
 
 

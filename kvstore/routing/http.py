@@ -19,7 +19,7 @@ A prompt is tokenized with the model's own tokenizer from its local folder, as t
 a completion's ``prompt`` (text, or token ids as they are), a chat's ``messages`` through the
 tokenizer's chat template with the generation prompt (a tokenizer without one: the messages'
 text, which keys the prefix consistently but will not match the engine's blocks). The request's
-``cache_salt`` (the tenant's, ``callers.tenant_salt``) is part of its keys, as in the connector,
+``cache_salt`` (the tenant's, ``callers.tenant_salt``, keyed by ``salt_secret``) is part of its keys, as in the connector,
 so the sidecars are asked about that tenant's blocks only. The sidecar probe runs in a worker
 thread, so the event loop never waits on a sidecar.
 
@@ -67,6 +67,7 @@ MiB = 1 << 20
 # than a reset; then the connection closes (aiohttp's default, 10 s, is a trickler's gift)
 LINGER_S = 1.0
 HEALTH = web.AppKey("health", ReplicaHealth)  # app[HEALTH]: which replicas answer
+SALT_SECRET_VARIABLE = "KVSTORE_ROUTE_SALT_SECRET"  # or --salt-secret-file: FrontSettings.salt_secret
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class FrontSettings:
     ops_tenants: frozenset[str] = frozenset()  # tenants whose keys open /metrics and /health
     ops_loopback: bool = False  # /metrics and /health open to loopback addresses without a key
     backend_key: str = ""  # with keys: the Authorization the engines get (callers' keys stay here)
+    # keys every tenant's cache salt; required with keys (else a salt follows from a tenant's name),
+    # the same on every router of a fleet (else each router's tenants start cold on the engines)
+    salt_secret: bytes = field(default=b"", repr=False)
     header_timeout_s: float = 15.0  # a request's head, from connect or the previous answer
     body_timeout_s: float = 30.0
     max_body_bytes: int = 16 * MiB
@@ -88,6 +92,11 @@ class FrontSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not self.probe_interval_s > 0 or self.max_body_bytes <= 0:
             raise ValueError("--probe-interval-s and --max-body-bytes must be positive")
+        if self.keys and not self.salt_secret:
+            raise ValueError(
+                f"--keys-file needs a salt secret: --salt-secret-file FILE (mode 0600) or ${SALT_SECRET_VARIABLE}, "
+                "the same on every router of the fleet (e.g. `openssl rand -hex 32`)"
+            )
         if self.ops_tenants - set(self.keys.values()):
             missing = ", ".join(sorted(self.ops_tenants - set(self.keys.values())))
             raise ValueError(f"--ops-tenant {missing}: no key of the keys file belongs to it")
@@ -212,7 +221,7 @@ def build_app(
             body = parse_body(raw, request.path)
         except BadBody as exc:
             return _error(400, str(exc))
-        body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt") or "")
+        body["cache_salt"] = tenant_salt(front.salt_secret, tenant, body.get("cache_salt") or "")
         loop = asyncio.get_running_loop()
         try:
             tokens = await loop.run_in_executor(None, tokenize, request.path, body)
