@@ -234,6 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, exc, hint)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): end quietly, as rich does for its tables. stdout
+        # goes to /dev/null so that the interpreter's flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return code
 
 
