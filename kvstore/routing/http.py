@@ -72,10 +72,12 @@ SALT_SECRET_VARIABLE = "KVSTORE_ROUTE_SALT_SECRET"  # or --salt-secret-file: Fro
 
 @dataclass(frozen=True)
 class FrontSettings:
-    keys: Mapping[str, str] = field(default_factory=dict)  # API key -> tenant; empty: one anonymous tenant
+    # API key -> tenant; empty: one anonymous tenant. Secrets (here, backend_key, salt_secret) stay
+    # out of the repr, which error messages and logs may print.
+    keys: Mapping[str, str] = field(default_factory=dict, repr=False)
     ops_tenants: frozenset[str] = frozenset()  # tenants whose keys open /metrics and /health
     ops_loopback: bool = False  # /metrics and /health open to loopback addresses without a key
-    backend_key: str = ""  # with keys: the Authorization the engines get (callers' keys stay here)
+    backend_key: str = field(default="", repr=False)  # with keys: the Authorization the engines get
     # keys every tenant's cache salt; required with keys (else a salt follows from a tenant's name),
     # the same on every router of a fleet (else each router's tenants start cold on the engines)
     salt_secret: bytes = field(default=b"", repr=False)
