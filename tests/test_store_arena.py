@@ -347,10 +347,11 @@ def hold_writer(nvme: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> threading.Ev
 
 
 def _gated_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, above: Sequence[Tier] = ()
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, above: Sequence[Tier] = (), throttled: bool = False
 ) -> tuple[TieredStore, threading.Event]:
     """A 4-block arena (below the tiers ``above``) over nvme whose write queue takes 2 blocks
-    and whose writer commits nothing until the event is set: the disk is behind. No cleaner."""
+    and whose writer commits nothing until the event is set: the disk is behind. No cleaner.
+    ``throttled``: nvme behind a read throttle (its write queue is still the store's to use)."""
     dram = DramTier(DramConfig(capacity_bytes=4 * BLOCK, page_bytes=BLOCK, prefault=False))
     nvme = NvmeTier(
         NvmeConfig(path=tmp_path / "nvme", capacity_bytes=32 * BLOCK, max_pending_bytes=2 * BLOCK)
@@ -358,7 +359,8 @@ def _gated_store(
     gate = hold_writer(nvme, monkeypatch)
     # Without the cleaner: these tests follow victims that have no copy on the disk yet
     # (tests/test_cleaner.py has the cleaner against a disk that is behind).
-    return TieredStore([*above, dram, nvme], StoreConfig(clean_ahead=0)), gate
+    disk: Tier = Throttled(nvme, 1 << 40) if throttled else nvme
+    return TieredStore([*above, dram, disk], StoreConfig(clean_ahead=0)), gate
 
 
 def test_a_writer_waits_for_a_disk_that_is_behind_outside_the_lock(
@@ -413,7 +415,7 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
 
     monkeypatch.setattr(nvme._writer, "_commit", one_at_a_time)
     s = TieredStore([dram, nvme], StoreConfig(clean_ahead=0))
-    pace = s._placement.pace
+    pace = s._pacing.pace
 
     def descheduled(t: int, sizes: Sequence[int], timeout_s: float) -> object:
         held = pace(t, sizes, timeout_s)
@@ -423,7 +425,7 @@ def test_two_paced_writers_each_keep_the_slot_they_waited_for(
     try:
         first = chain(4, salt="1")
         s.put(A, first, [data(k) for k in first])  # the arena is full; the disk holds nothing
-        monkeypatch.setattr(s._placement, "pace", descheduled)
+        monkeypatch.setattr(s._pacing, "pace", descheduled)
         late = [chain(1, salt="2"), chain(1, salt="3")]
         writers = [threading.Thread(target=s.put, args=(A, keys, [data(keys[0])])) for keys in late]
         for n, writer in enumerate(writers, 1):  # in line one after the other
@@ -473,7 +475,7 @@ def test_two_promotions_into_a_full_arena_each_keep_the_slot_they_waited_for(
     # the resolves' wait for the disk outlasts this test's steps on a loaded host (CI's 2 cores)
     monkeypatch.setattr(kvstore.store.arena, "PACE_S", 30.0)
     s = TieredStore([dram, nvme], StoreConfig(clean_ahead=0))
-    wait_retired = s._placement.wait_retired
+    wait_retired = s._pacing.wait_retired
 
     def descheduled(t: int, size_bytes: int, timeout_s: float) -> object:
         room = wait_retired(t, size_bytes, timeout_s)
@@ -490,7 +492,7 @@ def test_two_promotions_into_a_full_arena_each_keep_the_slot_they_waited_for(
         assert [s.tier_of(A, keys[0]) for keys in wanted] == ["nvme", "nvme"]
         assert [s.tier_of(A, k) for k in full] == ["dram"] * 4  # on no disk yet
         before = s.stats().counters["demotions"]
-        monkeypatch.setattr(s._placement, "wait_retired", descheduled)
+        monkeypatch.setattr(s._pacing, "wait_retired", descheduled)
         resolved: dict[int, object] = {}
 
         def resolve(n: int) -> None:
@@ -522,13 +524,14 @@ def test_two_promotions_into_a_full_arena_each_keep_the_slot_they_waited_for(
         s.close()
 
 
+@pytest.mark.parametrize("throttled", [False, True], ids=["nvme", "throttled-nvme"])
 def test_a_disk_behind_past_the_pace_drops_the_victims_and_stalls_nobody(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, throttled: bool
 ) -> None:
     import kvstore.store.writes
 
     monkeypatch.setattr(kvstore.store.writes, "PACE_S", 0.2)
-    s, gate = _gated_store(tmp_path, monkeypatch)
+    s, gate = _gated_store(tmp_path, monkeypatch, throttled=throttled)
     try:
         first, second, third = chain(4, salt="1"), chain(2, salt="2"), chain(2, salt="3")
         s.put(A, first, [data(k) for k in first])

@@ -13,6 +13,7 @@ from tiers.base import (
     Tier,
     TierKey,
     TierUsage,
+    WriteQueue,
 )
 from tiers.errors import (
     BlockTooLarge,
@@ -43,4 +44,5 @@ __all__ = [
     "TierKey",
     "TierUnavailable",
     "TierUsage",
+    "WriteQueue",
 ]

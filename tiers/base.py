@@ -26,9 +26,8 @@ What a tier says about itself:
                          writes through or behind to it, and rebuilds its index from it).
     as_arena()           -> the tier as an ``InPlaceTier`` when other processes can map its
                          slots and read and write them in place (the `dram` arena), else None.
-    in_place_read_s(n)   -> seconds a read of n bytes made in place (through a mapped slot)
-                         costs beyond the reader's own copy: 0 for real media; a throttle
-                         wrapper (``tiers.throttle``) answers its delay.
+    write_queue()        -> the tier as a ``WriteQueue`` when a writer thread commits its puts
+                         after they return (`nvme`), else None.
 
 Threads: every method may be called from any thread. The caller must not put and delete the
 same key concurrently; the tiered store guarantees that by holding its own index lock.
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -197,39 +195,6 @@ class Tier(ABC):
     @abstractmethod
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None: ...
 
-    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
-        """``put`` that never waits for room in a write queue: a tier that queues its writes
-        raises TierBusy while the queue is full (its medium is behind) instead of waiting for
-        it to drain. The store places blocks under its lock, where a wait on the disk would
-        stall every caller. A tier that does not queue writes puts as ``put`` does."""
-        self.put(key, payload, fingerprint, meta)
-
-    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
-        """Wait, up to ``timeout_s``, until ``put_nowait`` of ``nbytes`` would not find the write
-        queue full; whether it would not. A tier that does not queue writes never waits."""
-        return True
-
-    @property
-    def queue_capacity_bytes(self) -> int | None:
-        """What the write queue holds at most (``wait_for_queue_room`` waits on it); None for a
-        tier that does not queue its writes."""
-        return None
-
-    def unwritten_mark(self, key: TierKey) -> int:
-        """Where ``key``'s put stands in the write queue: a mark that ``written_mark`` passes
-        once the medium holds it (a crash of the process can no longer lose it); 0 when no put
-        of the key is queued. A tier that does not queue its writes always answers 0."""
-        return 0
-
-    def written_mark(self) -> int:
-        """Every put whose ``unwritten_mark`` is at most this is on the medium (or failed, and
-        is gone from the tier); a tier that will write nothing more answers ``sys.maxsize``."""
-        return sys.maxsize
-
-    def wait_written(self, mark: int, timeout_s: float) -> bool:
-        """Wait, up to ``timeout_s``, until ``written_mark() >= mark``; whether it is."""
-        return True
-
     @abstractmethod
     def get_into(self, key: TierKey, out: memoryview) -> int | None: ...
 
@@ -263,9 +228,9 @@ class Tier(ABC):
         """This tier as a region other processes map, or None (see the module docstring)."""
         return None
 
-    def in_place_read_s(self, nbytes: int) -> float:
-        """Seconds an in-place read of ``nbytes`` costs beyond the reader's copy (0: none)."""
-        return 0.0
+    def write_queue(self) -> WriteQueue | None:
+        """This tier's write queue, or None when a put is done when it returns."""
+        return None
 
 
 class MappedRegion(Protocol):
@@ -342,6 +307,39 @@ class InPlaceTier(Protocol):
     def retiring_mark(self, nbytes: int) -> int: ...
 
     def frees_batched(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class WriteQueue(Protocol):
+    """A tier whose puts a writer thread commits after they return (`nvme`): what the store
+    needs to keep that queue from stalling its lock and from losing a block in a crash.
+
+    ``put_nowait`` is ``put`` that never waits for room in the queue: it raises TierBusy while
+    the queue is full (the medium is behind). The store places blocks under its lock, where a
+    wait on the disk would stall every caller; ``wait_for_queue_room(n, timeout_s)`` waits,
+    outside it, until a ``put_nowait`` of n bytes would not find the queue full (whether it
+    would not); ``queue_capacity_bytes`` is what the queue holds at most.
+
+    Marks: ``unwritten_mark(key)`` is where the key's put stands in the queue (0 when none is
+    queued); ``written_mark()`` passes it once the medium holds the block (a crash of the
+    process can no longer lose it), or once nothing more will be written (``sys.maxsize``);
+    ``wait_written(mark, timeout_s)`` waits until it has (whether it has). The arena's retired
+    slots are settled by these marks (``InPlaceTier.retire``).
+
+    Threads: every method may be called from any thread.
+    """
+
+    @property
+    def queue_capacity_bytes(self) -> int: ...
+
+    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None: ...
+
+    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool: ...
+
+    def unwritten_mark(self, key: TierKey) -> int: ...
+
+    def written_mark(self) -> int: ...
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool: ...
 
 
 def check_key(key: bytes) -> None:

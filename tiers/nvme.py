@@ -77,6 +77,7 @@ from tiers.base import (
     Tier,
     TierKey,
     TierUsage,
+    WriteQueue,
     check_fingerprint,
     check_key,
     check_meta,
@@ -226,8 +227,13 @@ class NvmeTier(Tier):
             self._index.add(key, header)
             self._writer.put_locked(key, header, stored)
 
+    # ---- its write queue (``tiers.base.WriteQueue``; put_nowait above) ------------------------
+
+    def write_queue(self) -> WriteQueue:
+        return self
+
     @property
-    def queue_capacity_bytes(self) -> int | None:
+    def queue_capacity_bytes(self) -> int:
         return self._config.max_pending_bytes
 
     def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:

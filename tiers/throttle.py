@@ -1,11 +1,12 @@
 """A tier that serves reads no faster than a given rate: a slower medium or link, emulated
 for benchmarks (the decision sweep measures restores against recomputes at set bandwidths).
 
-The builder wraps a tier in ``Throttled`` only when its ``throttle_bytes_per_s`` is set; nothing
-else knows about throttling. Reads through ``get_into`` sleep ``bytes / rate`` after the copy;
-reads a same-host client makes in place, through a mapped slot, cost the same, which the store
-learns from ``in_place_read_s`` and waits out beside the reader, outside its lock. Everything
-else passes through to the wrapped tier, which keeps its contract (including ``as_arena``).
+The builder wraps a tier in ``Throttled`` only when its ``throttle_bytes_per_s`` is set. Reads
+through ``get_into`` sleep ``bytes / rate`` after the copy. Reads a same-host client makes in
+place, through a mapped slot, pass the tier by and cost the same: the store asks ``throttle_of``
+each tier once, and waits ``in_place_read_s`` out beside the reader, outside its lock. Everything
+else passes through to the wrapped tier, which keeps its contract (``as_arena`` and
+``write_queue`` included).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from tiers.base import BytesLike, InPlaceTier, StoredBlock, Tier, TierKey, TierUsage
+from tiers.base import BytesLike, InPlaceTier, StoredBlock, Tier, TierKey, TierUsage, WriteQueue
 
 
 class Throttled(Tier):
@@ -32,25 +33,6 @@ class Throttled(Tier):
 
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
         self.inner.put(key, payload, fingerprint, meta)
-
-    def put_nowait(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
-        self.inner.put_nowait(key, payload, fingerprint, meta)
-
-    def wait_for_queue_room(self, nbytes: int, timeout_s: float) -> bool:
-        return self.inner.wait_for_queue_room(nbytes, timeout_s)
-
-    @property
-    def queue_capacity_bytes(self) -> int | None:
-        return self.inner.queue_capacity_bytes
-
-    def unwritten_mark(self, key: TierKey) -> int:
-        return self.inner.unwritten_mark(key)
-
-    def written_mark(self) -> int:
-        return self.inner.written_mark()
-
-    def wait_written(self, mark: int, timeout_s: float) -> bool:
-        return self.inner.wait_written(mark, timeout_s)
 
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         n = self.inner.get_into(key, out)
@@ -79,5 +61,16 @@ class Throttled(Tier):
     def as_arena(self) -> InPlaceTier | None:
         return self.inner.as_arena()
 
+    def write_queue(self) -> WriteQueue | None:
+        return self.inner.write_queue()  # writes are not throttled
+
     def in_place_read_s(self, nbytes: int) -> float:
+        """Seconds a read of ``nbytes`` made in place (through a mapped slot) costs beyond the
+        reader's own copy: what ``get_into`` would have slept."""
         return nbytes / self.bytes_per_s
+
+
+def throttle_of(tier: Tier) -> Throttled | None:
+    """``tier``'s throttle, or None when its reads are not throttled: the store asks once, and a
+    reader in place waits out ``in_place_read_s`` beside its copy."""
+    return tier if isinstance(tier, Throttled) else None

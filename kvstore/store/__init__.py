@@ -8,7 +8,8 @@ the others it uses in its constructor:
     index       every block by id, namespace and parent; visibility
     eviction    prefix-aware GreedyDual-Size-Frequency victims
     pins        the one owner of pin counts, leases, and what a last release does
-    placement   which tier gets a copy, making room, demotion, spill
+    placement   which tier gets a copy, making room, demotion, spill, retired arena slots
+    pacing      a write's wait for a disk that is behind, outside the lock
     held        the line paced writes wait in, each holding the arena room it waited for
     governance  per-namespace quotas and retention; what stands in a new block's way
     counts      the counters, all told and per namespace

@@ -44,10 +44,12 @@ from kvstore.store.model import (
     new_block,
     tier_key_prefix,
 )
+from kvstore.store.pacing import PACE_S, Pacing
 from kvstore.store.parts import Expiry, Locked
 from kvstore.store.pins import Pins
-from kvstore.store.placement import PACE_S, Placement
+from kvstore.store.placement import Placement
 from tiers import InPlaceTier, Tier, TierError, TierKey
+from tiers.throttle import throttle_of
 
 PROMOTION_WAIT_S = 0.05  # how often a resolve waiting on another's promotion looks again
 
@@ -85,6 +87,7 @@ class ArenaCalls:
         placement: Placement,
         governance: Governance,
         expire: Expiry,
+        pacing: Pacing,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         on_new_blocks: Callable[[Sequence[Block], Callable[[Block], memoryview]], None],
@@ -96,6 +99,7 @@ class ArenaCalls:
         self.a = a
         self.arena = arena
         self._tiers = tiers
+        self._throttles = [throttle_of(tier) for tier in tiers]  # a read in place waits beside its copy
         self._config = config
         self._lock = lock
         self._changed = threading.Condition(lock.rlock)  # a promotion finished
@@ -106,6 +110,7 @@ class ArenaCalls:
         self._placement = placement
         self._governance = governance
         self._expire = expire
+        self._pacing = pacing
         self._wall = wall_clock
         self._on_new_blocks = on_new_blocks  # under the lock: write-through and write-behind
         self._reservations: LeaseTable[_Pending] = LeaseTable(clock)
@@ -155,7 +160,7 @@ class ArenaCalls:
                         self._pins.hold(block)  # before promotion: making room for the next must not evict it
                         source = block.fastest
                         if a not in block.tiers:
-                            self._placement.use(room)  # the room waited for, taken under this hold
+                            self._pacing.use(room)  # the room waited for, taken under this hold
                             room = None
                             promotion = self._start_promotion(block, a, arena)
                             if promotion is None:
@@ -166,8 +171,8 @@ class ArenaCalls:
                                 done = not room_coming
                                 break
                             promotions.append(promotion)
-                        else:
-                            delay_s += self._tiers[source].in_place_read_s(block.size_bytes)
+                        elif (throttle := self._throttles[source]) is not None:
+                            delay_s += throttle.in_place_read_s(block.size_bytes)
                         held.append(block)
                         sources.append(self._tiers[source].name)
                     else:
@@ -182,12 +187,12 @@ class ArenaCalls:
                         del held[cut:], sources[cut:]
                         done = True
                 if room_coming and not done:
-                    room = self._placement.wait_retired(a, room_coming, deadline - time.monotonic())
+                    room = self._pacing.wait_retired(a, room_coming, deadline - time.monotonic())
                     done = room is None
         finally:
             if room is not None:  # left before it took its room (an exception): the room goes back
                 with self._lock:
-                    self._placement.use(room)
+                    self._pacing.use(room)
         with self._lock:
             # The lease first, then the transient holds go: a block deleted while this call
             # copied outside the lock is doomed, and must stay until the lease ends.
@@ -257,9 +262,9 @@ class ArenaCalls:
         a, arena = self.a, self.arena
         with self._lock:
             needed = self._governance.new_sizes(self._index.intern(scope), keys, sizes)
-        held = self._placement.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
+        held = self._pacing.pace(a, needed, PACE_S)  # a disk that is behind slows this writer only
         with self._lock:
-            self._placement.use(held)  # the room it waited for, taken by _take_slots under this same hold
+            self._pacing.use(held)  # the room it waited for, taken by _take_slots under this same hold
             scope = self._index.intern(scope)
             self._expire()
             pinned_parent = self._index.visible((scope, parent)) if parent is not None else None

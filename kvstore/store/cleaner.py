@@ -3,7 +3,7 @@ persistent tier (nvme) first, on a thread, while the disk has time.
 
 Why: a write into a full arena makes its room by evicting the arena's coldest blocks. A victim
 whose only copy is the arena's is demoted: its bytes are copied into nvme's write queue under
-the store lock, and when the disk is behind the writer waits for it (``Placement.pace``) or the
+the store lock, and when the disk is behind the writer waits for it (``Pacing.pace``) or the
 victim is dropped (a promotion's room). A victim with a copy on nvme already (clean) is evicted
 by forgetting its arena copy: nothing is copied, nothing waits. Writes into a KV cache come in
 bursts (a prefill's blocks at a time) with the disk idle in between; the cleaner spends that
@@ -51,7 +51,7 @@ from kvstore.store.behind import CopyDown
 from kvstore.store.eviction import Eviction
 from kvstore.store.index import BlockIndex
 from kvstore.store.parts import Locked
-from tiers import Tier
+from tiers import Tier, WriteQueue
 
 log = logging.getLogger("kvstore.store")
 
@@ -80,6 +80,7 @@ class Cleaner:
         self._arena = arena
         self._a = a
         self._copy = copy
+        self._queue = copy.tier.write_queue()  # None: the disk takes a put when it returns
         self._lock = lock
         self._index = index
         self._eviction = eviction
@@ -143,7 +144,6 @@ class Cleaner:
         target = self._shortfall_target()
         if target is None:
             return False  # room enough: nothing will be evicted soon
-        disk = self._copy.tier
         with self._lock:
             dirty = [
                 b.ident
@@ -156,15 +156,15 @@ class Cleaner:
             if self._stop or self._closed():
                 break
             block = self._index.get(ident)  # a glance without the lock: the copy looks again under it
-            if block is None or not _half_empty(disk, block.size_bytes):
+            if block is None or not _half_empty(self._queue, block.size_bytes):
                 break  # the disk is behind: the writers' demotions come first
             cleaned += self._copy(ident)
         return cleaned > 0
 
 
-def _half_empty(disk: Tier, size_bytes: int) -> bool:
+def _half_empty(queue: WriteQueue | None, size_bytes: int) -> bool:
     """Wait (up to QUEUE_WAIT_S) until the disk's write queue, ``size_bytes`` added, would be
     at most half full."""
-    capacity = disk.queue_capacity_bytes
-    extra = capacity // 2 if capacity is not None else 0
-    return disk.wait_for_queue_room(size_bytes + extra, QUEUE_WAIT_S)
+    if queue is None:
+        return True
+    return queue.wait_for_queue_room(size_bytes + queue.queue_capacity_bytes // 2, QUEUE_WAIT_S)

@@ -54,8 +54,8 @@ from kvstore.store.model import (
     StoreStats,
     check_keys,
 )
+from kvstore.store.pacing import DEMOTE_WAIT_S
 from kvstore.store.parts import translated, wire
-from kvstore.store.placement import DEMOTE_WAIT_S
 from kvstore.store.reads import Reads
 from kvstore.store.rebuild import rebuild
 from kvstore.store.remote import RemoteCalls
@@ -92,6 +92,7 @@ class TieredStore:
         parts = wire(tiers, config, clock, wall_clock)
         self._lock, self._counts, self._index = parts.lock, parts.counts, parts.index
         self._pins, self._placement, self._expire = parts.pins, parts.placement, parts.expire
+        self._pacing = parts.pacing
         self._wall = wall_clock
         rebuild(tiers, config, parts.index, parts.eviction)
         self._persistent = list(persistent) if persistent is not None else [t.persistent for t in tiers]
@@ -139,6 +140,7 @@ class TieredStore:
             len(tiers) - 1,
             self._persistent,
             *rooms,
+            p.pacing,
             wall_clock,
             self._write_behind,
             self._cleaner,
@@ -147,7 +149,9 @@ class TieredStore:
         self._arena = (
             None
             if a is None
-            else ArenaCalls(a, tiers, config, *rooms, clock, wall_clock, self._writes.stored_new_many)
+            else ArenaCalls(
+                a, tiers, config, *rooms, p.pacing, clock, wall_clock, self._writes.stored_new_many
+            )
         )
         in_place = None if self._arena is None else (self._arena.a, self._arena.arena)
         self._reads = Reads(config, tiers, in_place, *rooms, self._remote)
@@ -318,7 +322,7 @@ class TieredStore:
         # meanwhile. (Under the lock it still waits if another writer filled the queue since.)
         moved = 0
         for block in chosen:
-            self._placement.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
+            self._pacing.wait_below(t, block.size_bytes, DEMOTE_WAIT_S)
             with self._lock:
                 if self._index.is_current(block) and t in block.tiers:  # not deleted or moved meanwhile
                     moved += self._placement.demote(block, t)

@@ -1,6 +1,6 @@
-"""Room held for paced writes: the arena room a write waited for (``Placement.pace``) is its own
+"""Room held for paced writes: the arena room a write waited for (``Pacing.pace``) is its own
 until that write takes it, so a writer beside it cannot take it in between. A resolve waiting to
-promote a block (``Placement.wait_retired``) waits in the same line and holds its room the same way.
+promote a block (``Pacing.wait_retired``) waits in the same line and holds its room the same way.
 
     Held(t, sizes)              a paced write's claim on arena tier ``t``: the slots it holds
                                 (``keys``) and the sizes it still waits for (``sizes``)

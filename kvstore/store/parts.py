@@ -1,6 +1,6 @@
-"""The store's lower rooms (index, eviction, pins, placement, governance), built and wired in
-one place, with what they share: the lock and the counters. The facade (``core``) and salvage
-build them here; every room then gets the ones it uses, by name, in its constructor.
+"""The store's lower rooms (index, eviction, pins, placement, pacing, governance), built and
+wired in one place, with what they share: the lock and the counters. The facade (``core``) and
+salvage build them here; every room then gets the ones it uses, by name, in its constructor.
 
 The lock rule (the store's, tested in tests/test_store_threads.py):
     under the lock   index, heap, pin and lease edits; copies between memory tiers and into a
@@ -12,7 +12,7 @@ The lock rule (the store's, tested in tests/test_store_threads.py):
                      tier adds, each under a pin that keeps its block; write-behind and cleaner
                      puts into the disk (of bytes copied out under the lock, nothing pinned:
                      ``behind.CopyDown``); and
-                     a write's wait for a disk that is behind (``Placement.pace``)
+                     a write's wait for a disk that is behind (``Pacing.pace``)
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from kvstore.errors import Unavailable
 from kvstore.store.counts import Counts
 from kvstore.store.eviction import Eviction
 from kvstore.store.governance import Governance
+from kvstore.store.held import RoomLine
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import StoreConfig
+from kvstore.store.pacing import Pacing
 from kvstore.store.pins import Pins
 from kvstore.store.placement import Placement
 from tiers import Tier, TierError
@@ -44,6 +46,7 @@ class StoreParts:
     eviction: Eviction
     pins: Pins
     placement: Placement
+    pacing: Pacing
     governance: Governance
     expire: Expiry
 
@@ -58,12 +61,14 @@ def wire(
     eviction = Eviction(index, len(tiers))
     # a freed block's copies go (placement is built after the pins that call this)
     pins = Pins(config, clock, eviction, on_free=lambda block: placement.drop(block))
+    line = RoomLine()  # paced writes waiting for arena room, in order
     placement = Placement(
-        tiers, index, eviction, pins, counts, lambda: expire(), lock.rlock
+        tiers, index, eviction, pins, counts, line, lambda: expire()
     )  # expired leases and reservations go before anything is evicted
+    pacing = Pacing(tiers, placement, eviction, line, counts, lock.rlock)
     governance = Governance(config, index, wall_clock, counts, placement.drop, pins.doom)
     expire = Expiry(governance, pins, counts)
-    return StoreParts(lock, counts, index, eviction, pins, placement, governance, expire)
+    return StoreParts(lock, counts, index, eviction, pins, placement, pacing, governance, expire)
 
 
 class Expiry:
@@ -97,7 +102,7 @@ class Locked:
 
     def __init__(self, lock: threading.RLock) -> None:
         self._lock = lock
-        self.rlock = lock  # the lock itself, untranslated (placement's pacing; a Condition)
+        self.rlock = lock  # the lock itself, untranslated (pacing; a Condition)
 
     def __enter__(self) -> None:
         self._lock.acquire()

@@ -1,15 +1,9 @@
 """Placement: which tier gets a copy, room made by demoting down the tiers, spill on close.
 
-Calls (store lock held, but pace):
+Calls (store lock held):
     place(block, data, lowest, highest, evict)  a copy into the first tier in [lowest, highest]
                                                 that has room or (``evict``) can make it
     make_room(t, size)     evict from tier t until size fits; whether it does
-    pace(t, sizes, timeout) (lock NOT held) before a write of blocks of ``sizes``: wait for the
-                           write queue of the tier below t that room in t will demote into, when
-                           it is full, and for the disk to write what the victims' retired slots
-                           wait for; the room it waited for in an arena comes back ``Held``
-    use(held)              first thing under the lock in the write that paced: the held room goes
-                           back to the arena for that write to take, under the same lock hold
     demote(block, t)       move a block's only copy out of t into the next tier with free room
                            (nothing evicted for it); whether it left t
     forget_tier(block, t)  the copy in t goes; a block left with no copy leaves the index
@@ -19,15 +13,14 @@ Calls (store lock held, but pace):
     read(block, t, out)    a verified read, or None (a failed checksum or a dead medium)
     spill(target)          copy every volatile-only block to ``target``, parents first
     copy_down(blocks, target, data_of)   what spill does, for any blocks (salvage uses it)
-    settle(t)              free arena tier t's retired slots whose copies below are written
+    settle(t)              free arena tier t's retired slots whose copies below are written;
+                           the paced writes' line (``kvstore.store.held``) holds them first
+    queue_below(t)         the write queue arena tier t's victims retire for, or None
 
 Retired slots: an arena block evicted while its copy below is still in the disk's write queue
 keeps its slot (and its journal record) until the disk has written that copy, so a kill -9
-never loses it with the queue; the write that wanted the room waits for the disk in ``pace``.
-
-Held room (``kvstore.store.held``): what a paced write waited for is its own. Paced writes
-wait in line per arena, first come first served; slots that ``settle`` frees go to the line
-first, held so that a writer beside it cannot take them between the wait and the write.
+never loses it with the queue; the write that wanted the room waits for the disk outside the
+lock (``kvstore.store.pacing``).
 
 Eviction demotes a block to the next tier while there is one and drops it from the last; a
 block whose only copy cannot move and whose removal would strand a resident child stays.
@@ -41,25 +34,19 @@ of a tier that is not an arena, which the default tiers never need.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-from kvstore.asleep import asleep
 from kvstore.store.changes import BlockChanges
 from kvstore.store.eviction import Eviction
-from kvstore.store.held import Held, RoomLine
+from kvstore.store.held import RoomLine
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block
 from kvstore.store.pins import Pins
-from tiers import BytesLike, Tier, TierBusy, TierError, TierFull
+from tiers import BytesLike, Tier, TierBusy, TierError, TierFull, WriteQueue
 
 log = logging.getLogger("kvstore.store")
-
-PACE_S = 2.0  # the longest a write waits for the disk to take its victims (past it they are dropped)
-PACE_LOOK_BLOCKS = 1024  # the most victims a paced write looks at (past them, all count as dirty)
-DEMOTE_WAIT_S = 30.0  # an operator's demote waits this long for the disk outside the lock, a block at a time
 
 
 class Placement:
@@ -72,25 +59,26 @@ class Placement:
         eviction: Eviction,
         pins: Pins,
         counters: Counter[str],
+        line: RoomLine,
         before_evicting: Callable[[], None],
-        lock: AbstractContextManager[object],
     ) -> None:
+        """``line``: the paced writes waiting for arena room (``kvstore.store.pacing``)."""
         self.tiers = tiers
-        self._lock = lock  # the store lock, taken only by ``pace`` (the rest runs under it)
+        self._queues = [tier.write_queue() for tier in tiers]
         self._index = index
         self._eviction = eviction
         self._pins = pins
         self._counters = counters
         self._before_evicting = before_evicting  # expired leases and reservations go first
-        # Each arena tier's first tier below it that queues its writes: a slot whose block's
-        # copy there is still queued retires instead of being freed (``_let_go``).
-        self._queued_below: dict[int, int] = {}
+        # Each arena tier's first tier below it that queues its writes, and its queue: a slot
+        # whose block's copy there is still queued retires instead of being freed (``_let_go``).
+        self._queued_below: dict[int, tuple[int, WriteQueue]] = {}
         for t, tier in enumerate(tiers):
-            below = [u for u in range(t + 1, len(tiers)) if tiers[u].queue_capacity_bytes is not None]
+            below = [(u, q) for u, q in enumerate(self._queues) if u > t and q is not None]
             if tier.as_arena() is not None and below:
                 self._queued_below[t] = below[0]
         self.retired_bytes = 0  # bytes of arena slots retired so far, all told
-        self._line = RoomLine()  # paced writes waiting for arena room, in order
+        self._line = line
         self.changes: BlockChanges | None = None  # told of every copy added or gone (events)
 
     def make_room(
@@ -100,7 +88,7 @@ class Placement:
         when given (room for a whole chunk of a write of ``room_bytes``: one pass of eviction,
         not one a block); whether it got there. In an arena, victims whose copy below is still
         queued leave their slots retired (``_let_go``): once they add up to what is wanted the
-        pass stops short, the room on its way (``pace`` waits for it outside the lock)."""
+        pass stops short, the room on its way (``Pacing.pace`` waits for it outside the lock)."""
         tier = self.tiers[t]
         enough = room or (lambda: tier.can_store(size_bytes))
         if enough():  # the usual case: nothing to collect or evict
@@ -129,24 +117,22 @@ class Placement:
 
     def settle(self, t: int) -> int:
         """Free the retired slots of arena tier ``t`` whose copies below are written; how many.
-        The paced writes waiting in line hold what came free first (``_hold``)."""
-        d = self._queued_below.get(t)
-        if d is None:
+        The paced writes waiting in line hold what came free first (``RoomLine.hold``)."""
+        below = self._queued_below.get(t)
+        if below is None:
             return 0
         arena = self.tiers[t].as_arena()
         assert arena is not None
-        freed = arena.settle(self.tiers[d].written_mark())
+        freed = arena.settle(below[1].written_mark())
         if freed:
             self._line.hold(t, arena)
         return freed
 
-    def use(self, held: Held | None) -> None:
-        """Under the lock, first thing in the write that paced: its held room goes back to the
-        arena, for that write to take under this same hold of the lock (nobody else can)."""
-        if held is not None:
-            arena = self.tiers[held.t].as_arena()
-            assert arena is not None
-            self._line.let_go(held, arena)
+    def queue_below(self, t: int) -> WriteQueue | None:
+        """The write queue whose marks settle arena tier ``t``'s retired slots; None when its
+        slots never retire (no arena, or no tier below it queues its writes)."""
+        below = self._queued_below.get(t)
+        return None if below is None else below[1]
 
     def _unretire(self, block: Block) -> None:
         """A block leaving the store (dropped, deleted) takes any arena slot it retired with it:
@@ -161,9 +147,9 @@ class Placement:
         stay until the disk has written that copy (``settle``), so a kill -9 meanwhile finds the
         block in the arena and salvage copies it, where a freed slot would have lost it with
         the queue. A copy written already (the cleaner's, long since) frees the slot at once."""
-        d = self._queued_below.get(t)
-        if d is not None and d in block.tiers:
-            mark = self.tiers[d].unwritten_mark(block.tkey)
+        below = self._queued_below.get(t)
+        if below is not None and below[0] in block.tiers:
+            mark = below[1].unwritten_mark(block.tkey)
             if mark:
                 arena = self.tiers[t].as_arena()
                 assert arena is not None
@@ -172,123 +158,6 @@ class Placement:
                     self._counters["retired_slots"] += 1
                     return
         self.tiers[t].delete(block.tkey)
-
-    def pace(self, t: int, sizes: Sequence[int], timeout_s: float) -> Held | None:
-        """Outside the lock, before a write that will need room in tier ``t`` for new blocks of
-        ``sizes``: when making that room will demote into a tier whose write queue is full, wait
-        (at most ``timeout_s``) for the queue to drain, so that the writer, not every caller,
-        waits for the disk and its victims are demoted rather than dropped. Only the victims
-        that would be demoted count: one with a copy below already (the cleaner's work) is
-        evicted by forgetting its copy here, and a write whose victims are all clean does not
-        wait for a busy disk at all. Advisory: it reads the tiers without the store lock (the
-        victims under it, briefly, and only when the queue is full now), and the placements
-        under it never wait whatever it found. In an arena whose victims' slots retire, the
-        room it made or waited for comes back held (see the module docstring): the caller's
-        next step is ``use`` under the lock; None when it holds nothing."""
-        tier = self.tiers[t]
-        size_bytes = sum(sizes)
-        short = size_bytes - _free_bytes(tier)
-        if short <= 0:
-            return None  # room: the usual case
-        with asleep():  # on the disk: the caller's request place serves another meanwhile
-            return self._pace_short(t, sizes, short, timeout_s)
-
-    def _pace_short(self, t: int, sizes: Sequence[int], short: int, timeout_s: float) -> Held | None:
-        tier = self.tiers[t]
-        size_bytes = sum(sizes)
-        deadline = time.monotonic() + timeout_s
-        if not self.wait_below(t, short, 0.0):
-            with self._lock:
-                victims = self._eviction.coldest(t, PACE_LOOK_BLOCKS, short)
-            looked = sum(b.size_bytes for b in victims)
-            dirty = sum(b.size_bytes for b in victims if len(b.tiers) == 1) + max(0, short - looked)
-            if dirty > 0 and not self.wait_below(t, dirty, timeout_s):
-                with self._lock:
-                    self._timed_out(t, size_bytes)
-                return None
-        d = self._queued_below.get(t)
-        arena = tier.as_arena()
-        if d is None or arena is None:
-            return None
-        # The victims' slots come free only once the disk has written their copies (retired,
-        # ``_let_go``): evict now, briefly under the lock, and wait for the disk here, in line,
-        # so that the write finds its room instead of stopping short.
-        return self._held_when_written(t, d, Held(t, list(sizes)), deadline, size_bytes)
-
-    def _held_when_written(
-        self, t: int, d: int, held: Held, deadline: float, room_bytes: int = 0
-    ) -> Held | None:
-        """Outside the lock: ``held`` into the line, ``room_bytes`` of room made (victims
-        retired), then wait for the disk to write what the room in line up to ``held`` waits
-        for; ``held`` then holds its share (see the module docstring). Past ``deadline``, with
-        ``room_bytes`` (a write), what retires goes unwritten; without, the wait just ends."""
-        arena = self.tiers[t].as_arena()
-        assert arena is not None
-        try:
-            with self._lock:
-                self._line.join(held)
-                if room_bytes:
-                    tier = self.tiers[t]
-                    self.make_room(t, room_bytes, lambda: _free_bytes(tier) >= room_bytes, room_bytes)
-                self._line.hold(t, arena)
-            while held.sizes:
-                with self._lock:
-                    # The room of the writes ahead in line comes first, then this one's.
-                    mark = arena.retiring_mark(self._line.wanted_through(held))
-                if not mark:
-                    break  # nothing retires: no room on its way; the write makes its own
-                written = self.tiers[d].wait_written(mark, max(0.0, deadline - time.monotonic()))
-                with self._lock:
-                    self.settle(t)
-                    if held.sizes and not written:  # out of time
-                        if room_bytes:  # a write's victims: what retires goes unwritten
-                            self._timed_out(t, self._line.wanted_through(held))
-                        break
-        except BaseException:
-            with self._lock:
-                self._line.let_go(held, arena)  # nothing of it stays held, and the line goes on
-                self._line.hold(t, arena)
-            raise
-        with self._lock:
-            if self._line.leave(held):  # it goes on with what it holds (perhaps nothing)
-                self._line.hold(t, arena)  # and the writes behind it may have room now
-        return held if held.keys else None
-
-    def _timed_out(self, t: int, size_bytes: int) -> None:
-        """Under the lock. A disk behind past the pace stalls nobody: victims are dropped rather
-        than demoted, and ``size_bytes`` of retired slots go unwritten, as they went before slots
-        retired (a kill -9 now would lose those blocks with the write queue)."""
-        self._counters["pace_timeouts"] += 1
-        arena = self.tiers[t].as_arena()
-        if arena is not None and t in self._queued_below:
-            freed = arena.settle(arena.retiring_mark(size_bytes))
-            self._counters["retired_slots_freed_unwritten"] += freed
-            if freed:
-                self._line.hold(t, arena)
-
-    def wait_retired(self, t: int, size_bytes: int, timeout_s: float) -> Held | None:
-        """Outside the lock, for room already made (victims retired, as a promotion's
-        ``make_room`` leaves them): wait (at most ``timeout_s``) in the paced writes' line until
-        the disk has written the copies that ``size_bytes`` of arena tier ``t``'s room waits for;
-        that room comes back held (``use`` it under the lock next). None when it holds nothing:
-        nothing retires (no room on its way), or the time ran out first."""
-        d = self._queued_below.get(t)
-        if d is None or self.tiers[t].as_arena() is None:
-            return None
-        return self._held_when_written(t, d, Held(t, [size_bytes]), time.monotonic() + timeout_s)
-
-    def wait_below(self, t: int, size_bytes: int, timeout_s: float) -> bool:
-        """Outside the lock: wait (at most ``timeout_s``) until the tiers below ``t`` can take
-        ``size_bytes`` moved down out of it without a full write queue (a memory tier takes what
-        it has room for first); False when the time ran out first."""
-        short = size_bytes
-        for below in self.tiers[t + 1 :]:
-            if short <= 0:
-                return True
-            if below.persistent:
-                return below.wait_for_queue_room(short, timeout_s)
-            short -= _free_bytes(below)
-        return True
 
     def _evict(self, block: Block, t: int) -> bool:
         """Demote ``block`` from tier ``t`` to the next tier with room, or drop it; False when
@@ -318,12 +187,12 @@ class Placement:
                 self.make_room(t, block.size_bytes) if evict else self.tiers[t].can_store(block.size_bytes)
             ):
                 continue
-            tier = self.tiers[t]
+            tier, queue = self.tiers[t], self._queues[t]
             try:
-                if wait:
+                if wait or queue is None:
                     tier.put(block.tkey, data, block.scope.fingerprint, block.meta)
                 else:
-                    tier.put_nowait(block.tkey, data, block.scope.fingerprint, block.meta)
+                    queue.put_nowait(block.tkey, data, block.scope.fingerprint, block.meta)
             except TierBusy:
                 self._counters[f"{tier.name}_busy_skipped_blocks"] += 1
                 continue
@@ -490,8 +359,3 @@ def _degraded(below: Sequence[Tier]) -> bool:
     would refuse every write until the disk has room again."""
     disks = [tier for tier in below if tier.persistent]
     return bool(disks) and all(tier.usage().degraded for tier in disks)
-
-
-def _free_bytes(tier: Tier) -> int:
-    usage = tier.usage()
-    return usage.capacity_bytes - usage.stored_bytes

@@ -21,6 +21,7 @@ from kvstore.store.pins import Pins
 from kvstore.store.placement import Placement
 from kvstore.store.remote import RemoteCalls
 from tiers import InPlaceTier, Tier
+from tiers.throttle import throttle_of
 
 _TIERS_OF = attrgetter("tiers")
 REMOTE = "remote"  # the tier name lookups report for blocks found only in the remote tier
@@ -58,6 +59,7 @@ class Reads:
         self._expire = expire
         self._remote = remote
         self._served_counter = [f"get_{t.name}_blocks" for t in tiers]
+        self._arena_throttle = None if arena is None else throttle_of(tiers[arena[0]])
 
     def lookup(
         self,
@@ -97,7 +99,8 @@ class Reads:
         if self._arena is None:
             return ()
         a, arena = self._arena
-        if not blocks or self._tiers[a].in_place_read_s(blocks[0].size_bytes):
+        throttle = self._arena_throttle
+        if not blocks or (throttle is not None and throttle.in_place_read_s(blocks[0].size_bytes)):
             return ()
         found = arena.locate_many([block.tkey for block in blocks])
         return tuple(slot if a in block.tiers else None for slot, block in zip(found, blocks, strict=True))

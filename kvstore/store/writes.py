@@ -2,7 +2,7 @@
 an arena commit (``stored_new_many``): write-through into the persistent tiers, the
 write-behind queue, a poke to the arena's cleaner, and the remote tier's queue.
 
-A put runs in slices of about PACE_SLICE_BYTES, each paced (``Placement.pace``) before it takes
+A put runs in slices of about PACE_SLICE_BYTES, each paced (``Pacing.pace``) before it takes
 the lock: a disk that is behind slows this writer, slice by slice, and every other caller goes
 on between them. A child never lands in a faster tier than its parent.
 """
@@ -20,9 +20,10 @@ from kvstore.store.eviction import Eviction
 from kvstore.store.governance import Governance
 from kvstore.store.index import BlockIndex
 from kvstore.store.model import Block, Scope, StoreConfig, check_keys, check_sizes, new_block
+from kvstore.store.pacing import PACE_S, Pacing
 from kvstore.store.parts import Expiry, Locked
 from kvstore.store.pins import Pins
-from kvstore.store.placement import PACE_S, Placement
+from kvstore.store.placement import Placement
 from kvstore.store.remote import RemoteCalls
 from tiers import BytesLike
 
@@ -46,6 +47,7 @@ class Writes:
         placement: Placement,
         governance: Governance,
         expire: Expiry,
+        pacing: Pacing,
         wall_clock: Callable[[], float],
         write_behind: PersistBehind | None,
         cleaner: Cleaner | None,
@@ -64,6 +66,7 @@ class Writes:
         self._placement = placement
         self._governance = governance
         self._expire = expire
+        self._pacing = pacing
         self._wall = wall_clock  # each block's birth, in the metadata its tiers keep
         self._write_behind = write_behind
         self._cleaner = cleaner
@@ -102,9 +105,9 @@ class Writes:
         for first, end in slices(sizes, PACE_SLICE_BYTES):
             with self._lock:
                 needed = self._governance.new_sizes(scope, keys[first:end], sizes[first:end])
-            held = self._placement.pace(0, needed, PACE_S)
+            held = self._pacing.pace(0, needed, PACE_S)
             with self._lock:
-                self._placement.use(held)  # the room it waited for, taken below under this same hold
+                self._pacing.use(held)  # the room it waited for, taken below under this same hold
                 self._expire()
                 now = self._wall()  # each block's birth, in the metadata its tiers keep
                 for i in range(first, end):
