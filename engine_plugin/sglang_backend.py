@@ -54,7 +54,7 @@ import torch
 
 from engine_plugin.sglang_identity import identity_from_sglang, model_folder, page_bytes_of
 from engine_plugin.sglang_pages import Page, PageTransfer, flat_page, pointed_pages
-from engine_plugin.sidecar import DEADLINE_FLOOR_S, SidecarLink, SidecarSettings
+from engine_plugin.sidecar import DEADLINE_FLOOR_S, SidecarLink, SidecarSettings, extra_number
 from kvstore.client import Client
 from kvstore.keys import BlockKey, ModelIdentity
 
@@ -234,11 +234,4 @@ class KvstoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
 
 def _positive(extra: Mapping[str, Any], name: str, default: float) -> float:
-    value = extra.get(name, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"hicache extra config {name!r} is a positive number, got {value!r}") from None
-    if not number > 0:
-        raise ValueError(f"hicache extra config {name!r} is a positive number, got {number}")
-    return number
+    return extra_number(extra, name, default, "hicache extra config", "a positive number", lambda x: x > 0)

@@ -140,6 +140,21 @@ def _token(extra: Mapping[str, Any], where: str, env: Mapping[str, str]) -> str 
     return None
 
 
+def extra_number(
+    extra: Mapping[str, Any], name: str, default: float, where: str, rule: str, fits: Callable[[float], bool]
+) -> float:
+    """``extra[name]`` (``default`` when absent) as a number that ``fits``; otherwise a
+    ValueError saying it is ``rule`` ("a positive number"). ``where``: the extra config's name."""
+    value = extra.get(name, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} {name!r} is {rule}, got {value!r}") from None
+    if not fits(number):
+        raise ValueError(f"{where} {name!r} is {rule}, got {number}")
+    return number
+
+
 class SidecarLink:
     def __init__(
         self,

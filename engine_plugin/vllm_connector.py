@@ -84,7 +84,7 @@ import torch
 
 from engine_plugin.calibration import Calibration
 from engine_plugin.prefill_probe import shapes_from_vllm
-from engine_plugin.sidecar import SidecarLink, SidecarSettings
+from engine_plugin.sidecar import SidecarLink, SidecarSettings, extra_number
 from engine_plugin.vllm_events import KvstoreKVEvents, saved_block_events, worker_events
 from engine_plugin.vllm_hybrid import check_kv_cache_groups
 from engine_plugin.vllm_identity import identity_from_vllm
@@ -155,14 +155,9 @@ class ConnectorConfig:
 
 
 def _share(extra: Mapping[str, Any], name: str, default: float) -> float:
-    value = extra.get(name, default)
-    try:
-        share = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"kv_connector_extra_config {name!r} is a number in [0, 1], got {value!r}") from None
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"kv_connector_extra_config {name!r} is a number in [0, 1], got {share}")
-    return share
+    return extra_number(
+        extra, name, default, "kv_connector_extra_config", "a number in [0, 1]", lambda x: 0.0 <= x <= 1.0
+    )
 
 
 def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
