@@ -161,3 +161,22 @@ def test_get_into_many_copies_hits_and_reports_misses_in_order(tier: Tier) -> No
     assert bytes(bufs[0][:10_000]) == payload(0, 10_000)
     assert bytes(bufs[1]) == bytes(80_000)  # a miss leaves its buffer alone
     assert bytes(bufs[3][:70_000]) == payload(2, 70_000)
+
+
+def test_a_write_queue_marks_a_put_written_once_the_medium_holds_it(tier: Tier) -> None:
+    """What the store's retired arena slots are settled by (``tiers.base.WriteQueue``): a queued
+    put is readable at once, and once the tier has flushed it the written mark has passed the
+    put's mark and nothing of the key is queued. A tier whose put is done when it returns
+    offers no queue, and then none of this applies."""
+    queue = tier.write_queue()
+    if queue is None:
+        return
+    assert queue.queue_capacity_bytes > 0
+    assert queue.wait_for_queue_room(1000, 0.0)  # an empty queue has room without a wait
+    data = payload(1, 100_000)
+    queue.put_nowait(key(1), data, FP)
+    mark = queue.unwritten_mark(key(1))  # 0 if the writer was quicker than this line
+    assert read(tier, key(1)) == data  # read-your-writes, queued or not
+    tier.flush()
+    assert queue.written_mark() >= mark and queue.wait_written(mark, 10.0)
+    assert queue.unwritten_mark(key(1)) == 0
