@@ -301,8 +301,7 @@ class NvmeWriter(WriteQueue):
         medium cannot."""
         if self._read_only:
             raise NoRoom("read-only file system (restart once it is writable)")
-        self._room.ensure(self._room.commit_end(self._env, stored_bytes, ops) + spare_bytes)
-        if self._config.durability == "cache" and not self._marker_dirty:
+        if self._config.durability == "cache" and not self._marker_dirty:  # before the room: see _probe
             try:
                 nvme_folder.write_marker(self._folder, dirty=True)
             except OSError as exc:
@@ -310,6 +309,7 @@ class NvmeWriter(WriteQueue):
                     raise
                 raise NoRoom(f"cannot write its marker file: {exc.strerror}") from exc
             self._marker_dirty = True
+        self._room.ensure(self._room.commit_end(self._env, stored_bytes, ops) + spare_bytes)
 
     def _degrade(self, reason: str) -> None:
         with self._cond:
@@ -339,10 +339,12 @@ class NvmeWriter(WriteQueue):
     def _probe(self) -> None:
         """Whether the room of a full batch can be had again; the tier takes writes if so."""
         try:
-            self._reserve(min(PROBE_BYTES, self._config.batch_max_bytes), 1, DELETE_ROOM_BYTES)
-            # A new marker file and a sync: what a read-only file system refuses.
+            # A new marker file and a sync: what a read-only file system refuses. The marker
+            # first: the room reserved ahead may take every block just freed (ext4 keeps what
+            # a fallocate got before it failed), and a marker after it then never fitted.
             nvme_folder.write_marker(self._folder, dirty=True)
             self._marker_dirty = True
+            self._reserve(min(PROBE_BYTES, self._config.batch_max_bytes), 1, DELETE_ROOM_BYTES)
             self._env.sync(True)
         except (NoRoom, OSError, lmdb.Error) as exc:
             if not isinstance(exc, NoRoom) and not is_no_room(exc):
