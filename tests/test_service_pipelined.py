@@ -36,6 +36,26 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(inplace, name, 2 * BLOCK)
 
 
+def copy_spans_after(first: Callable[[list[int], bool], None]) -> Callable[..., None]:
+    """``inplace._copy_spans`` that calls ``first(offsets, into_region)`` before each copy: to
+    count it, to wait, or to fail it (as a caller's buffer gone away would)."""
+    from kvstore.client import inplace
+
+    real_copy = inplace._copy_spans
+
+    def copy(
+        region: memoryview,
+        offsets: list[int],
+        sizes: list[int],
+        data: Sequence[inplace.Data],
+        into_region: bool,
+    ) -> None:
+        first(offsets, into_region)
+        real_copy(region, offsets, sizes, data, into_region)
+
+    return copy
+
+
 @pytest.mark.parametrize("copies", ["native copies", "python"])
 def test_a_pipelined_write_stores_the_whole_chain_with_its_depths(
     served: Served, small_chunks: None, copies: str, monkeypatch: pytest.MonkeyPatch
@@ -70,19 +90,12 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
     copies = []
     real_copy = inplace._copy_spans
 
-    def failing_copy(
-        region: memoryview,
-        offsets: list[int],
-        sizes: list[int],
-        blocks: Sequence[inplace.Data],
-        into_region: bool,
-    ) -> None:
+    def third_fails(offsets: list[int], into_region: bool) -> None:
         if len(copies) == 2:  # the third chunk
             raise ValueError("the caller's buffer went away")
         copies.append(1)
-        real_copy(region, offsets, sizes, blocks, into_region)
 
-    monkeypatch.setattr(inplace, "_copy_spans", failing_copy)
+    monkeypatch.setattr(inplace, "_copy_spans", copy_spans_after(third_fails))
     arena = served.server.store.arena
     assert arena is not None
     with connect(served.unix) as kv:
@@ -146,17 +159,8 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
 
     from kvstore.client import inplace, transport
 
-    real_copy = inplace._copy_spans
-
-    def slow_copy(
-        region: memoryview,
-        offsets: list[int],
-        sizes: list[int],
-        outs: Sequence[memoryview],
-        into_region: bool,
-    ) -> None:
+    def slow(offsets: list[int], into_region: bool) -> None:
         time.sleep(0.6)  # past READ_TTL_S - READ_MARGIN_S
-        real_copy(region, offsets, sizes, outs, into_region)
 
     with connect(served.unix) as kv:
         fp = kv.register(MODEL)
@@ -164,7 +168,7 @@ def test_read_into_refuses_a_copy_that_outlasted_its_pin(
         kv.write(fp, keys, blocks_for(keys))
         monkeypatch.setattr(transport, "READ_TTL_S", 1.0)
         monkeypatch.setattr(transport, "READ_MARGIN_S", 0.5)
-        monkeypatch.setattr(inplace, "_copy_spans", slow_copy)
+        monkeypatch.setattr(inplace, "_copy_spans", copy_spans_after(slow))
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]
         with pytest.raises(LeaseExpired, match="outlasted"):
             kv.read_into(fp, keys, outs)
@@ -227,19 +231,12 @@ def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
     copies: list[int] = []
     asked_before_copy: list[int] = []
     asked: list[int] = []
-    real_copy, real_request = inplace._copy_spans, inplace.lookup_slots_request
+    real_request = inplace.lookup_slots_request
 
-    def copy(
-        region: memoryview,
-        offsets: list[int],
-        sizes: list[int],
-        outs: Sequence[memoryview],
-        into_region: bool,
-    ) -> None:
+    def count(offsets: list[int], into_region: bool) -> None:
         if not into_region:
             copies.append(len(offsets))
             asked_before_copy.append(len(asked))
-        real_copy(region, offsets, sizes, outs, into_region)
 
     def request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: float) -> bytes:
         asked.append(len(keys))
@@ -252,7 +249,7 @@ def test_a_pipelined_read_copies_every_chunk_and_gives_every_pin_back(
         sends.append([r[0] for r in requests])
         real_send(self, requests)
 
-    monkeypatch.setattr(inplace, "_copy_spans", copy)
+    monkeypatch.setattr(inplace, "_copy_spans", copy_spans_after(count))
     monkeypatch.setattr(inplace, "lookup_slots_request", request)
     with connect(served.unix) as kv:
         fp, keys, blocks = stored_chain(kv, 11, "pipelined read")
@@ -331,23 +328,13 @@ def read_copy_failing_at(chunk: int, copies: list[int]) -> Callable[..., None]:
     """``inplace._copy_spans`` that fails the copy out of the arena of read chunk ``chunk``
     (from 0), as a caller's buffer gone away would, and records each earlier one's block count
     in ``copies``."""
-    from kvstore.client import inplace
 
-    real_copy = inplace._copy_spans
-
-    def failing_copy(
-        region: memoryview,
-        offsets: list[int],
-        sizes: list[int],
-        outs: Sequence[memoryview],
-        into_region: bool,
-    ) -> None:
+    def fail_at_chunk(offsets: list[int], into_region: bool) -> None:
         if not into_region and len(copies) == chunk:
             raise ValueError("the caller's buffer went away")
         copies.append(len(offsets))
-        real_copy(region, offsets, sizes, outs, into_region)
 
-    return failing_copy
+    return copy_spans_after(fail_at_chunk)
 
 
 def test_a_pipelined_read_whose_copy_fails_gives_back_the_pins_it_asked_ahead(
