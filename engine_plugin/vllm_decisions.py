@@ -100,6 +100,8 @@ class DecisionRecord:
             return "nothing to restore: the prompt's last token is always computed"
         if self.hit_blocks == 0:
             after = " after vLLM's own" if own_blocks else ""
+            if self.further_blocks == 1:
+                return f"a full miss: the one block{after} is not in kvstore"
             return f"a full miss: none of the {self.further_blocks} blocks{after} is in kvstore"
         hit = plan.usable_blocks * block_size
         return (

@@ -472,8 +472,23 @@ def test_audit_fraction_outside_zero_to_one_is_refused() -> None:
             8 * BLOCK_SIZE,
             "vLLM's own cache holds 128 tokens; recompute the other 5 (nothing to restore: vLLM's own",
         ),
+        (
+            {},
+            None,
+            7 * BLOCK_SIZE,
+            "recompute the other 21 (a full miss: the one block after vLLM's own is not in kvstore; ",
+        ),
     ],
-    ids=["full-miss", "restore", "slower-restore", "partial", "policy", "after-vllms-own", "vllm-holds-all"],
+    ids=[
+        "full-miss",
+        "restore",
+        "slower-restore",
+        "partial",
+        "policy",
+        "after-vllms-own",
+        "vllm-holds-all",
+        "one-block-miss",
+    ],
 )
 def test_each_decision_is_one_log_line_that_says_what_happened(
     harness: Harness,
