@@ -371,11 +371,14 @@ class DramTier(SlabTier):
         if self._journal is None:
             return
         self._journal.commit_many(
-            [(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta) for k, e in published]
+            [
+                (e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta, e.checksum)
+                for k, e in published
+            ]
         )
         if self._journal.needs_compaction:
             self._journal.rewrite(
-                JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta)
+                JournalRecord(e.slot.offset, e.slot.size_bytes, bytes(k), e.fingerprint, e.meta, e.checksum)
                 for k, e in (
                     *published,
                     *self._entries.items(),

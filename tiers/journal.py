@@ -2,15 +2,20 @@
 
 An arena lives in ``/dev/shm``, so it outlives a server killed with SIGKILL. The journal, a file
 beside it (``<arena>.journal``, mode 0600), makes its contents usable afterwards: the tier
-appends a ``commit`` record (slot, key, fingerprint, meta) after a block's bytes are in its slot
+appends a ``commit`` record (slot, key, fingerprint, meta, checksum) after a block's bytes are in its slot
 and before the block is visible, and a ``free`` record before a slot can be handed out again.
 Replaying the journal of a dead server's arena (``salvage``) therefore names exactly the slots
 that held acknowledged blocks at the moment of the crash, each with the bytes it was committed
 with: a slot reserved but never committed has no record, a freed one has its ``free``. A record
-torn by the crash fails its CRC and ends the replay there (it was never acknowledged).
+torn by the crash fails its CRC and ends the replay there (it was never acknowledged). The
+checksum is the xxh3-64 of the bytes the block was committed with (``tiers.slab``): salvage
+copies only a slot whose bytes still match it (a process that mapped the arena may have written
+there since).
 
-Record: u32 length of the rest, u8 kind (1 commit, 2 free), u64 offset, u64 size, u16 key length
-+ key, fingerprint[32], u16 meta length + meta, u32 CRC32 of everything before it.
+Record: u32 length of the rest, u8 kind (3 commit, 2 free; kind 1, a commit without its
+checksum, is an older layout and ends the replay), u64 offset, u64 size, u16 key length + key,
+fingerprint[32], u16 meta length + meta, u8 whether a checksum follows, u64 checksum, u32 CRC32
+of everything before it.
 
 The file grows by one record per commit and per free; when it passes ``compact_bytes``, or
 twice its size after the last rewrite if that is more (so a large live set is not rewritten at
@@ -29,9 +34,10 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-COMMIT, FREE = 1, 2
+COMMIT, FREE = 3, 2
 _HEAD = struct.Struct("<IBQQ")  # length, kind, offset, size
 _CRC = struct.Struct("<I")
+_SUM = struct.Struct("<BQ")  # whether a checksum was taken, the checksum
 DEFAULT_COMPACT_BYTES = 64 << 20
 
 
@@ -41,6 +47,7 @@ class JournalRecord(NamedTuple):  # a tuple: one is built for every block commit
     key: bytes
     fingerprint: bytes
     meta: bytes
+    checksum: int | None = None  # xxh3-64 of the committed bytes; None: none was taken
 
 
 _LAYOUTS: dict[tuple[int, int], struct.Struct] = {}  # (key length, meta length) -> the record
@@ -52,37 +59,58 @@ def _layout(key_len: int, meta_len: int) -> struct.Struct:
     if layout is None:
         if len(_LAYOUTS) > 256:  # lengths a deployment uses are few; never let it grow without end
             _LAYOUTS.clear()
-        layout = _LAYOUTS[key_len, meta_len] = struct.Struct(f"<IBQQH{key_len}s32sH{meta_len}s")
+        layout = _LAYOUTS[key_len, meta_len] = struct.Struct(f"<IBQQH{key_len}s32sH{meta_len}sBQ")
     return layout
 
 
-Fields = tuple[int, int, bytes, bytes, bytes]  # a JournalRecord's, in a plain tuple
+Fields = tuple[int, int, bytes, bytes, bytes, int | None]  # a JournalRecord's, in a plain tuple
 
 _FREE_RECORD = _layout(0, 0)  # a free record: no key, fingerprint or meta (a victim's, each)
 _NO_FINGERPRINT = bytes(32)
 
 
 def _encode_records(kind: int, records: Iterable[Fields]) -> bytes:
-    """Records of ``kind`` for ``records`` (offset, size, key, fingerprint, meta), one after the
+    """Records of ``kind`` for ``records`` (offset, size, key, fingerprint, meta, checksum), one after the
     other; the layout looked up once for a run of equal lengths (a commit's blocks all have them)."""
     out: list[bytes] = []
     append, crc, pack_crc = out.append, zlib.crc32, _CRC.pack
     lengths: tuple[int, int] | None = None
     layout = _HEAD  # replaced at the first record
-    for offset, size, key, fingerprint, meta in records:
+    for offset, size, key, fingerprint, meta, checksum in records:
         if len(fingerprint) != 32:
             fingerprint = fingerprint.ljust(32, b"\0")[:32]
         if lengths != (len(key), len(meta)):
             lengths = (len(key), len(meta))
             layout = _layout(*lengths)
-        record = layout.pack(layout.size, kind, offset, size, lengths[0], key, fingerprint, lengths[1], meta)
+        summed = checksum is not None
+        record = layout.pack(
+            layout.size,
+            kind,
+            offset,
+            size,
+            lengths[0],
+            key,
+            fingerprint,
+            lengths[1],
+            meta,
+            summed,
+            checksum or 0,
+        )
         append(record)
         append(pack_crc(crc(record)))
     return b"".join(out)
 
 
-def _encode(kind: int, offset: int, size: int, key: bytes, fingerprint: bytes, meta: bytes) -> bytes:
-    return _encode_records(kind, ((offset, size, key, fingerprint, meta),))
+def _encode(
+    kind: int,
+    offset: int,
+    size: int,
+    key: bytes,
+    fingerprint: bytes,
+    meta: bytes,
+    checksum: int | None = None,
+) -> bytes:
+    return _encode_records(kind, ((offset, size, key, fingerprint, meta, checksum),))
 
 
 class Journal:
@@ -112,7 +140,7 @@ class Journal:
         the next commit), which writes the ones kept in one write. The tier writes them before
         it hands a slot out: until then a free that waits only leaves a salvage the block that
         was there, whole."""
-        record = _FREE_RECORD.pack(_FREE_RECORD.size, FREE, offset, 0, 0, b"", _NO_FINGERPRINT, 0, b"")
+        record = _FREE_RECORD.pack(_FREE_RECORD.size, FREE, offset, 0, 0, b"", _NO_FINGERPRINT, 0, b"", 0, 0)
         self._frees.append(record + _CRC.pack(zlib.crc32(record)))
         if not later:
             self.write_frees()
@@ -134,7 +162,7 @@ class Journal:
         try:
             chunk = bytearray()
             for r in live:
-                chunk += _encode(COMMIT, r.offset, r.size_bytes, r.key, r.fingerprint, r.meta)
+                chunk += _encode(COMMIT, *r)
                 if len(chunk) > 1 << 20:
                     os.write(fd, chunk)
                     size += len(chunk)
@@ -186,7 +214,10 @@ def replay(path: str) -> dict[int, JournalRecord]:
             fingerprint = record[at : at + 32]
             (meta_len,) = struct.unpack_from("<H", record, at + 32)
             meta = record[at + 34 : at + 34 + meta_len]
-            live[offset] = JournalRecord(offset, size, bytes(key), bytes(fingerprint), bytes(meta))
+            summed, checksum = _SUM.unpack_from(record, at + 34 + meta_len)
+            live[offset] = JournalRecord(
+                offset, size, bytes(key), bytes(fingerprint), bytes(meta), checksum if summed else None
+            )
         else:
             break
         pos = end

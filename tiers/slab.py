@@ -8,9 +8,11 @@ frees the slot of any older block under the same key; ``abort`` gives the slot b
 Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
 touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
 or, for a block filled in place by a same-host client, the first copy that leaves the process
-(``verified_checksum``: hashing every in-place write at commit halved the same-host writes,
-SECURITY.md "Known gaps"). ``verified_checksum`` checks a block against it before its bytes
-leave; a mismatch is counted in ``usage().checksum_failures``.
+(``verified_checksum``: hashing every in-place write at commit cost the same-host writes a
+third here, SECURITY.md "Known gaps"). ``verified_checksum`` checks a block against it before
+its bytes leave; a mismatch is counted in ``usage().checksum_failures``, as is each block a
+salvage of this arena's predecessor found changed since its commit (``count_checksum_failures``;
+the arena journal records a checksum taken by the commit, ``tiers.journal``).
 
 Threads: one lock guards the allocator and the index; byte copies run outside it. The caller
 (the tiered store) guarantees that a key is not deleted while a copy out of its slot runs.
@@ -268,6 +270,12 @@ class SlabTier(Tier):
             self._checksum_failures += 1
         log.warning("%s tier: block %s changed since it was checksummed", self.name, key.hex())
         return None
+
+    def count_checksum_failures(self, n: int) -> None:
+        """Blocks found changed outside this tier's own checks (the salvage of the arena a
+        killed predecessor left), counted with its own failures."""
+        with self._lock:
+            self._checksum_failures += n
 
     def locate(self, key: TierKey) -> Slot | None:
         """Where the committed block of ``key`` lives, or None for a miss."""

@@ -84,8 +84,9 @@ def _build_tiers(
         built.append(nvme)
     elif not settings.nvme.enabled:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
+    changed: list[int] = []  # blocks a salvage found changed since their commit, per arena
     if data_dir is not None:
-        kept = [name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store)]
+        kept = [name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store, changed)]
         data_dir.remove_leftovers(keep=kept)
     arena_name = data_dir.arena_name if data_dir is not None else None
     try:
@@ -98,6 +99,7 @@ def _build_tiers(
     except TierUnavailable as exc:
         raise FailedPrecondition(f"the dram tier cannot start: {exc}") from None
     built.append(dram)
+    dram.count_checksum_failures(sum(changed))  # the arena's checksum failures, its predecessor's included
     tiers = [t for t in (hbm, dram, nvme) if t is not None]
     throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": settings.dram.throttle_bytes_per_s}
     throttles["nvme"] = settings.nvme.throttle_bytes_per_s
@@ -150,10 +152,13 @@ def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
         raise FailedPrecondition(f"the nvme tier at {settings.nvme_path} cannot start: {exc}") from None
 
 
-def _salvage(arena_name: str, nvme: Tier | None, config: StoreConfig) -> bool:
+def _salvage(
+    arena_name: str, nvme: Tier | None, config: StoreConfig, changed: list[int] | None = None
+) -> bool:
     """Copy the committed blocks of a dead server's arena into `nvme` (by its journal), room
     made there as the spill on close makes it (``kvstore.store.salvage``); whether the arena may
-    go. One it must keep still holds acknowledged blocks found nowhere else."""
+    go. One it must keep still holds acknowledged blocks found nowhere else. ``changed`` gets
+    the count of blocks dropped for failing the checksum they were committed with."""
     with salvage(arena_name) as blocks:
         if not blocks:
             return True
@@ -176,14 +181,17 @@ def _salvage(arena_name: str, nvme: Tier | None, config: StoreConfig) -> bool:
             return False
     log.warning(
         "a killed server left %d blocks in arena %s: %d copied to nvme (%d of its blocks evicted for "
-        "room), %d were there already, %d unnamed dropped",
+        "room), %d were there already, %d unnamed dropped, %d changed since their commit dropped",
         result.blocks,
         arena_name,
         result.copied,
         result.evicted,
         result.present,
         result.unnamed,
+        result.changed,
     )
+    if changed is not None:
+        changed.append(result.changed)
     if not result.complete:
         log.warning(
             "arena %s kept: nvme refused %d of its blocks, found nowhere else; the next start tries again",

@@ -7,7 +7,11 @@ next start copies them into `nvme` the way a clean stop's spill does (``Placemen
 over an index rebuilt from `nvme`, parents first, each copy waiting for the write queue, room
 made by evicting `nvme`'s coldest blocks (GDSF, never a parent whose child stays). A full `nvme`,
 a cache's steady state, so makes room for the salvaged blocks as it does for the spill on close;
-a salvaged block counts as freshly stored (it was, moments before the kill).
+a salvaged block counts as freshly stored (it was, moments before the kill). A slot whose
+bytes no longer match the checksum its block was committed with (the journal's record: a
+process that mapped the arena wrote there since, or the memory was damaged) is dropped and
+counted (``changed``), never copied. A block committed without one (written in place by a
+same-host client: ``tiers.slab``) is copied as it is.
 
     salvage_into(tier, blocks, config) -> Salvaged     then the builder removes the arena only
                                                         when ``Salvaged.complete``
@@ -17,15 +21,20 @@ The index built here is thrown away: the store rebuilds its own from the tier af
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from kvstore.store.model import Block, StoreConfig, new_block, parse_meta, parse_tier_key
 from kvstore.store.parts import wire
 from kvstore.store.rebuild import rebuild
 from tiers import Tier, TierKey
 from tiers.journal import JournalRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class Salvaged:
     copied: int  # copied into the tier
     present: int  # the tier held them already
     unnamed: int  # records whose key the store cannot parse: never findable, dropped
+    changed: int  # slots whose bytes fail the checksum their block was committed with: dropped
     refused: int  # the tier failed to take them (an error, not the eviction rules)
     evicted: int  # the tier's blocks evicted to make room, salvaged ones included
 
@@ -54,11 +64,16 @@ def salvage_into(
     rebuild([tier], config, p.index, p.eviction)
     fresh: dict[TierKey, tuple[Block, memoryview]] = {}
     present: dict[TierKey, Block] = {}
-    unnamed = 0
+    unnamed = changed = 0
     for record, view in blocks:
         ident = parse_tier_key(record.key)
         if ident is None or ident[0].fingerprint != record.fingerprint:
             unnamed += 1
+            continue
+        if record.checksum is not None and xxhash.xxh3_64_intdigest(view) != record.checksum:
+            if not changed:  # one line for them all: the count goes in the builder's summary
+                log.warning("salvage: block %s changed since its commit; dropped", record.key.hex())
+            changed += 1
             continue
         tkey = TierKey(record.key)
         there = p.index.get(ident)
@@ -90,6 +105,7 @@ def salvage_into(
         copied=copied,
         present=len(present),
         unnamed=unnamed,
+        changed=changed,
         refused=p.counts[f"{tier.name}_refused_blocks"],
         evicted=p.counts[f"evicted_{tier.name}_blocks"] - evicted_before,
     )
