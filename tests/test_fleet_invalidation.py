@@ -2,11 +2,14 @@
 remote tier (a shared kvstore server, then a Redis Cluster). An invalidation taken at sidecar A
 reaches B's own dram within 2 s, and C, stopped (SIGTERM: its blocks spilled to its nvme)
 while it was taken, finds none of them when it starts again, before its first lookup is
-served; another model's blocks stay everywhere (``kvstore.store.invalidations``)."""
+served; another model's blocks stay everywhere (``kvstore.store.invalidations``). A mark the
+remote lost (deleted here, as eviction would) makes a sidecar that was down fail closed, and an
+invalidation of every tenant reaches a tenant only another sidecar holds (``kvstore.store.ledger``)."""
 
 from __future__ import annotations
 
 import statistics
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +22,11 @@ from kvstore.client import Client, connect
 from kvstore.keys import BlockKey, Fingerprint, ModelIdentity
 from kvstore.server.builder import build_remote
 from kvstore.server.config import load_settings
+from kvstore.store.invalidations import mark_key
+from kvstore.store.ledger import entry_key, head_key, read_values
 from kvstore.store.model import Scope, tier_key
-from tests.service_fixtures import MODEL, process_settings
-from tests.test_service import blocks_for, chain
-from tiers.remote import RemoteBlock
+from tests.service_fixtures import MODEL, blocks_for, chain, process_settings
+from tiers.remote import RemoteBlock, RemoteTier
 
 OTHER = ModelIdentity("test/other", "bb" * 32, num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16)
 PROPAGATION_S = 2.0
@@ -49,7 +53,8 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
         remote = {
             "remote.backend": "kvstore",
             "remote.nodes": node.tcp,
-            "remote.tokens": "t/local=tok-a,t/tenant-b=tok-b",
+            # t/*: the fleet's own marks (an invalidation of every tenant), under a token all share
+            "remote.tokens": "t/local=tok-a,t/tenant-b=tok-b,t/*=tok-ops",
         }
     else:
         cluster = request.getfixturevalue("cluster")
@@ -97,6 +102,16 @@ def _store_and_share(
     return keys
 
 
+def _registered(sidecars: list[ServerProcess]) -> Fingerprint:
+    """MODEL registered at each of ``sidecars`` (one fingerprint everywhere), for tenant "local"."""
+    fingerprints = set()
+    for sidecar in sidecars:
+        with connect(sidecar.unix) as kv:
+            fingerprints.add(kv.register(MODEL))
+    (fp,) = fingerprints
+    return fp
+
+
 def _gone_within(sidecar: ServerProcess, fp: Fingerprint, keys: list[BlockKey], limit_s: float) -> float:
     """Seconds until ``sidecar`` finds none of ``keys`` (local or remote); fails past ``limit_s``."""
     start = time.monotonic()
@@ -105,6 +120,17 @@ def _gone_within(sidecar: ServerProcess, fp: Fingerprint, keys: list[BlockKey], 
             assert time.monotonic() - start < limit_s, kv.lookup_tiers(fp, keys).tiers
             time.sleep(0.01)
     return time.monotonic() - start
+
+
+def _remote_of(sidecar: ServerProcess) -> RemoteTier:
+    """The fleet's remote tier, opened with the backend's own client as ``sidecar`` opens it."""
+    remote = build_remote(
+        load_settings(
+            env={}, overrides={k: v for k, v in sidecar.settings.items() if k.startswith("remote.")}
+        )
+    )
+    assert remote is not None
+    return remote
 
 
 def test_an_invalidation_at_one_sidecar_reaches_the_others_and_one_that_was_down(
@@ -152,10 +178,7 @@ def test_a_copy_born_before_the_invalidation_is_refused_on_every_remote_read(
         kv.invalidate(fp)
     invalidated_at = time.time()
     time.sleep(1.0)  # b has polled the mark
-    remote = build_remote(
-        load_settings(env={}, overrides={k: v for k, v in a.settings.items() if k.startswith("remote.")})
-    )
-    assert remote is not None
+    remote = _remote_of(a)
     scope = Scope("t/local", fp)
     try:
         planted = [
@@ -231,10 +254,7 @@ def test_an_invalidation_taken_while_the_remote_hangs_reaches_the_fleet_once_it_
     once, B goes on serving its local copies without a stall, and once the node answers again
     A's marks, kept and sent again at each poll, reach B (after the nodes' backoff)."""
     a, b, _ = fleet
-    with connect(a.unix) as kv:
-        fp = kv.register(MODEL)
-    with connect(b.unix) as kv:
-        assert kv.register(MODEL) == fp
+    fp = _registered([a, b])
     dead = _store_and_share(a, [b], fp, "hung-dead")
     shared_node.freeze()
     try:
@@ -249,6 +269,31 @@ def test_an_invalidation_taken_while_the_remote_hangs_reaches_the_fleet_once_it_
     finally:
         shared_node.thaw()
     print(f"\ncaught up {_gone_within(b, fp, dead, 20.0):.1f} s after the node answered again")
+
+
+def test_a_sidecar_that_was_down_when_a_mark_was_lost_fails_closed(fleet: list[ServerProcess]) -> None:
+    """C down (its blocks spilled to its nvme) while A invalidates a model; then the mark and
+    its ledger entry go from the remote, as an eviction would take them. C, started again,
+    serves none of that model's blocks, and counts the loss."""
+    a, _, c = fleet
+    fp = _registered([a, c])
+    dead = _store_and_share(a, [c], fp, "lost-dead")
+    c.proc.terminate()
+    assert c.proc.wait(30) == 0
+    with connect(a.unix) as kv:
+        assert kv.invalidate(fp) >= 4
+    remote = _remote_of(a)
+    try:
+        head = read_values(remote, [head_key("t/local")])[head_key("t/local")]
+        (number,) = struct.unpack("<Q", head)
+        evicted = [mark_key("t/local", fp), entry_key("t/local", number)]
+        assert remote.delete_many(evicted) == 2
+    finally:
+        remote.close()
+    c.start()
+    with connect(c.unix) as kv:
+        assert kv.lookup(fp, dead) == 0
+        assert kv.stats()["counters"]["invalidation_ledger_losses"] >= 1
 
 
 def test_a_tenants_invalidation_reaches_the_fleet_and_leaves_other_tenants_blocks(
@@ -268,3 +313,24 @@ def test_a_tenants_invalidation_reaches_the_fleet_and_leaves_other_tenants_block
     _gone_within(b, fp, mine, PROPAGATION_S)
     with _as(b, "tok-b") as kv:
         assert kv.lookup_tiers(fp, theirs).tiers == ("dram",) * 4
+
+
+def test_an_invalidation_of_every_tenant_reaches_a_tenant_only_another_sidecar_holds(
+    fleet: list[ServerProcess],
+) -> None:
+    """tenant-c's blocks sit only in B (A never saw tenant-c; on the kvstore node it has no
+    token, so they never left B). The admin's ``invalidate --everything`` (tenant "*") at A
+    reaches them within 2 s. (The last test of a fleet: it empties every tenant.)"""
+    a, b, _ = fleet
+    keys = chain(4, "only-at-b")
+    with _as(b, "tok-c") as kv:
+        fp = kv.register(MODEL)
+        assert kv.put(fp, keys, blocks_for(keys)) == 4
+        assert kv.lookup_tiers(fp, keys).tiers == ("dram",) * 4
+    with connect(a.unix) as kv:
+        kv.invalidate(None, tenant="*", everything=True)
+    start = time.monotonic()
+    with _as(b, "tok-c") as kv:
+        while kv.lookup(fp, keys):
+            assert time.monotonic() - start < PROPAGATION_S, kv.lookup_tiers(fp, keys).tiers
+            time.sleep(0.01)

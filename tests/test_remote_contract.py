@@ -134,6 +134,10 @@ def test_a_keys_expiry_is_the_retention_its_block_has_left(
         answered_s = time.time()
         assert (now + 500 - answered_s) * 1000 - 1 <= pttl <= (now + 500 - asked_s) * 1000 + 1
         assert 0 < raw.pttl(capped._key(c.key)) <= 60_000  # type: ignore[attr-defined]
+        # the fleet's invalidation marks: no expiry whatever the cap (a volatile-* policy keeps them)
+        mark = RemoteBlock(key("a", 3), FP, b"mark", lasting=True)
+        assert capped.put_many([mark]) == 1
+        assert raw.pttl(capped._key(mark.key)) == -1  # type: ignore[attr-defined]
     finally:
         raw.close()
 
@@ -244,6 +248,20 @@ def test_a_tenant_user_cannot_read_another_tenants_keys(
     # a namespace that merely begins like tenant-a's is not tenant-a's
     assert mine.put_many([block(key("t/tenant-ab", 1))]) == 0
     assert mine.usage().failures >= 1
+    # what the fleet's invalidations ask before they read a namespace's marks: no failure counted
+    ask = make_tier(username="tenant-a", password="pw-a")
+    assert [ask.carries(ns) for ns in ("t/tenant-a", "t/tenant-b", "t/*")] == [True, False, False]
+    assert ask.usage().failures == 0
+
+
+def test_a_claim_stores_only_an_absent_key_and_keeps_the_first(make_tier: Callable[..., RemoteTier]) -> None:
+    """The fleet's invalidation ledger takes its numbers by claims (``SET NX``): of two claims
+    of one key the first wins and its value stays."""
+    tier = make_tier()
+    first, second = block(key("t/a", 1)), block(key("t/a", 1))
+    assert tier.claim(first) is True
+    assert tier.claim(second) is False
+    assert [bytes(v) for v in tier.get_many([first.key], FP) if v is not None] == [first.payload]
 
 
 def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
@@ -262,6 +280,7 @@ def test_a_dead_cluster_means_misses_and_backoff_never_errors_or_stalls(
             for _ in range(100):  # then backoff: nothing is tried, nothing waits
                 assert tier.contains([b.key]) == [False]
                 assert tier.put_many([b]) == 0
+            assert tier.claim(b) is None  # failed, not taken: the ledger tries again later
             assert time.monotonic() - started < first_s + 0.5
             usage = tier.usage()
             assert usage.failures == 1

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
 
 from tiers.base import BytesLike, TierKey
 from tiers.remote import (
@@ -70,6 +70,7 @@ class RedisClusterTier(RemoteTier):
         self._client: Any = None  # redis.cluster.RedisCluster, built on first use
         self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
         self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0, "expired": 0}
+        self._carried: dict[str, bool] = {}  # namespace -> whether the ACL user may touch its keys
         self._closed = False
 
     # ----------------------------------------------------------------- the contract
@@ -110,7 +111,7 @@ class RedisClusterTier(RemoteTier):
         for b in blocks:
             # the key's deadline: its block's (birth + retention), capped by ttl_s; absolute, so
             # the time the put takes to reach the cluster does not lengthen it
-            deadline_s = min(b.expires_s, cap_s)
+            deadline_s = math.inf if b.lasting else min(b.expires_s, cap_s)
             if deadline_s <= now:
                 continue  # past its retention already: not stored
             at = {} if deadline_s == math.inf else {"pxat": math.ceil(deadline_s * 1000)}
@@ -119,6 +120,36 @@ class RedisClusterTier(RemoteTier):
         stored = 0 if replies is None else sum(r is True for r in replies)
         self._count("puts", stored)
         return stored
+
+    def claim(self, block: RemoteBlock) -> bool | None:
+        """``SET NX``: atomic across sidecars; no expiry (the ledger's entries must outlive
+        the sidecars that are down)."""
+        failures = self.usage().failures
+        replies = self._pipelined([("SET", self._key(block.key), frame(block), {"nx": True})])
+        return None if replies is None or self.usage().failures != failures else replies == [True]
+
+    def carries(self, namespace: str) -> bool:
+        """Every namespace without an ACL user; with one (``remote.username``), those its
+        patterns allow: one ``EXISTS`` on the namespace's keys asked once (a refusal would
+        otherwise count as a failure and back the whole cluster off); False meanwhile while
+        the cluster does not answer."""
+        if not self.config.username:
+            return True
+        known = self._carried.get(namespace)
+        client = self._connected() if known is None else None
+        if client is None:
+            return bool(known)
+        ns = namespace.encode()
+        try:
+            client.exists(self._key(bytes([len(ns)]) + ns) + b"carries?")
+        except NoPermissionError:
+            known = False
+        except _FAILURES:
+            return False  # asked again next time
+        else:
+            known = True
+        self._carried[namespace] = known
+        return known
 
     def delete_many(self, keys: Sequence[TierKey]) -> int:
         replies = self._pipelined([("DELETE", self._key(k)) for k in keys])

@@ -24,6 +24,8 @@ fingerprint, so two tenants' blocks never share a remote key):
                                a copy born before ``not_before_s`` is expired (below); ``born``,
                                when given, gets each key's birth time appended (0.0: a miss)
     put_many(blocks)        -> how many of ``blocks`` (RemoteBlock) were stored
+    claim(block)            -> stored only if its key was absent: True, False (taken), None (failed)
+    carries(namespace)      -> whether that namespace's keys reach this tier at all
     delete_many(keys)       -> how many were present
     delete_matching(prefix) -> how many keys starting with ``prefix`` were removed: the store's
                                invalidation of a namespace, or of one fingerprint in it
@@ -127,13 +129,16 @@ class RemoteConfig:
 @dataclass(frozen=True)
 class RemoteBlock:
     """One block to store remotely: its key, the fingerprint it belongs to, its bytes, its birth
-    time (wall clock, first stored anywhere) and the deadline its retention sets (inf: none)."""
+    time (wall clock, first stored anywhere) and the deadline its retention sets (inf: none).
+    ``lasting``: no expiry at all, not even a tier's cap (``ttl_s``): the fleet's invalidation
+    marks, which must outlive the sidecars that are down."""
 
     key: TierKey
     fingerprint: bytes
     payload: BytesLike
     born_s: float = 0.0
     expires_s: float = math.inf
+    lasting: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,22 @@ class RemoteTier(ABC):
 
     @abstractmethod
     def put_many(self, blocks: Sequence[RemoteBlock]) -> int: ...
+
+    def claim(self, block: RemoteBlock) -> bool | None:
+        """Store ``block`` only if its key is absent: True stored, False the key was taken,
+        None the remote failed. Atomic where the backend is (Redis ``SET NX``; a kvstore node
+        keeps a key's first copy); this default (look, then put) is not: two claims racing
+        may both win (Mooncake)."""
+        if self.contains([block.key]) == [True]:
+            return False
+        failures = self.usage().failures
+        stored = self.put_many([block])
+        return True if stored else None if self.usage().failures != failures else False
+
+    def carries(self, namespace: str) -> bool:
+        """Whether blocks of ``namespace`` reach this tier at all (a kvstore node: those with a
+        token)."""
+        return True
 
     @abstractmethod
     def delete_many(self, keys: Sequence[TierKey]) -> int: ...

@@ -140,6 +140,14 @@ class SealedRemote(RemoteTier):
             sealed.append(dataclasses.replace(block, payload=out))
         return self.inner.put_many(sealed)
 
+    def claim(self, block: RemoteBlock) -> bool | None:
+        if block.fingerprint not in self._plain:
+            raise ValueError("only plain blocks (the fleet's marks) are claimed")
+        return self.inner.claim(block)
+
+    def carries(self, namespace: str) -> bool:
+        return self.inner.carries(namespace)
+
     def delete_many(self, keys: Sequence[TierKey]) -> int:
         return self.inner.delete_many(keys)
 

@@ -200,6 +200,15 @@ class KvStoreNodesTier(RemoteTier):
         self._count("puts", stored[0])
         return stored[0]
 
+    def claim(self, block: RemoteBlock) -> bool | None:
+        """A node keeps a key's first copy: a put that stores nothing found the key taken."""
+        failures = self.usage().failures
+        stored = self.put_many([block])
+        return True if stored else None if self.usage().failures != failures else False
+
+    def carries(self, namespace: str) -> bool:
+        return namespace in self.config.tokens
+
     def delete_many(self, keys: Sequence[TierKey]) -> int:
         deleted = [0]
         lock = threading.Lock()

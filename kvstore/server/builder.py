@@ -250,6 +250,8 @@ def open_store(settings: Settings) -> TieredStore:
             remote=remote,
             remote_queue_bytes=settings.remote.queue_bytes,
             invalidation_poll_s=settings.remote.invalidation_poll_s,
+            # where this sidecar's fleet invalidations stopped: kept beside its nvme
+            invalidation_record=data_dir.path / "invalidation-ledger.json",
         )
     except BaseException:
         for tier in tiers:

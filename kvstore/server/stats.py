@@ -70,6 +70,7 @@ REMOTE_COUNTERS = (
     "remote_stored_blocks",
     "remote_dropped_blocks",
     "remote_handled_blocks",
+    "invalidation_ledger_losses",  # invalidations found lost (kvstore.store.ledger): failed closed
 )
 # Counted per namespace too (``Parts.count``): what a tenant sees of its own.
 TENANT_COUNTERS = (

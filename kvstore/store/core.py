@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.keys import BlockKey, Fingerprint
@@ -81,6 +82,7 @@ class TieredStore:
         remote: RemoteTier | None = None,
         remote_queue_bytes: int = 256 << 20,
         invalidation_poll_s: float = 0.5,
+        invalidation_record: Path | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -131,6 +133,7 @@ class TieredStore:
                 self._put_local,
                 remote_queue_bytes,
                 invalidation_poll_s,
+                invalidation_record,
             )
         )
         p = parts

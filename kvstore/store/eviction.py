@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 
 from kvstore.store.index import BlockIndex
-from kvstore.store.model import Block, BlockId
+from kvstore.store.model import MARK_FINGERPRINT, Block, BlockId
 
 
 class Eviction:
@@ -110,6 +110,8 @@ class Eviction:
         self._heaps[t] = heap
 
     def evictable_from(self, block: Block, t: int) -> bool:
+        if block.scope.fingerprint == MARK_FINGERPRINT and t == len(self._heaps) - 1:
+            return False  # the fleet's invalidation marks never leave a shared node's store
         return not block.pins and t in block.tiers and not self._child_holds(block, t)
 
     def _child_holds(self, block: Block, t: int) -> bool:

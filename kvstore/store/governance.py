@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import QuotaExceeded
 from kvstore.keys import BlockKey
 from kvstore.store.index import BlockIndex
-from kvstore.store.model import Block, BlockId, Scope, StoreConfig
+from kvstore.store.model import MARK_FINGERPRINT, Block, BlockId, Scope, StoreConfig
 
 RETENTION_SWEEP_S = 1.0
 
@@ -122,6 +122,8 @@ class Governance:
             self._drop(victim)
 
     def _leaf_anywhere(self, block: Block) -> bool:
+        if block.scope.fingerprint == MARK_FINGERPRINT:
+            return False  # the fleet's invalidation marks are no tenant's to lose for room
         return not block.pins and not block.doomed and not self._index.children(block.ident)
 
     def reserve(self, namespace: str, size_bytes: int) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from kvstore.keys import BlockKey, Fingerprint
-from kvstore.store.model import Block, BlockId, Scope
+from kvstore.store.model import MARK_FINGERPRINT, Block, BlockId, Scope
 
 
 class BlockIndex:
@@ -139,7 +139,7 @@ class BlockIndex:
             if ns is not last_ns:
                 last_ns, retention = ns, self._retention_of(ns)
                 in_namespace = self.by_namespace.setdefault(ns, {})
-            if retention is not None:
+            if retention is not None and scope.fingerprint != MARK_FINGERPRINT:  # marks outlive it
                 block.expires_at_s = block.stored_at_s + retention
                 self._by_age_add(self.by_age.setdefault(ns, collections.deque()), block)
             index[ident] = block

@@ -6,7 +6,10 @@ holds and what the remote tier holds, then writes a *mark* for S: a tiny value (
 under a reserved key of S's namespace in the remote tier (fingerprint ``MARK_FINGERPRINT``), so
 a shared kvstore node keeps it under the same tenant token as the tenant's blocks, and Redis or
 Mooncake under the same key prefix. "Everything" and "a fingerprint in every namespace" are
-written as one mark per namespace the issuer knows.
+written as marks of the namespace ``FLEET`` (a ``t/*`` token on a kvstore node), which every
+sidecar reads for every namespace it holds, and as one mark per namespace the issuer knows.
+Every invalidation is also numbered in a ledger (``kvstore.store.ledger``), so a sidecar that
+finds a mark lost drops its local copies of that namespace rather than serve them.
 
 A shared kvstore node that takes an invalidation itself (an operator's, not a sidecar's) writes
 the marks into its own store, as blocks of the same keys, for the namespaces whose marks
@@ -27,8 +30,9 @@ sidecar's write-behind queue sent after the issuer's delete goes too. Until then
 Blocks born after T are kept: a scope is usable again at once. Clocks are wall clocks, so the
 fleet's clocks must agree to well under a second (NTP); a sidecar whose clock runs ahead keeps
 blocks it stored in the skew before T. A mark is a block like any other: a remote tier that
-evicts it (Redis ``maxmemory``, a full shared node) forgets it, so a sidecar down longer than
-that misses it. An unreachable remote reads as no new mark: the sidecar serves its local
+evicts it (Redis ``maxmemory`` under an ``allkeys-*`` policy; a shared node exempts marks from
+eviction) forgets it; the ledger makes that a loss the sidecars see, and fail closed on. An
+unreachable remote reads as no new mark: the sidecar serves its local
 blocks, logs, and catches up when the remote answers; marks it could not write when it issued
 them are kept and written again at each poll until the remote takes them.
 """
@@ -39,12 +43,15 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.store.counts import Counts
 from kvstore.store.index import BlockIndex
-from kvstore.store.model import Scope, tier_key
+from kvstore.store.ledger import FLEET, Applied, Ledger, Outcome, read_values
+from kvstore.store.model import MARK_FINGERPRINT, Scope, tier_key
 from kvstore.store.parts import Locked
 from kvstore.store.pins import Pins
 from tiers import BytesLike, TierKey
@@ -52,19 +59,30 @@ from tiers.remote import RemoteBlock, RemoteTier
 
 log = logging.getLogger("kvstore.store")
 
-MARK_FINGERPRINT = Fingerprint(hashlib.blake2b(b"kvstore invalidation marks", digest_size=32).digest())
+__all__ = [  # MARK_FINGERPRINT lives in model.py (eviction exempts it); the rest of the fleet asks here
+    "FLEET",
+    "MARK_FINGERPRINT",
+    "FleetInvalidations",
+    "Target",
+    "mark_key",
+    "mark_name",
+    "mark_value",
+    "read_mark",
+]
 _T = struct.Struct("<d")
 
 Target = tuple[str, Fingerprint | None]  # (namespace, one fingerprint of it or all of it)
 
 
-def mark_name(fingerprint: Fingerprint | None) -> BlockKey:
-    """The block key of the mark of one fingerprint, or (None) of a whole namespace."""
-    return BlockKey(hashlib.blake2b(b"kvstore mark:" + (fingerprint or b"*"), digest_size=32).digest())
+def mark_name(fingerprint: Fingerprint | None, fleet: bool = False) -> BlockKey:
+    """The block key of the mark of one fingerprint, or (None) of a whole namespace; ``fleet``:
+    of every namespace (named apart: a kvstore node may file ``FLEET`` under a tenant's token)."""
+    label = b"kvstore fleet mark:" if fleet else b"kvstore mark:"
+    return BlockKey(hashlib.blake2b(label + (fingerprint or b"*"), digest_size=32).digest())
 
 
 def mark_key(namespace: str, fingerprint: Fingerprint | None) -> TierKey:
-    return tier_key(Scope(namespace, MARK_FINGERPRINT), mark_name(fingerprint))
+    return tier_key(Scope(namespace, MARK_FINGERPRINT), mark_name(fingerprint, namespace == FLEET))
 
 
 def mark_value(at_s: float) -> bytes:
@@ -81,9 +99,18 @@ class FleetInvalidations:
     the store's, except ``dead_before`` (a dict read, called under it)."""
 
     def __init__(
-        self, tier: RemoteTier, lock: Locked, counts: Counts, index: BlockIndex, pins: Pins, poll_s: float
+        self,
+        tier: RemoteTier,
+        lock: Locked,
+        counts: Counts,
+        index: BlockIndex,
+        pins: Pins,
+        poll_s: float,
+        record: Path | None = None,
     ) -> None:
         self._tier = tier
+        self._ledger = Ledger(tier, Applied(record))  # record: where this sidecar stopped, kept
+        self._said_fleet = False  # the warning that FLEET is not carried, logged once
         self._store_lock = lock
         self._counts = counts
         self._index = index
@@ -92,29 +119,69 @@ class FleetInvalidations:
         self._known: dict[Target, float] = {}  # the newest mark seen or written per target
         self._lock = threading.Lock()  # for _unsent: issuing threads and the poll's
         self._unsent: dict[Target, float] = {}  # marks the remote did not take: sent again each poll
+        self._unnumbered: dict[Target, float] = {}  # ledger entries not taken: claimed again each poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Catch up (before the store serves), then poll every ``poll_s`` on a thread."""
-        self.poll()
+        self.poll(starting=True)
         if self.poll_s > 0:
             self._thread = threading.Thread(target=self._run, name="kvstore-invalidations", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
+        """Stop polling, after a last poll: the ledgers of namespaces first seen since the last
+        one are recorded, so a restart does not take them for lost."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        try:
+            self.poll()
+        except Exception:  # closing goes on
+            log.exception("fleet invalidation: the last poll failed")
 
     # ----------------------------------------------------------------- issuing
 
-    def post(self, targets: Iterable[Target], at_s: float) -> None:
-        """Write the marks of an invalidation taken here at ``at_s`` (a newer one stays)."""
-        wanted = set(targets)
+    def post(
+        self, namespace: str | None, fingerprint: Fingerprint | None, known: Iterable[str], at_s: float
+    ) -> None:
+        """Write the marks of an invalidation taken here at ``at_s`` (a newer one stays) and
+        number it: of ``namespace``, or (None) of every namespace: ``FLEET``'s, and each of
+        ``known``'s mark (the namespaces' ledgers instead of ``FLEET``'s where it is not carried)."""
+        spans = [namespace] if namespace is not None else sorted(known)
+        wanted = {(ns, fingerprint) for ns in spans}
+        if namespace is None and self._fleet():
+            wanted.add((FLEET, fingerprint))
+            numbered = {(FLEET, fingerprint)}
+        else:
+            numbered = {(ns, fingerprint) for ns in spans}
         for target in wanted:
             self._known[target] = max(self._known.get(target, 0.0), at_s)
         self._write(dict.fromkeys(wanted, at_s))
+        if self._number(dict.fromkeys(numbered, at_s)):
+            log.warning("fleet invalidation: not numbered in the remote tier yet; again at each poll")
+
+    def _fleet(self) -> bool:
+        """Whether FLEET's marks reach the remote (asked each time: a Redis ACL's answer comes
+        once the cluster answers)."""
+        carried = self._tier.carries(FLEET)
+        if not carried and not self._said_fleet and not self._tier.usage().nodes_down:
+            self._said_fleet = True
+            log.warning(
+                "fleet invalidation: the remote tier does not carry %s (no such token in "
+                "remote.tokens, or the Redis ACL user may not touch its keys), so an invalidation "
+                "of every namespace reaches only the namespaces its issuer knows",
+                FLEET,
+            )
+        return carried
+
+    def _number(self, targets: dict[Target, float]) -> int:
+        """Number the invalidations in their ledgers; how many the remote did not take (kept)."""
+        failed = {t: at_s for t, at_s in targets.items() if not self._ledger.issue(t[0], t[1], at_s)}
+        with self._lock:
+            self._unnumbered.update(failed)
+        return len(failed)
 
     def _write(self, marks: dict[Target, float]) -> None:
         by_key = {mark_key(*target): (target, at_s) for target, at_s in marks.items()}
@@ -125,7 +192,10 @@ class FleetInvalidations:
         # delete first: a shared kvstore node keeps the first copy of a key (puts deduplicate)
         self._tier.delete_many(list(stale))
         stored = self._tier.put_many(
-            [RemoteBlock(k, MARK_FINGERPRINT, mark_value(at_s)) for k, (_, at_s) in stale.items()]
+            [
+                RemoteBlock(k, MARK_FINGERPRINT, mark_value(at_s), lasting=True)
+                for k, (_, at_s) in stale.items()
+            ]
         )
         if stored < len(stale):
             with self._lock:  # all of them again (one the remote took reads as current then)
@@ -148,45 +218,84 @@ class FleetInvalidations:
         if not known:
             return 0.0
         return max(
-            known.get((scope.namespace, None), 0.0), known.get((scope.namespace, scope.fingerprint), 0.0)
+            known.get((scope.namespace, None), 0.0),
+            known.get((scope.namespace, scope.fingerprint), 0.0),
+            known.get((FLEET, None), 0.0),
+            known.get((FLEET, scope.fingerprint), 0.0),
         )
 
-    def poll(self) -> int:
+    def poll(self, starting: bool = False) -> int:
         """Send the marks the remote did not take yet, then read the marks of every scope seen
-        here and apply the new ones; blocks dropped."""
+        here and apply the new ones, and check the ledgers (``starting``: see ``Ledger.check``);
+        blocks dropped."""
         with self._lock:
             unsent, self._unsent = self._unsent, {}
+            unnumbered, self._unnumbered = self._unnumbered, {}
         if unsent:
             self._write(unsent)
+        if unnumbered:
+            self._number(unnumbered)
         with self._store_lock:
             scopes = [s for s in self._index.scopes() if s.fingerprint != MARK_FINGERPRINT]
         targets: dict[TierKey, Target] = {}
+        fleet = self._fleet()
         for scope in scopes:
-            targets[mark_key(scope.namespace, None)] = (scope.namespace, None)
-            targets[mark_key(scope.namespace, scope.fingerprint)] = (scope.namespace, scope.fingerprint)
+            for ns in (scope.namespace, FLEET) if fleet else (scope.namespace,):
+                targets[mark_key(ns, None)] = (ns, None)
+                targets[mark_key(ns, scope.fingerprint)] = (ns, scope.fingerprint)
         if not targets:
             return 0
         failures = self._tier.usage().failures
-        marks = self._read(list(targets))
-        if self._tier.usage().failures != failures:
+        ledgers = sorted({ns for ns, _ in targets.values() if self._tier.carries(ns)})
+        found = read_values(self._tier, [*targets, *self._ledger.first_keys(ledgers)])  # one batch
+        outcomes = self._ledger.check(ledgers, found, starting)
+        marks = {k: t for k in targets if (t := read_mark(found.get(k)))}
+        dropped = sum(self._learn(targets[key], at_s) for key, at_s in marks.items())
+        usage = self._tier.usage()
+        if usage.failures != failures or usage.nodes_down:  # a node skipped reads as misses: no loss
             log.warning("fleet invalidation: the remote tier did not answer; serving local blocks meanwhile")
-        dropped = 0
-        for key, at_s in marks.items():
-            target = targets[key]
-            if at_s > self._known.get(target, 0.0):
-                self._known[target] = at_s
-                dropped += self._apply(target, at_s)
+            return dropped
+        for outcome in outcomes:
+            dropped += self._settle(outcome)
+        self._ledger.done(outcomes)
         return dropped
+
+    def _learn(self, target: Target, at_s: float) -> int:
+        """A mark or a ledger entry read: applied if newer than the one known here."""
+        if at_s <= self._known.get(target, 0.0):
+            return 0
+        self._known[target] = at_s
+        return self._apply(target, at_s)
+
+    def _settle(self, outcome: Outcome) -> int:
+        """One ledger's new entries applied; a loss fails closed: every local block of its
+        namespace (every namespace, for FLEET) born before now goes."""
+        dropped = sum(self._learn((outcome.ledger, e.fingerprint), e.at_s) for e in outcome.entries)
+        if not outcome.lost:
+            return dropped
+        now = time.time()
+        with self._store_lock:
+            self._counts["invalidation_ledger_losses"] += 1
+        gone = self._apply((outcome.ledger, None), now)
+        log.warning(
+            "fleet invalidation: the ledger of %s lost invalidations (%s); dropped its %d local "
+            "blocks born before now rather than serve what they may have killed",
+            "every namespace" if outcome.ledger == FLEET else f"namespace {outcome.ledger}",
+            outcome.lost,
+            gone,
+        )
+        return dropped + gone
 
     def _apply(self, target: Target, at_s: float) -> int:
         namespace, fingerprint = target
         with self._store_lock:
             victims = [
                 b
-                for b in list(self._index.pool(namespace))
+                for b in list(self._index.pool(None if namespace == FLEET else namespace))
                 if not b.doomed
                 and b.stored_at_s <= at_s
                 and (fingerprint is None or b.scope.fingerprint == fingerprint)
+                and b.scope.fingerprint != MARK_FINGERPRINT
             ]
             for block in victims:
                 self._pins.doom(block)
@@ -203,13 +312,8 @@ class FleetInvalidations:
         return len(victims)
 
     def _read(self, keys: Sequence[TierKey]) -> dict[TierKey, float]:
-        """The marks present among ``keys``: which are, then their values (a shared node answers
-        a batch's present prefix only, so the absent ones are not asked for)."""
-        present = [k for k, here in zip(keys, self._tier.contains(keys), strict=True) if here]
-        if not present:
-            return {}
-        values = self._tier.get_many(present, MARK_FINGERPRINT)
-        return {k: t for k, v in zip(present, values, strict=True) if (t := read_mark(v))}
+        """The marks present among ``keys``, and their times."""
+        return {k: t for k, v in read_values(self._tier, keys).items() if (t := read_mark(v))}
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -6,6 +6,7 @@ Nothing here takes a lock or touches a tier.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,10 @@ class Scope:
 
 
 BlockId = tuple[Scope, BlockKey]
+
+# The fleet's invalidation marks and ledgers (kvstore.store.invalidations, ledger): a reserved
+# fingerprint of every namespace, exempt from eviction, quotas and retention on a shared node.
+MARK_FINGERPRINT = Fingerprint(hashlib.blake2b(b"kvstore invalidation marks", digest_size=32).digest())
 
 
 def tier_key(scope: Scope, key: BlockKey) -> TierKey:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from kvstore.errors import StoreFull
 from kvstore.keys import BlockKey, Fingerprint
@@ -71,6 +72,7 @@ class RemoteCalls:
         put: Put,
         max_queue_bytes: int,
         poll_s: float = 0.5,
+        record: Path | None = None,
     ) -> None:
         self.tier = remote
         self._lock = lock
@@ -85,7 +87,7 @@ class RemoteCalls:
             self._copy, max_queue_bytes, name="kvstore-remote-behind"
         )
         # the fleet's invalidations: caught up with here, before the store serves
-        self.marks = FleetInvalidations(remote, lock, counts, index, pins, poll_s)
+        self.marks = FleetInvalidations(remote, lock, counts, index, pins, poll_s, record)
         self.marks.start()
 
     def more(self, scope: Scope, keys: Sequence[BlockKey]) -> int:
@@ -158,14 +160,14 @@ class RemoteCalls:
         """Invalidation: a namespace (all of it, or one fingerprint in it), one fingerprint in
         every namespace (those in ``known``: a remote key begins with its namespace), or, with
         neither, everything under this store's remote keys; then the marks that carry it to
-        the other sidecars (``kvstore.store.invalidations``), one per namespace."""
+        the other sidecars (``kvstore.store.invalidations``)."""
         at_s = self._wall()  # after the local blocks went: every one was born before it
         namespaces = [namespace] if namespace is not None else sorted(known)
         if namespace is None and fingerprint is None:
             removed = self.tier.delete_matching(b"")
         else:
             removed = sum(self.tier.delete_matching(_prefix(ns) + (fingerprint or b"")) for ns in namespaces)
-        self.marks.post(((ns, fingerprint) for ns in namespaces), at_s)
+        self.marks.post(namespace, fingerprint, namespaces, at_s)
         return removed
 
     def usage(self) -> RemoteUsage:
