@@ -8,12 +8,14 @@ received message (no copy). Field numbers must match ``proto/kvstore.proto``.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 
-_KEY, _PAYLOAD, _FINGERPRINT, _PARENT, _SCOPE = 1, 2, 3, 4, 5
-_LEN_DELIMITED = 2
+_KEY, _PAYLOAD, _FINGERPRINT, _PARENT, _SCOPE, _CHECKSUM = 1, 2, 3, 4, 5, 6
+_LEN_DELIMITED, _FIXED64 = 2, 1
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class Frame:
     fingerprint: bytes = b""
     parent: bytes = b""
     scope: str = ""
+    checksum: int | None = None  # xxh3-64 of the payload, in a Get frame
 
 
 def _varint(n: int) -> bytes:
@@ -47,8 +50,11 @@ def encode_frame(
     fingerprint: bytes = b"",
     parent: bytes = b"",
     scope: str = "",
+    checksum: int | None = None,
 ) -> bytes:
     head = [_field(_KEY, key)]
+    if checksum is not None:
+        head.append(_varint(_CHECKSUM << 3 | _FIXED64) + _U64.pack(checksum))
     if fingerprint:
         head.append(_field(_FINGERPRINT, fingerprint))
     if parent:
@@ -76,6 +82,7 @@ def decode_frame(message: bytes) -> Frame:
     """Parse one frame; the payload aliases ``message``. Raises InvalidArgument when malformed."""
     buf = memoryview(message)
     fields: dict[int, memoryview] = {}
+    checksum: int | None = None
     pos = 0
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
@@ -89,7 +96,12 @@ def decode_frame(message: bytes) -> Frame:
         elif wire_type == 0:
             _, pos = _read_varint(buf, pos)
         elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
+            end = pos + (8 if wire_type == 1 else 4)
+            if end > len(buf):
+                raise InvalidArgument(f"malformed block frame: field {number} runs past the end")
+            if number == _CHECKSUM and wire_type == _FIXED64:
+                (checksum,) = _U64.unpack_from(buf, pos)
+            pos = end
         else:
             raise InvalidArgument(f"malformed block frame: wire type {wire_type}")
     if _KEY not in fields:
@@ -104,4 +116,5 @@ def decode_frame(message: bytes) -> Frame:
         fingerprint=bytes(fields.get(_FINGERPRINT, b"")),
         parent=bytes(fields.get(_PARENT, b"")),
         scope=scope,
+        checksum=checksum,
     )

@@ -421,18 +421,20 @@ class GetRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class BlockFrame(_message.Message):
-    __slots__ = ("key", "payload", "fingerprint", "parent", "scope")
+    __slots__ = ("key", "payload", "fingerprint", "parent", "scope", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     payload: bytes
     fingerprint: bytes
     parent: bytes
     scope: str
-    def __init__(self, key: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., scope: _Optional[str] = ...) -> None: ...
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., scope: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "received")

@@ -233,9 +233,10 @@ class Client:
 
     @property
     def checksum_failures(self) -> int:
-        """Blocks this client received over the data port that failed the checksum the server
-        sent with them: each ended its get's prefix (a miss)."""
-        return 0 if self._data is None else self._data.checksum_failures
+        """Blocks this client received (over the data port or a gRPC Get stream) that failed
+        the checksum the server sent with them: each ended its get's prefix (a miss)."""
+        data = 0 if self._data is None else self._data.checksum_failures
+        return data + self._grpc.checksum_failures
 
     def server_info(self) -> dict[str, Any]:
         r: pb.ServerInfoResponse = self._grpc.call(self._grpc.stub.ServerInfo, pb.ServerInfoRequest())

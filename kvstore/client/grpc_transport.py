@@ -8,10 +8,12 @@ hand, since their frames are bytes encoded and decoded here (``kvstore.frames``)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import xxhash
 
 from kvstore.address import Address
 from kvstore.client.dataport import block_misfit
@@ -56,6 +58,8 @@ class GrpcTransport:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout_s = timeout_s
         self._mapping = mapping
+        self._lock = threading.Lock()
+        self._checksum_failures = 0
         self.stub = pb_grpc.KvStoreStub(self.channel)
         # By hand, not the stub's: the frames are bytes, encoded and decoded by kvstore.frames.
         self._get = self.channel.unary_stream(
@@ -180,11 +184,26 @@ class GrpcTransport:
     def close(self) -> None:
         self.channel.close()
 
+    @property
+    def checksum_failures(self) -> int:
+        """Blocks a Get stream brought that failed the checksum the node sent with them."""
+        return self._checksum_failures
+
     def _stream(self, fingerprint: bytes, keys: Sequence[bytes], scope: str) -> Iterator[memoryview]:
+        """The payloads of the present prefix, each checked against the checksum its frame
+        carries: one that fails (changed on its way) ends the prefix there, a miss, counted, and
+        the rest of the stream is cancelled."""
         request = pb.GetRequest(fingerprint=fingerprint, keys=list(keys), scope=scope)
         with translated("the Get stream"):
-            for message in self._get(request, metadata=self._metadata, timeout=self._timeout_s()):
-                yield decode_frame(message).payload
+            call = self._get(request, metadata=self._metadata, timeout=self._timeout_s())
+            for message in call:
+                frame = decode_frame(message)
+                if frame.checksum is not None and xxhash.xxh3_64_intdigest(frame.payload) != frame.checksum:
+                    with self._lock:
+                        self._checksum_failures += 1
+                    call.cancel()
+                    return
+                yield frame.payload
 
 
 def _method_path(name: str) -> str:

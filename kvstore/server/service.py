@@ -268,5 +268,5 @@ def _fill(view: memoryview, payload: memoryview) -> None:
 
 
 def _frame(key: bytes, payload: memoryview, checksum: int) -> bytes:
-    """A Get stream's frame: its BlockFrame carries no checksum (the data port's get does)."""
-    return encode_frame(key, payload)
+    """A Get stream's frame, with the block's checksum for the receiver to check."""
+    return encode_frame(key, payload, checksum=checksum)
