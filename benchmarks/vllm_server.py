@@ -47,7 +47,8 @@ class OpenAIServer:
         try:
             self._wait_ready()
         except BaseException:
-            self.close()
+            self.close(keep_log=True)
+            print(f"vLLM's OpenAI server did not start; its log is kept in {self.log.name}", file=sys.stderr)
             raise
 
     def _wait_ready(self) -> None:
@@ -67,7 +68,8 @@ class OpenAIServer:
     def _tail(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the server and remove its log, unless ``keep_log`` (it failed to start)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -76,3 +78,5 @@ class OpenAIServer:
                 self.proc.kill()
                 self.proc.wait(30)
         self.log.close()
+        if not keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
