@@ -96,10 +96,13 @@ def test_delete_many_and_delete_matching_reach_only_their_keys(
     c = [block(key("t.", i)) for i in range(5)]
     assert tier.put_many(a + b + c) == 65
     assert tier.delete_many([a[0].key, key("t.*", 500)]) == 1
-    # invalidate namespace "t.*": its 29 remaining blocks go, "t.?" and "t." stay
-    assert tier.delete_matching(bytes([3]) + b"t.*") == 29
+    # invalidate namespace "t.*": its 29 remaining blocks go, "t.?" and "t." stay, and (named
+    # keys) so does "t.*"'s key of the spared fingerprint (the fleet's invalidation marks)
+    mark = block(key("t.*", 1, OTHER_FP))
+    assert tier.put_many([mark]) == 1
+    assert tier.delete_matching(bytes([3]) + b"t.*", spare=OTHER_FP) == 29 + (not named)
     assert tier.contains([x.key for x in a]) == [False] * 30
-    assert tier.contains([x.key for x in b + c]) == [True] * 35
+    assert tier.contains([x.key for x in b + c] + [mark.key]) == [True] * 35 + [named]
     # one fingerprint of a namespace: a prefix with binary bytes in it
     assert tier.delete_matching(bytes([3]) + b"t.?" + FP) == 30
     assert tier.contains([x.key for x in c]) == [True] * 5

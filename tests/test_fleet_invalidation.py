@@ -8,6 +8,7 @@ invalidation of every tenant reaches a tenant only another sidecar holds (``kvst
 
 from __future__ import annotations
 
+import json
 import statistics
 import struct
 import time
@@ -110,6 +111,19 @@ def _registered(sidecars: list[ServerProcess]) -> Fingerprint:
             fingerprints.add(kv.register(MODEL))
     (fp,) = fingerprints
     return fp
+
+
+def _record_moved(sidecar: ServerProcess, since: list[float]) -> list[float]:
+    """Waits until ``sidecar``'s record of tenant "local"'s invalidation ledger (number, time:
+    ``kvstore.store.ledger.Applied``) is no longer ``since``; the record then."""
+    record = sidecar.data_dir / "invalidation-ledger.json"
+    deadline = time.monotonic() + 10
+    while True:
+        now = json.loads(record.read_text()).get("t/local", [0, 0.0]) if record.exists() else [0, 0.0]
+        if now != since:
+            return [float(x) for x in now]
+        assert time.monotonic() < deadline, f"{sidecar.data_dir}: still {now}"
+        time.sleep(0.05)
 
 
 def _gone_within(sidecar: ServerProcess, fp: Fingerprint, keys: list[BlockKey], limit_s: float) -> float:
@@ -308,11 +322,19 @@ def test_a_tenants_invalidation_reaches_the_fleet_and_leaves_other_tenants_block
         assert kv.register(MODEL) == fp
     mine = _store_and_share(a, [b], fp, "tenant-local")
     theirs = _store_and_share(a, [b], fp, "tenant-b", token="tok-b")
+    with connect(a.unix) as kv:  # a numbered invalidation B records at its next poll
+        kv.invalidate(kv.register(OTHER))
+    before = _record_moved(b, [0, 0.0])
+    with connect(b.unix) as kv:
+        losses = kv.stats()["counters"]["invalidation_ledger_losses"]
     with connect(a.unix) as kv:
         assert kv.invalidate(everything=True) >= 4
     _gone_within(b, fp, mine, PROPAGATION_S)
     with _as(b, "tok-b") as kv:
         assert kv.lookup_tiers(fp, theirs).tiers == ("dram",) * 4
+    _record_moved(b, before)  # B polled the ledger since: spared by the namespace's own delete
+    with connect(b.unix) as kv:
+        assert kv.stats()["counters"]["invalidation_ledger_losses"] == losses
 
 
 def test_an_invalidation_of_every_tenant_reaches_a_tenant_only_another_sidecar_holds(

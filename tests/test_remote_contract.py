@@ -201,11 +201,14 @@ def test_delete_many_and_delete_matching_reach_only_their_keys(
     c = [block(key("t", i)) for i in range(5)]
     assert tier.put_many(a + b + c) == 65
     assert tier.delete_many([a[0].key, a[0].key, key("t*", 500)]) == 1
-    # invalidate namespace "t*" -> its 29 remaining blocks go, "t?" and "t" stay
+    # invalidate namespace "t*" -> its 29 remaining blocks go, "t?" and "t" stay, and so does
+    # "t*"'s key of the spared fingerprint (the fleet's invalidation marks)
+    mark = block(key("t*", 1, OTHER_FP))
+    assert tier.put_many([mark]) == 1
     prefix = bytes([2]) + b"t*"
-    assert tier.delete_matching(prefix) == 29
+    assert tier.delete_matching(prefix, spare=OTHER_FP) == 29
     assert tier.contains([x.key for x in a]) == [False] * 30
-    assert tier.contains([x.key for x in b + c]) == [True] * 35
+    assert tier.contains([x.key for x in b + c] + [mark.key]) == [True] * 36
 
 
 def test_shared_names_keep_namespaces_apart_and_plain() -> None:

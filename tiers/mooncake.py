@@ -133,8 +133,14 @@ class MooncakeTier(RemoteTier):
         codes = self._call(lambda store: list(store.batch_remove(names, True))) if names else []
         return 0 if codes is None else sum(c == 0 for c in codes)
 
-    def delete_matching(self, prefix: bytes) -> int:
+    def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int:
+        """One regex; with ``key_name`` (the builder's), the keys of fingerprint ``spare`` are
+        kept by a look-ahead on the hex after ``<namespace>:``. Raw keys (no ``key_name``)
+        cannot say where their fingerprint starts: there ``spare`` is not honoured."""
         pattern = "^" + re.escape(self._key(prefix))
+        if spare and self._key_name is not None:
+            kept = re.escape(self.config.key_prefix) + "[^:]*:" + spare.hex()
+            pattern = "^(?!" + kept + ")" + pattern[1:]
         removed = self._call(lambda store: int(store.remove_by_regex(pattern, True)))
         return max(0, removed or 0)
 

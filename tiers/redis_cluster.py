@@ -18,7 +18,8 @@ serves from its local tiers, while the cluster is down. Each socket operation is
 ``timeout_s``.
 
 ``delete_matching`` scans every primary (SCAN MATCH, the prefix's glob characters escaped) and
-deletes in pipelined batches: invalidation is rare and may take a while on a big cluster.
+deletes in pipelined batches, but for the spared fingerprint's keys (the fleet's invalidation
+marks): invalidation is rare and may take a while on a big cluster.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class RedisClusterTier(RemoteTier):
         replies = self._pipelined([("DELETE", self._key(k)) for k in keys])
         return 0 if replies is None else sum(int(r) for r in replies if isinstance(r, int))
 
-    def delete_matching(self, prefix: bytes) -> int:
+    def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int:
         client = self._connected()
         if client is None:
             return 0
@@ -164,6 +165,8 @@ class RedisClusterTier(RemoteTier):
         try:
             batch: list[bytes] = []
             for key in client.scan_iter(match=pattern, count=1000):
+                if spare and self._fingerprint_of(key) == spare:
+                    continue
                 batch.append(key)
                 if len(batch) >= _DELETE_BATCH:
                     removed += self._delete_raw(client, batch)
@@ -193,6 +196,15 @@ class RedisClusterTier(RemoteTier):
     def _key(self, key: bytes) -> bytes:
         name = self._key_name
         return self._prefix + (name(key) if name is not None else key)
+
+    def _fingerprint_of(self, name: bytes) -> bytes:
+        """The fingerprint in a key's name: the 32 bytes after its namespace (``key_name``'s
+        ``<namespace>:``, or the tier key's length-prefixed namespace)."""
+        rest = name[len(self._prefix) :]
+        if self._key_name is None:
+            n = rest[0] if rest else 0
+            return rest[1 + n : 33 + n]
+        return rest.partition(b":")[2][:32]
 
     def _count(self, name: str, n: int) -> None:
         with self._lock:

@@ -27,8 +27,10 @@ fingerprint, so two tenants' blocks never share a remote key):
     claim(block)            -> stored only if its key was absent: True, False (taken), None (failed)
     carries(namespace)      -> whether that namespace's keys reach this tier at all
     delete_many(keys)       -> how many were present
-    delete_matching(prefix) -> how many keys starting with ``prefix`` were removed: the store's
-                               invalidation of a namespace, or of one fingerprint in it
+    delete_matching(prefix, spare)
+                            -> how many keys starting with ``prefix`` were removed: the store's
+                               invalidation of a namespace, or of one fingerprint in it; keys
+                               of fingerprint ``spare`` stay (the fleet's invalidation marks)
     usage()                 -> RemoteUsage: counters of what the tier saw
     close()
 
@@ -211,7 +213,7 @@ class RemoteTier(ABC):
     def delete_many(self, keys: Sequence[TierKey]) -> int: ...
 
     @abstractmethod
-    def delete_matching(self, prefix: bytes) -> int: ...
+    def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int: ...
 
     @abstractmethod
     def usage(self) -> RemoteUsage: ...

@@ -151,8 +151,8 @@ class SealedRemote(RemoteTier):
     def delete_many(self, keys: Sequence[TierKey]) -> int:
         return self.inner.delete_many(keys)
 
-    def delete_matching(self, prefix: bytes) -> int:
-        return self.inner.delete_matching(prefix)
+    def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int:
+        return self.inner.delete_matching(prefix, spare)
 
     def usage(self) -> RemoteUsage:
         with self._lock:

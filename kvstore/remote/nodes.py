@@ -221,8 +221,9 @@ class KvStoreNodesTier(RemoteTier):
         self._fan_out(self._groups(keys), delete)
         return deleted[0]
 
-    def delete_matching(self, prefix: bytes) -> int:
-        """``prefix`` is a tier key's namespace part, with or without the fingerprint after it."""
+    def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int:
+        """``prefix`` is a tier key's namespace part, with or without the fingerprint after it.
+        A node's own invalidation spares the fleet's marks itself, whatever ``spare`` says."""
         n = prefix[0] if prefix else 0
         namespace = prefix[1 : 1 + n].decode(errors="replace")
         fingerprint = prefix[1 + n :]

@@ -70,6 +70,7 @@ class Outcome:
     entries: list[Entry]
     lost: str = ""
     after: int = 0
+    fresh: bool = False  # first seen: its head entry is read for its time, and may be gone
 
 
 def _key(ledger: str, label: bytes) -> TierKey:
@@ -192,7 +193,7 @@ class Ledger:
                 outcomes.append(Outcome(ledger, head, [], "no record of where this sidecar stopped"))
                 continue
             if mine is None:  # first seen: it starts at its head
-                outcomes.append(Outcome(ledger, head or 0, [], "", head or 0))
+                outcomes.append(Outcome(ledger, head or 0, [], "", max(0, (head or 0) - 1), fresh=True))
                 continue
             number, at_s = mine
             last = _entry(first.get(entry_key(ledger, number))) if number else None
@@ -217,7 +218,7 @@ class Ledger:
             entries = [_entry(found.get(entry_key(o.ledger, n))) for n in numbers]
             o.entries = [e for e in entries if e is not None]
             missing = [n for n, e in zip(numbers, entries, strict=True) if e is None]
-            if missing:
+            if missing and not o.fresh:
                 o.lost = f"entries {missing[:5]} of {numbers.start}..{o.head} are missing"
         return outcomes
 

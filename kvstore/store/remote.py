@@ -45,7 +45,7 @@ from kvstore.store.counts import Counts
 from kvstore.store.governance import Governance
 from kvstore.store.index import BlockIndex
 from kvstore.store.invalidations import FleetInvalidations
-from kvstore.store.model import Block, BlockId, Scope, tier_key
+from kvstore.store.model import MARK_FINGERPRINT, Block, BlockId, Scope, tier_key
 from kvstore.store.parts import Locked
 from kvstore.store.pins import Pins
 from kvstore.store.placement import Placement
@@ -163,10 +163,14 @@ class RemoteCalls:
         the other sidecars (``kvstore.store.invalidations``)."""
         at_s = self._wall()  # after the local blocks went: every one was born before it
         namespaces = [namespace] if namespace is not None else sorted(known)
+        # the marks and ledgers stay: they are the record of this and every earlier invalidation
         if namespace is None and fingerprint is None:
-            removed = self.tier.delete_matching(b"")
+            removed = self.tier.delete_matching(b"", MARK_FINGERPRINT)
         else:
-            removed = sum(self.tier.delete_matching(_prefix(ns) + (fingerprint or b"")) for ns in namespaces)
+            removed = sum(
+                self.tier.delete_matching(_prefix(ns) + (fingerprint or b""), MARK_FINGERPRINT)
+                for ns in namespaces
+            )
         self.marks.post(namespace, fingerprint, namespaces, at_s)
         return removed
 
