@@ -285,10 +285,14 @@ def test_an_invalidation_taken_while_the_remote_hangs_reaches_the_fleet_once_it_
     print(f"\ncaught up {_gone_within(b, fp, dead, 20.0):.1f} s after the node answered again")
 
 
-def test_a_sidecar_that_was_down_when_a_mark_was_lost_fails_closed(fleet: list[ServerProcess]) -> None:
+@pytest.mark.parametrize("evicted", ["entry", "head"])
+def test_a_sidecar_that_was_down_when_a_mark_was_lost_fails_closed(
+    fleet: list[ServerProcess], evicted: str
+) -> None:
     """C down (its blocks spilled to its nvme) while A invalidates a model; then the mark and
-    its ledger entry go from the remote, as an eviction would take them. C, started again,
-    serves none of that model's blocks, and counts the loss."""
+    its ledger entry (a number missing), or the ledger's head (the counter missing), go from
+    the remote, as an eviction would take them. C, started again, serves none of that model's
+    blocks, and counts the loss."""
     a, _, c = fleet
     fp = _registered([a, c])
     dead = _store_and_share(a, [c], fp, "lost-dead")
@@ -300,8 +304,8 @@ def test_a_sidecar_that_was_down_when_a_mark_was_lost_fails_closed(fleet: list[S
     try:
         head = read_values(remote, [head_key("t/local")])[head_key("t/local")]
         (number,) = struct.unpack("<Q", head)
-        evicted = [mark_key("t/local", fp), entry_key("t/local", number)]
-        assert remote.delete_many(evicted) == 2
+        record = entry_key("t/local", number) if evicted == "entry" else head_key("t/local")
+        assert remote.delete_many([mark_key("t/local", fp), record]) == 2
     finally:
         remote.close()
     c.start()
