@@ -86,7 +86,7 @@ from tiers.cipher import BlockCipher
 from tiers.codec import byte_view
 from tiers.errors import BlockTooLarge, TierBusy, TierClosed, TierCorrupt, TierFull
 from tiers.nvme_config import NvmeConfig
-from tiers.nvme_env import open_env
+from tiers.nvme_env import open_env, reopen_env
 from tiers.nvme_index import NvmeIndex
 from tiers.nvme_queue import BufferPool
 from tiers.nvme_stored import Corrupt, Entry, copy_committed, make_stored, read_batch, read_pending
@@ -120,7 +120,7 @@ class NvmeTier(Tier):
         opened = False
         try:
             env = open_env(self._folder, config)
-            self._env, headers, self._payloads, found = env.env, env.headers, env.payloads, env.found
+            self._env, self._headers, self._payloads, found = env.env, env.headers, env.payloads, env.found
             # Counted where the server's metrics read it (``usage().damaged_moved``).
             self._damaged_moved = 0 if env.damaged_to is None else 1
             opened = True
@@ -137,18 +137,8 @@ class NvmeTier(Tier):
         self._pool = BufferPool(config.max_pending_bytes)
         self._readers = 0
         self._closed = False
-        self._writer = NvmeWriter(
-            config,
-            self._folder,
-            self._env,
-            headers,
-            self._payloads,
-            self._cond,
-            self._pool,
-            self._forget_locked,
-            env.no_room,
-            sealed=cipher is not None,
-        )
+        self._reopening = False
+        self._writer = self._new_writer(env.no_room)
         dropped = 0
         with self._cond:
             for key, header in found:
@@ -301,7 +291,7 @@ class NvmeTier(Tier):
         finally:
             with self._lock:
                 self._readers -= 1
-                if not self._readers and self._closed:
+                if not self._readers and (self._closed or self._reopening):
                     self._readers_gone.notify_all()
         if isinstance(result, Corrupt):
             self._drop_corrupt(key, entry)
@@ -368,7 +358,7 @@ class NvmeTier(Tier):
                     if op is not None:
                         self._writer.release_locked(op)
                 self._readers -= 1
-                if not self._readers and self._closed:
+                if not self._readers and (self._closed or self._reopening):
                     self._readers_gone.notify_all()
             for key, entry in corrupt:
                 self._drop_corrupt(key, entry)
@@ -463,6 +453,62 @@ class NvmeTier(Tier):
                 log.warning("nvme tier %s: cannot remove its marker file: %s", self._folder, exc.strerror)
         self._owner.close()
 
+    # ---- a read-only environment, writable again ------------------------------------------
+
+    def _new_writer(self, no_room: str | None) -> NvmeWriter:
+        return NvmeWriter(
+            self._config,
+            self._folder,
+            self._env,
+            self._headers,
+            self._payloads,
+            self._cond,
+            self._pool,
+            self._forget_locked,
+            no_room,
+            sealed=self._cipher is not None,
+            writable_again=lambda: threading.Thread(
+                target=self._reopen_writable, name="kvstore-nvme-reopen", daemon=True
+            ).start(),
+        )
+
+    def _reopen_writable(self) -> None:
+        """Swap the read-only environment (opened on a read-only file system) for a writable
+        one once its file system takes writes again: calls wait meanwhile (``_check_open_locked``)
+        and the index stays as it is (what was deleted meanwhile is deleted on disk now)."""
+        with self._cond:
+            if self._closed or self._reopening:
+                return
+            self._reopening = True
+            old = self._writer
+            old.stop_locked()
+            while self._readers:
+                self._readers_gone.wait()
+        old.join()
+        try:
+            self._env.close()  # LMDB opens an environment once per process
+            opened = reopen_env(self._folder, self._config)
+            self._env, self._headers, self._payloads = opened.env, opened.headers, opened.payloads
+            writer = self._new_writer(opened.no_room)
+        except BaseException:
+            log.exception("nvme tier %s: cannot open it again; the tier is closed", self._folder)
+            with self._cond:
+                self._closed = True  # its calls fail from now on, none reads a closed environment
+                self._reopening = False
+                self._readers_gone.notify_all()
+            raise
+        with self._cond:
+            self._writer = writer
+            for key, _ in opened.found:
+                if self._index.get(key) is None:  # deleted while read-only
+                    writer.delete_locked(key)
+            self._reopening = False
+            self._readers_gone.notify_all()
+            self._cond.notify_all()
+        writer.start()
+        if writer.degraded is None:
+            log.warning("nvme tier %s: its file system is writable again; writes resume", self._folder)
+
     # ---- reading -------------------------------------------------------------------------
 
     def _read_committed(self, key: TierKey, dst: memoryview, entry: Entry) -> int | Corrupt | None:
@@ -488,6 +534,8 @@ class NvmeTier(Tier):
             self._check_open_locked()
 
     def _check_open_locked(self) -> None:
+        while self._reopening:  # the environment is being swapped (``_reopen_writable``)
+            self._readers_gone.wait()
         if self._closed:
             raise TierClosed("nvme tier is closed")
         failure = self._writer.failure

@@ -107,6 +107,17 @@ def open_env(folder: Path, config: NvmeConfig) -> OpenedEnv:
         raise TierCorrupt(f"nvme tier {folder} cannot be opened: {exc}") from exc
 
 
+def reopen_env(folder: Path, config: NvmeConfig) -> OpenedEnv:
+    """The environment of a tier that had it open read-only (and has closed it), once its file
+    system takes writes again: writable where it opens so, else read-only again. Never moved
+    aside: it was read a moment ago."""
+    try:
+        return _open_lmdb(folder, config)
+    except (lmdb.Error, MediumNoRoom, OSError) as exc:
+        log.warning("nvme tier %s: cannot open it writable (%s); read-only again", folder, exc)
+        return _open_read_only(folder, config)
+
+
 def _open_lmdb(folder: Path, config: NvmeConfig) -> OpenedEnv:
     if nvme_room.read_only(folder):
         return _open_read_only(folder, config)
@@ -174,7 +185,9 @@ def _open_read_only(folder: Path, config: NvmeConfig) -> OpenedEnv:
     except BaseException:
         env.close()
         raise
-    return OpenedEnv(env, headers, payloads, found, "read-only file system (restart once it is writable)")
+    return OpenedEnv(
+        env, headers, payloads, found, "read-only file system (writes resume once it is writable)"
+    )
 
 
 def _scan(env: lmdb.Environment, headers: lmdb._Database, payloads: lmdb._Database) -> list[Found]:

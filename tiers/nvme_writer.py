@@ -72,7 +72,7 @@ from tiers import nvme_folder
 from tiers.base import TierKey
 from tiers.nvme_config import NvmeConfig
 from tiers.nvme_queue import Batch, BufferPool, PutOp, WriteQueue
-from tiers.nvme_room import DELETE_ROOM_BYTES, PROBE_BYTES, PROBE_S, DiskRoom, NoRoom, is_no_room
+from tiers.nvme_room import DELETE_ROOM_BYTES, PROBE_BYTES, PROBE_S, DiskRoom, NoRoom, is_no_room, read_only
 from tiers.nvme_wipe import Span, Wiper, span, zero
 
 log = logging.getLogger("tiers.nvme")  # the tier's name: its logs stay under one logger
@@ -93,10 +93,14 @@ class NvmeWriter(WriteQueue):
         forget: Callable[[TierKey], object],
         no_room: str | None = None,
         sealed: bool = False,
+        writable_again: Callable[[], None] | None = None,
     ) -> None:
         """``forget(key)`` is called with ``cond`` held for a pending put whose commit failed;
         ``no_room``: why the tier starts degraded (None: it does not); ``sealed``: values are
-        encrypted (the tier's cipher), so what a commit frees needs no clearing."""
+        encrypted (the tier's cipher), so what a commit frees needs no clearing;
+        ``writable_again``: called (once, on this thread) when the file system of an environment
+        opened read-only takes writes again: the tier then swaps this writer for one on a
+        writable environment."""
         super().__init__(config, cond, pool)
         self._sealed = sealed
         self._folder = folder
@@ -104,6 +108,7 @@ class NvmeWriter(WriteQueue):
         self._headers = headers
         self._payloads = payloads
         self._forget = forget
+        self._writable_again = writable_again
         self._committed_seq = 0
         self._synced_seq = 0
         self._sync_target = 0
@@ -300,7 +305,7 @@ class NvmeWriter(WriteQueue):
         more, and the marker dirty before any page of it can reach the disk; NoRoom when the
         medium cannot."""
         if self._read_only:
-            raise NoRoom("read-only file system (restart once it is writable)")
+            raise NoRoom("read-only file system (writes resume once it is writable)")
         if self._config.durability == "cache" and not self._marker_dirty:  # before the room: see _probe
             try:
                 nvme_folder.write_marker(self._folder, dirty=True)
@@ -331,13 +336,20 @@ class NvmeWriter(WriteQueue):
     def _probe_due_locked(self) -> bool:
         return (
             self._degraded is not None
-            and not self._read_only
+            and (not self._read_only or self._writable_again is not None)
             and not self._stopping
             and time.monotonic() >= self._next_probe
         )
 
     def _probe(self) -> None:
         """Whether the room of a full batch can be had again; the tier takes writes if so."""
+        if self._read_only:  # only a writable environment can take them: the tier reopens it
+            writable = not read_only(self._folder)
+            with self._cond:
+                self._next_probe = time.monotonic() + (float("inf") if writable else PROBE_S)
+            if writable and self._writable_again is not None:
+                self._writable_again()
+            return
         try:
             # A new marker file and a sync: what a read-only file system refuses. The marker
             # first: the room reserved ahead may take every block just freed (ext4 keeps what
@@ -380,7 +392,8 @@ class NvmeWriter(WriteQueue):
 
     def _wait_timeout_locked(self) -> float | None:
         now = time.monotonic()
-        probe = self._next_probe - now if self._degraded is not None and not self._read_only else None
+        probing = self._degraded is not None and (not self._read_only or self._writable_again is not None)
+        probe = self._next_probe - now if probing else None
         if not self._dirty:
             return None if probe is None else max(0.0, probe)
         sync = self._last_sync + self._config.sync_interval_s - now
