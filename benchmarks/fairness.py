@@ -48,7 +48,8 @@ def fairness_settings() -> dict[str, str]:
     return {"server.tokens": f"{NOISY_TOKEN}=noisy,{QUIET_TOKEN}=quiet"}
 
 
-def _keys(count: int, salt: str) -> list[BlockKey]:
+def stored_keys(count: int, salt: str) -> list[BlockKey]:
+    """The keys of the blocks ``store_blocks`` stores under ``salt`` ("noisy", "quiet")."""
     return block_keys(FINGERPRINT, list(range(count * 16)), 16, cache_salt=salt)
 
 
@@ -61,7 +62,7 @@ def store_blocks(server: ServerProcess) -> None:
         (server.unix, None, QUIET_KEYS, "quiet"),
     ):
         with connect(address, token=token) as kv:
-            keys = _keys(count, salt)
+            keys = stored_keys(count, salt)
             kv.put(FINGERPRINT, keys, [bytes(BLOCK_BYTES)] * count)
             if kv.lookup(FINGERPRINT, keys) != count:
                 raise RuntimeError("the blocks the fairness row looks up were not all stored")
@@ -75,7 +76,7 @@ def data_port_of(server: ServerProcess) -> int:
 def noisy_load() -> Load:
     """The noisy tenant's hello and lookup of NOISY_KEYS present keys."""
     token = NOISY_TOKEN.encode()
-    keys = _keys(NOISY_KEYS, "noisy")
+    keys = stored_keys(NOISY_KEYS, "noisy")
     return Load(
         hello=hello(token, b""),
         hello_answer_bytes=len(OK_FRAME),
@@ -110,7 +111,7 @@ def quiet_latencies(
     server: ServerProcess, calls: int = CALLS, phase_s: float = PHASE_S
 ) -> dict[str, list[float]]:
     """The quiet tenant's lookup latencies (ms, sorted) over each transport."""
-    keys = _keys(QUIET_KEYS, "quiet")
+    keys = stored_keys(QUIET_KEYS, "quiet")
     out = {}
     for transport, address, token, plane in (
         ("TCP", server.tcp, QUIET_TOKEN, "auto"),

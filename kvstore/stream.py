@@ -85,6 +85,7 @@ class Stream:
         self._armed_at = -math.inf
         self._timeout_s: float | None = sock.gettimeout()  # what the socket has, when known
         self._poller: select.poll | None = None  # for ``spin``, made on its first call
+        self.peer_closed = False  # ``wait`` found the peer gone
         # While a list, ``send`` keeps what it is given there instead (to be sent together later).
         self.held: list[bytes | bytearray | memoryview] | None = None
 
@@ -124,7 +125,7 @@ class Stream:
 
     def wait(self, timeout_s: float) -> bool:
         """Whether a next message starts within ``timeout_s`` (False: timed out, or the peer
-        closed between messages)."""
+        closed between messages: ``peer_closed``)."""
         if self._end > self._start:
             return True
         self._start = self._end = 0
@@ -136,7 +137,8 @@ class Stream:
             self._end = self.sock.recv_into(self._view)
         except TimeoutError:
             return False
-        return self._end > 0
+        self.peer_closed = self._end == 0
+        return not self.peer_closed
 
     def buffered(self) -> memoryview:
         """The bytes read and not consumed yet (valid until the next read)."""

@@ -1,6 +1,6 @@
 """The data port's answering loop (kvstore.server.answering): one thread answers the small
 requests of every connection between its other requests. Pipelined lookups are answered in
-order by that thread; one whose bytes trickle is still answered (its own thread reads the rest);
+order by that thread; one whose bytes trickle is still answered (a worker reads the rest);
 a client that never reads its answers holds up no one else; an error answered there reaches its
 client and closes that connection only; a connection idle past IDLE_S is closed; a drain hands
 every parked connection back at once; a lookup that waits on the remote tier is never the
@@ -133,7 +133,7 @@ def test_the_rest_of_a_pipelined_lookup_is_awaited_by_the_loop_then_by_its_threa
 ) -> None:
     """A lookup begun behind another in the same send: the loop keeps its start and answers it
     when the rest comes (no thread woken for it); one whose rest takes past PARTIAL_S goes to
-    its thread, which reads it under the request's deadline."""
+    a worker, which reads it under the request's deadline."""
     keys = stored(served, 2, "pipelined-rest")
     sock = unix_hello(served)
     names = recording_threads(served, monkeypatch)
@@ -153,10 +153,10 @@ def test_the_rest_of_a_pipelined_lookup_is_awaited_by_the_loop_then_by_its_threa
 def test_after_a_request_of_another_kind_its_thread_waits_for_the_next_one_itself(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A get (bytes over the socket) is the connection's own thread's; that thread then waits for
+    """A get (bytes over the socket) is a worker's; that worker then waits (FOLLOW_S) for
     the connection's next request itself (a write's next chunk comes soon, and a hand-over
-    through the loop each time cost it), and parks the connection again after one the loop
-    would have answered."""
+    through the loop each time cost it), and gives the connection back to the loop after one
+    the loop would have answered."""
     keys = stored(served, 1, "own-thread")
     sock = unix_hello(served)
     names = recording_threads(served, monkeypatch)
@@ -178,7 +178,7 @@ def test_after_a_request_of_another_kind_its_thread_waits_for_the_next_one_itsel
 
 def test_a_client_that_never_reads_its_answers_holds_up_no_one(served: Served) -> None:
     """Lease checks sent one by one, never read: the answers fill the socket until the loop
-    cannot send one at once, which it then leaves to that connection's thread (blocked in its
+    cannot send one at once, which it then leaves to a worker (blocked in its
     send until the request's deadline or the client's leaving) instead of waiting itself. (Nine
     bytes a request: a backlog of them never ends the loop's buffer mid-request, so every one
     is the loop's to answer.)"""
@@ -205,7 +205,7 @@ def test_a_client_that_never_reads_its_answers_holds_up_no_one(served: Served) -
             assert other.lookup(MODEL.fingerprint(), keys) == 2
         assert time.monotonic() - started < 5
     hog.close()
-    with connect(served.unix) as other:  # the hog's thread ended with its connection
+    with connect(served.unix) as other:  # the hog's worker let go with its connection
         assert other.lookup(MODEL.fingerprint(), keys) == 2
 
 
@@ -298,7 +298,7 @@ def test_a_drain_hands_every_parked_connection_back_at_once(served: Served) -> N
 def test_with_a_remote_tier_a_lookup_that_waits_on_it_holds_up_no_one_else() -> None:
     """Past the local prefix a lookup asks the fleet's remote tier, a network call: here a node
     that accepts and never answers, so that lookup takes the remote timeout. It is not the
-    loop's to answer then (lookups go to their own threads on such a server), and another
+    loop's to answer then (lookups go to the workers on such a server), and another
     client's lookups, all local hits, are answered meanwhile."""
     silent = socket.create_server(("127.0.0.1", 0))
     data_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")

@@ -117,7 +117,7 @@ def test_the_acceptor_survives_a_thread_that_cannot_start(
     def start_once_failing(self: threading.Thread) -> None:
         if self.name != "kvstore-dataport" and not failed and getattr(self, "_target", None) is not None:
             target = self._target  # type: ignore[attr-defined]
-            if getattr(target, "__name__", "") == "_serve_connection":
+            if getattr(target, "__name__", "") == "_greet":  # a connection's hello thread
                 failed.append(True)
                 raise RuntimeError("can't start new thread")
         real_start(self)

@@ -7,7 +7,8 @@
     handlers.py    the one place a ``KvStoreError`` becomes a gRPC status; handler registration
     dataplane.py   batching, leases, reservations and size checks under both transports
     dataport.py    the raw data port (TCP and its Unix twin) over the data plane
-    answering.py   the data port's loop that answers small requests between them
+    answering.py   the data port's loop: its connections between requests, the small ones answered
+    workers.py     the data port's pool that serves the rest, tenants in turn
     fairness.py    request threads shared per tenant first
     auth.py        tenants from tokens, their scopes and limits;  audit.py  the audit log
     shredding.py   a tenant's key and copies dropped: on Shred, or when its key file goes

@@ -33,16 +33,16 @@ from kvstore import wire
 from kvstore.address import Address, UnixAddress
 from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
-from kvstore.server.answering import AnsweringLoop, Outcome, Parked
+from kvstore.server.answering import AnsweringLoop, Connection
 from kvstore.server.auth import Authenticator, Caller
 from kvstore.server.dataplane import DataPlane
 from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
 from kvstore.server.head_op import serve_heads
+from kvstore.server.workers import Workers
 from kvstore.store import Scope
 from kvstore.stream import Stream
 from kvstore.wire import (
     BLOCKS_END,
-    IDLE_S,
     OK_FRAME,
     OP_ABORT,
     OP_COMMIT,
@@ -70,18 +70,31 @@ MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_TENANT = 256
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_TRACKED_RESERVATIONS = 64  # per connection, for the spin between a write's chunks
+# After a request the loop does not answer, a worker waits this long for the connection's next
+# (a same-host restore's next resolve comes after the client's copy, a few ms).
+FOLLOW_S = 0.05
+# A connection's requests a worker serves in a row before its tenant's other connections.
+REQUESTS_PER_TURN = 32
 
 
 @dataclass
 class _Session:
     caller: Caller
     namespace: str
+    peer: str  # for the log
     reserved: set[int] = field(default_factory=set)  # reservations granted here, not committed or aborted
 
 
+@dataclass(eq=False)
+class _Link(Connection):
+    session: _Session = field(kw_only=True)
+
+
 class DataPort:
-    """A thread per connection, its small requests answered by one loop between its others
-    (``kvstore.server.answering``); ``close()`` stops accepting and waits for them."""
+    """One loop holds every connection between requests and answers the small ones
+    (``kvstore.server.answering``); a pool of workers serves the rest, tenants in turn
+    (``kvstore.server.workers``); a short-lived thread takes each hello. ``close()`` stops
+    accepting and waits for the requests under way."""
 
     def __init__(
         self,
@@ -94,10 +107,10 @@ class DataPort:
     ) -> None:
         """``address``: TCP, or a Unix socket (its file made mode 0600);
         ``ssl_context``: TLS on every connection (TCP only), the handshake within HELLO_S.
-        ``spin_s``: how long a connection in the middle of a same-host write polls for its
-        next request before it sleeps (one connection at a time; never on a single CPU).
-        ``shares``: the server's places per tenant, which its connection threads take to serve
-        a request (the server's gRPC workers take the same ones); else a set of its own."""
+        ``spin_s``: how long a worker in the middle of a same-host write polls for its
+        connection's next request before it sleeps (one at a time; never on a single CPU).
+        ``shares``: the server's places per tenant, which the workers take to serve a request
+        (the server's gRPC workers take the same ones); else a set of its own."""
         self._ssl_context = ssl_context
         self.shares = shares or TenantShares(SERVED_AT_ONCE_PER_TENANT)
         # Between two chunks of a pipelined write (kvstore.client.inplace) the client copies for
@@ -127,15 +140,16 @@ class DataPort:
         else:
             self._listener = socket.create_server((address.host or "127.0.0.1", address.port))
             self.port = self._listener.getsockname()[1]
-        self._threads: set[threading.Thread] = set()
-        self._idle: set[socket.socket] = set()  # connections waiting for their next request
+        self._hellos: set[threading.Thread] = set()  # connections still in their hello
         self._conns: set[socket.socket] = set()  # every open connection (cut at the drain's end)
         self._per_tenant: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._spinner = threading.Lock()  # held by the one connection spinning for its next request
+        self._spinner = threading.Lock()  # held by the one worker spinning for a next request
         self._closing = threading.Event()
-        # answers the small requests of connections between their others
-        self._loop = AnsweringLoop(lookups=not plane.store.has_remote)
+        self._workers: Workers[_Link] = Workers(self.shares, self._serve_turn, self._end, REQUEST_S)
+        self._loop = AnsweringLoop(
+            lookups=not plane.store.has_remote, elsewhere=self._to_worker, end=self._end
+        )
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-dataport", daemon=True)
         self._acceptor.start()
 
@@ -155,15 +169,17 @@ class DataPort:
             if full:
                 _refuse(conn, f"the data port has {MAX_CONNECTIONS} connections already; retry later")
                 continue
-            thread = threading.Thread(target=self._serve_connection, args=(conn, peer), daemon=True)
+            # A thread of its own for the hello (HELLO_S at most): a client trickling its hello
+            # holds up nobody else's, and the TLS handshake needs a blocking socket.
+            thread = threading.Thread(target=self._greet, args=(conn, peer), daemon=True)
             with self._lock:
-                self._threads.add(thread)
+                self._hellos.add(thread)
             try:
                 thread.start()
             except RuntimeError as exc:  # no thread to be had: refuse this one, keep accepting
-                log.warning("data port cannot start a connection thread: %s", exc)
+                log.warning("data port cannot start a hello thread: %s", exc)
                 with self._lock:
-                    self._threads.discard(thread)
+                    self._hellos.discard(thread)
                     self._conns.discard(conn)
                 _refuse(conn, "the server is out of threads; retry later")
 
@@ -179,32 +195,31 @@ class DataPort:
         deadline = time.monotonic() + grace_s
         self._closing.set()
         self._listener.close()
-        self._loop.close()
+        self._loop.close()  # the connections between requests: nothing to finish, closed now
         if self.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
+        self._workers.close(deadline)
         with self._lock:
-            threads = list(self._threads)
-            for conn in self._idle:  # between requests: nothing to finish, wake them now
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-        for thread in threads:
+            hellos = list(self._hellos)
+        for thread in hellos:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             late = list(self._conns)
         for conn in late:  # past the grace: cut, so the drain can spill and exit
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        for thread in threads:
+        self._workers.join(1.0)
+        for thread in hellos:
             thread.join(1.0)
 
     # ----------------------------------------------------------------- one connection
 
-    def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
+    def _greet(self, conn: socket.socket, peer: Any) -> None:
+        """The TLS handshake and the hello, within HELLO_S; then the connection is the loop's."""
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session: _Session | None = None
-        parked: Parked | None = None
+        link: _Link | None = None
         try:
             hello_deadline = time.monotonic() + HELLO_S
             if self._ssl_context is not None and conn.family != socket.AF_UNIX:
@@ -219,46 +234,60 @@ class DataPort:
             stream.begin(hello_deadline)
             session = self._hello(stream, peer)
             self._admit(session)
-            if not isinstance(conn, ssl.SSLSocket):
-                answer = functools.partial(self._serve_one, stream, session)
-                parked = Parked(conn, stream, answer, session.caller.tenant)
-            op = -1  # none yet: parked after the hello
-            while not self._closing.is_set():
-                # A write with a reservation still open here sends its next commit a chunk's
-                # copy from now: wait for it awake.
-                spin_s = self.spin_s if session.reserved and op in (OP_RESERVE, OP_COMMIT) else 0.0
-                # After a request the loop does not answer (a write, bytes over the socket, a
-                # resolve) the next is likely another such: this thread waits for it itself.
-                # (Handed over by the loop each time, same-host writes ran 5-35% slower now and
-                # then.) After one the loop answers, the connection goes back to the loop.
-                answered_there = op < 0 or self._loop.answers(op)
-                if parked is not None and spin_s == 0.0 and answered_there and not stream.buffered():
-                    if not self._park(parked):
-                        return
-                    if not stream.buffered():
-                        continue
-                elif not self._next_request(stream, spin_s):
-                    return
-                with self.shares.place(session.caller.tenant, REQUEST_S):  # asleep till its turn
-                    op = self._serve_one(stream, session)
-        except KvStoreError as exc:
-            with contextlib.suppress(OSError):
-                conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
-                send_error(conn, exc)
-        except (OSError, ConnectionError, wire.MalformedMessage) as exc:
-            log.debug("data connection from %s ended: %s", peer, exc)
-        except Exception:  # a bug must not kill the port silently: log it, tell the client
-            log.exception("data port request from %s failed", peer)
-            with contextlib.suppress(OSError):
-                conn.settimeout(1.0)
-                send_error(conn, KvStoreError("internal error in the data port; see the server log"))
-        finally:
+            answer = functools.partial(self._serve_one, stream, session)
+            tls_on = isinstance(conn, ssl.SSLSocket)
+            link = _Link(conn, stream, answer, session.caller.tenant, tls_on, session=session)
+        except Exception as exc:  # noqa: BLE001 (told to the client and logged by _ended)
+            _ended(conn, exc, peer)
             conn.close()
             with self._lock:
-                self._threads.discard(threading.current_thread())
                 self._conns.discard(conn)
-                if session is not None and session.caller.tenant in self._per_tenant:
-                    self._per_tenant[session.caller.tenant] -= 1
+        finally:
+            with self._lock:
+                self._hellos.discard(threading.current_thread())
+        if link is not None:
+            self._give_back(link)
+
+    def _to_worker(self, conn: Connection) -> None:
+        if not isinstance(conn, _Link):
+            raise TypeError(f"not a data-port connection: {conn!r}")
+        self._workers.submit(conn.tenant, conn)
+
+    def _give_back(self, link: _Link) -> None:
+        """To the loop until its next request; to a worker again if a request of a TLS
+        connection waits already (the loop cannot read it)."""
+        if link.tls and (link.stream.buffered() or _tls_pending(link.sock)):
+            self._workers.submit(link.tenant, link)
+        else:
+            self._loop.watch(link)
+
+    def _serve_turn(self, link: _Link) -> None:
+        """On a worker: what the loop passed on (answers to send, an error, a request), then the
+        connection's next requests while they come (REQUESTS_PER_TURN at most); then back to the
+        loop, or in line again behind its tenant's others."""
+        stream = link.stream
+        try:
+            if link.unsent:  # the answers before an error too
+                stream.begin(time.monotonic() + REQUEST_S)
+                stream.send(link.unsent)
+                link.unsent = b""
+            if link.error is not None:
+                raise link.error
+            op = -1
+            for _ in range(REQUESTS_PER_TURN):
+                if self._closing.is_set() or not self._next_request(link, op):
+                    break
+                op = self._serve_one(stream, link.session)
+        except Exception as exc:  # noqa: BLE001 (told to the client and logged by _ended)
+            _ended(link.sock, exc, link.session.peer)
+            self._end(link)
+            return
+        if self._closing.is_set():
+            self._end(link)
+        elif stream.buffered() or (link.tls and _tls_pending(link.sock)):
+            self._workers.submit(link.tenant, link)  # its tenant's other connections first
+        else:
+            self._give_back(link)
 
     def _serve_one(self, stream: Stream, session: _Session) -> int:
         """Serve the request whose first bytes have come; its operation."""
@@ -272,18 +301,39 @@ class DataPort:
                 self.on_request(OP_NAMES[op], time.perf_counter() - started)
         return op
 
-    def _park(self, parked: Parked) -> bool:
-        """Leave the connection to the answering loop until a request needs this thread;
-        whether the connection goes on. Sends first what the loop could not send at once."""
-        outcome = self._loop.park(parked)
-        if parked.unsent:
-            parked.stream.begin(time.monotonic() + REQUEST_S)
-            parked.stream.send(parked.unsent)
-        if outcome is Outcome.FAILED and parked.error is not None:
-            raise parked.error
-        if outcome is not Outcome.SERVE:
-            log.debug("data connection parked: %s", outcome.value)
-        return outcome is Outcome.SERVE
+    def _next_request(self, link: _Link, op: int) -> bool:
+        """Whether the connection's next request has begun. After a request the loop does not
+        answer (a write, bytes over the socket, a resolve), the next is likely another such, soon:
+        the worker waits FOLLOW_S for it (spinning first between a write's chunks), unless its
+        tenant's other connections wait for a worker. (Passed through the loop each time,
+        same-host writes ran 5-35% slower now and then.) Under TLS every request is a worker's,
+        the first of a turn included. Raises ConnectionError when the peer has left."""
+        stream = link.stream
+        spin_s = self.spin_s if link.session.reserved and op in (OP_RESERVE, OP_COMMIT) else 0.0
+        if spin_s > 0 and self._spinner.acquire(blocking=False):  # one worker spins at a time
+            try:
+                stream.spin(spin_s, yielding=True)
+            finally:
+                self._spinner.release()
+        if stream.buffered() or (link.tls and _tls_pending(link.sock)):
+            return True
+        if not link.tls and (op < 0 or self._loop.answers(op)):
+            return False
+        if op >= 0 and self._workers.queued(link.tenant):
+            return False
+        if stream.wait(FOLLOW_S):
+            return True
+        if stream.peer_closed:
+            raise ConnectionError("the peer closed the data connection")
+        return False
+
+    def _end(self, conn: Connection) -> None:
+        """Close the connection and forget it (once: its owner calls this, the loop or a worker)."""
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        with self._lock:
+            self._conns.discard(conn.sock)
+            self._per_tenant[conn.tenant] -= 1
 
     def _dispatch(self, op: int, stream: Stream, session: _Session) -> None:
         if op == OP_LOOKUP:
@@ -335,24 +385,6 @@ class DataPort:
                 )
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
-    def _next_request(self, stream: Stream, spin_s: float = 0.0) -> bool:
-        """Wait up to IDLE_S for the next request to start (a connection idle longer is closed;
-        the client reconnects). Within a request, its deadline bounds every read and write."""
-        with self._lock:
-            if self._closing.is_set():
-                return False
-            self._idle.add(stream.sock)
-        try:
-            if spin_s > 0 and self._spinner.acquire(blocking=False):  # one thread spins at a time
-                try:
-                    stream.spin(spin_s, yielding=True)
-                finally:
-                    self._spinner.release()
-            return stream.wait(IDLE_S)
-        finally:
-            with self._lock:
-                self._idle.discard(stream.sock)
-
     def _hello(self, stream: Stream, peer: Any) -> _Session:
         """Magic, token and scope, all within HELLO_S: a slowloris is cut there."""
         token, scope = wire.read_hello(stream.read)
@@ -360,7 +392,7 @@ class DataPort:
         conn = stream.sock
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
-        session = _Session(caller, self.auth.namespace(caller, scope))
+        session = _Session(caller, self.auth.namespace(caller, scope), peer_name)
         stream.send(OK_FRAME)
         return session
 
@@ -455,6 +487,27 @@ class DataPort:
             session.caller, scope, parent, keys, sizes, lambda i, view: stream.read_into(view)
         )
         stream.send(wire.stored_answer(stored))
+
+
+def _ended(conn: socket.socket, exc: Exception, peer: object) -> None:
+    """Tell the client why its connection ends: a ``KvStoreError`` as its status, a bug as an
+    internal error (logged); a connection that broke or spoke no protocol is only logged."""
+    if isinstance(exc, (OSError, ConnectionError, wire.MalformedMessage)) and not isinstance(
+        exc, KvStoreError
+    ):
+        log.debug("data connection from %s ended: %s", peer, exc)
+        return
+    if not isinstance(exc, KvStoreError):  # a bug must not kill the port silently
+        log.error("data port request from %s failed", peer, exc_info=exc)
+        exc = KvStoreError("internal error in the data port; see the server log")
+    with contextlib.suppress(OSError):
+        conn.settimeout(1.0)  # a peer that reads nothing must not hold the thread
+        send_error(conn, exc)
+
+
+def _tls_pending(sock: socket.socket) -> bool:
+    """Whether a TLS connection holds bytes it has read and not handed over yet."""
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
 
 def _refuse(conn: socket.socket, message: str) -> None:

@@ -1,5 +1,5 @@
 """Request threads shared per tenant first: at most ``per_tenant`` of one tenant's requests are
-served at once by threads of their own (data-port connection threads, gRPC workers); the rest of
+served at once by threads of their own (the data ports' workers, gRPC's); the rest of
 that tenant's wait, first come first served, each on a lock of its own.
 
 Why: Python runs one thread at a time (the GIL), and a thread that wants it waits for every
@@ -13,7 +13,10 @@ it back at once, as it could from a ``threading.Semaphore``, and starve one conn
 tenant). A thread that sleeps on a disk inside the block (``kvstore.asleep``) gives its place to
 the next of its tenant meanwhile and waits in line for one after: it wants no GIL while it
 sleeps, and its tenant's other requests (an engine's restores behind its paced saves) go on.
-Thread rules: ``place`` from any thread; a place is held by the ``with`` block.
+The data port's workers (``kvstore.server.workers``) do not wait here: they take a place with
+``try_take`` for the tenant whose turn it is, skip a tenant with none free, and learn through
+``on_free`` when one is freed. Thread rules: ``place``, ``try_take`` and ``holding`` from any
+thread; a place is held by the ``with`` block; ``on_free``'s listeners are called outside the lock.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.asleep import lending
@@ -48,12 +51,38 @@ class TenantShares:
         self.per_tenant = per_tenant
         self._shares: dict[str, _Share] = {}
         self._lock = threading.Lock()
+        # Told when a place is freed with nobody of its tenant waiting (the data ports' workers).
+        self._listeners: list[Callable[[], None]] = []
 
     @contextlib.contextmanager
     def place(self, tenant: str, timeout_s: float) -> Iterator[None]:
         """One of ``tenant``'s places for the block; waits up to ``timeout_s`` for one, then
         raises ResourceExhausted."""
         self._acquire(tenant, timeout_s)
+        with self.holding(tenant, timeout_s):
+            yield
+
+    def on_free(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (outside the lock) whenever a place is freed with nobody waiting."""
+        self._listeners.append(listener)
+
+    def try_take(self, tenant: str) -> bool:
+        """Take one of ``tenant``'s places if one is free and nobody of the tenant waits for one
+        (they came first); then hold it with ``holding``."""
+        with self._lock:
+            share = self._shares.setdefault(tenant, _Share())
+            if share.held < self.per_tenant and not share.waiting:
+                share.held += 1
+                return True
+            if share.held == 0:
+                del self._shares[tenant]
+            return False
+
+    @contextlib.contextmanager
+    def holding(self, tenant: str, timeout_s: float) -> Iterator[None]:
+        """The block holds a place of ``tenant``'s already taken, and frees it at the end; asleep
+        on a disk inside (``kvstore.asleep``), it lends it meanwhile and waits up to ``timeout_s``
+        in line for one after."""
         held = True
 
         @contextlib.contextmanager
@@ -111,3 +140,5 @@ class TenantShares:
                 raise RuntimeError(f"tenant {tenant}'s places released more often than taken")
             if share.held == 0:
                 del self._shares[tenant]
+        for listener in self._listeners:
+            listener()
