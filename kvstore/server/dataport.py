@@ -476,8 +476,14 @@ class DataPort:
         def send(key: BlockKey, payload: memoryview, checksum: int) -> None:  # out of the pinned slot
             stream.send_parts(wire.block_head(len(payload), checksum), payload)
 
-        for _ in self.plane.read(session.caller, scope, keys, send):
-            pass
+        try:
+            for _ in self.plane.read(session.caller, scope, keys, send):
+                pass
+        except Exception as exc:
+            # A status frame here would be read as the next block's size (a client once took an
+            # error's bytes for a block of petabytes): the connection ends instead, which the
+            # client reads as the answer cut short.
+            raise _AnswerCut(f"a get ended after its blocks began: {exc!r}") from exc
         stream.send(BLOCKS_END)
 
     def _put(self, stream: Stream, session: _Session) -> None:
@@ -489,9 +495,17 @@ class DataPort:
         stream.send(wire.stored_answer(stored))
 
 
+class _AnswerCut(Exception):
+    """A failure after an answer's blocks began: no status frame can follow, only the close."""
+
+
 def _ended(conn: socket.socket, exc: Exception, peer: object) -> None:
     """Tell the client why its connection ends: a ``KvStoreError`` as its status, a bug as an
-    internal error (logged); a connection that broke or spoke no protocol is only logged."""
+    internal error (logged); a connection that broke or spoke no protocol is only logged, and
+    one whose answer was cut short (``_AnswerCut``) logged as a warning."""
+    if isinstance(exc, _AnswerCut):
+        log.warning("data connection from %s closed: %s", peer, exc)
+        return
     if isinstance(exc, (OSError, ConnectionError, wire.MalformedMessage)) and not isinstance(
         exc, KvStoreError
     ):
