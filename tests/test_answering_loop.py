@@ -34,9 +34,8 @@ from kvstore.wire import (
     OP_LOOKUP_SLOTS,
     read_status,
 )
-from tests.service_fixtures import MODEL, Served, settings_for
+from tests.service_fixtures import MODEL, Served, blocks_for, chain, settings_for
 from tests.service_fixtures import served as served  # the fixture
-from tests.test_service import blocks_for, chain
 
 
 def lookup_request(keys: list[BlockKey], op: int = OP_LOOKUP) -> bytes:

@@ -23,8 +23,7 @@ from kvstore.errors import AuditNotWritten, FailedPrecondition
 from kvstore.keys import Fingerprint
 from kvstore.server.audit import AuditLog, read_audit
 from kvstore.server.datadir import remove_shm_files
-from tests.service_fixtures import MODEL
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain
 
 
 def fill(folder: Path) -> Path:

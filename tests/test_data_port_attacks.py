@@ -17,9 +17,9 @@ import kvstore.server.dataport as dataport
 from kvstore.client import connect
 from kvstore.status import Status
 from kvstore.wire import MAGIC, OP_GET, OP_RESERVE, read_status
-from tests.service_fixtures import BLOCK, MODEL, Served
+from tests.service_fixtures import BLOCK, MODEL, Served, blocks_for, chain
 from tests.service_fixtures import served as served  # the fixture
-from tests.test_service import blocks_for, chain, put_header
+from tests.test_service import put_header
 
 
 def hello(served: Served, token: str, rcvbuf: int = 0) -> socket.socket:

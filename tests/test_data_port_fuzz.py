@@ -20,8 +20,7 @@ from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
 from kvstore.status import Status
 from kvstore.wire import MAGIC, OP_GET, OP_HEAD, OP_LOOKUP, OP_PUT, OP_RELEASE, OP_RESOLVE
-from tests.service_fixtures import MODEL, settings_for
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain, settings_for
 
 FP = MODEL.fingerprint()
 GOOD_KEYS = chain(4, salt="good")

@@ -23,9 +23,8 @@ from kvstore.server.serve import RunningServer, start_server
 from kvstore.status import Status, error_for, status_of
 from kvstore.tls import ClientTls
 from kvstore.wire import MAGIC, OP_RELEASE, read_status
-from tests.service_fixtures import BLOCK, MODEL, Served, settings_for
+from tests.service_fixtures import BLOCK, MODEL, Served, blocks_for, chain, settings_for
 from tests.service_fixtures import served as served  # the fixture
-from tests.test_service import blocks_for, chain
 from tiers.dram import Arena
 
 ERROR_CLASSES = [getattr(errors, name) for name in errors.__all__]

@@ -24,9 +24,8 @@ from kvstore.server.config import load_settings
 from kvstore.server.serve import start_server
 from kvstore.server.shredding import KEY_CHECK_S
 from kvstore.store.model import Scope, namespace_of_tier_key, tier_key
-from tests.service_fixtures import BLOCK, MODEL, settings_for
+from tests.service_fixtures import BLOCK, MODEL, chain, settings_for
 from tests.test_fleet_sidecars import Sidecar, cluster, shared_server  # noqa: F401 (fixtures)
-from tests.test_service import chain
 from tiers.cipher import OVERHEAD_BYTES, BlockCipher
 
 PATTERN = b"PLAINTEXT-KV-PATTERN-"

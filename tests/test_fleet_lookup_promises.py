@@ -23,8 +23,7 @@ from kvstore.keys import BlockKey
 from kvstore.server.builder import build_remote
 from kvstore.server.config import load_settings
 from kvstore.store.model import Scope, namespace_of_tier_key, tier_key
-from tests.service_fixtures import MODEL, process_settings
-from tests.test_service import chain
+from tests.service_fixtures import MODEL, chain, process_settings
 from tiers.cipher import BlockCipher
 from tiers.remote import RemoteBlock, RemoteTier
 from tiers.sealed_remote import SealedRemote

@@ -22,9 +22,8 @@ from kvstore.client import connect
 from kvstore.keys import BlockKey, Fingerprint
 from kvstore.remote.nodes import KvStoreNodesTier
 from kvstore.store.model import Scope, shared_key_name, tier_key
-from tests.service_fixtures import MODEL, process_settings
+from tests.service_fixtures import MODEL, blocks_for, chain, process_settings
 from tests.test_remote_contract import check_an_expired_copy_is_a_counted_miss
-from tests.test_service import blocks_for, chain
 from tiers.remote import RemoteConfig
 
 RETENTION_S = 3.0

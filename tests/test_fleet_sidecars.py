@@ -17,8 +17,7 @@ from kvstore.client import connect
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
-from tests.service_fixtures import MODEL, settings_for
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain, settings_for
 
 
 class Sidecar:

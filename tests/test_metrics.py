@@ -40,8 +40,7 @@ from kvstore.server.metrics_http import DEFAULT_ADDRESS
 from kvstore.server.metrics_store import COUNTERS, GAUGES
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
-from tests.service_fixtures import MODEL, process_settings
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain, process_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvstore.json"

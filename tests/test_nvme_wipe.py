@@ -14,8 +14,7 @@ import pytest
 from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.server.datadir import remove_shm_files
-from tests.service_fixtures import BLOCK, MODEL
-from tests.test_service import chain
+from tests.service_fixtures import BLOCK, MODEL, chain
 from tiers.base import TierKey
 from tiers.nvme import NvmeConfig, NvmeTier
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.client import connect
-from tests.service_fixtures import BLOCK, MODEL
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import BLOCK, MODEL, blocks_for, chain
 
 
 def test_the_service_demo_runs_against_a_live_server() -> None:

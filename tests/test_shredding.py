@@ -22,8 +22,7 @@ from kvstore.keys import BlockKey, Fingerprint
 from kvstore.server.audit import read_audit
 from kvstore.server.datadir import remove_shm_files
 from kvstore.server.shredding import KEY_CHECK_S
-from tests.service_fixtures import MODEL
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain
 
 TOKENS = {"tok-t": "t", "tok-u": "u", "tok-v": "v"}
 

@@ -16,8 +16,7 @@ from kvstore.errors import Unavailable
 from kvstore.server.config import load_settings
 from kvstore.server.serve import RunningServer, start_server
 from kvstore.tls import ClientTls
-from tests.service_fixtures import MODEL, settings_for
-from tests.test_service import blocks_for, chain
+from tests.service_fixtures import MODEL, blocks_for, chain, settings_for
 
 
 @pytest.fixture(scope="module")
