@@ -186,13 +186,16 @@ def test_the_image_routes_as_the_router_deployment_runs_it(tmp_path: Path) -> No
     build_tiny_llama(tmp_path / "model", seed=0)
     port = _free_port()
     args = [f"--listen=127.0.0.1:{port}" if a.startswith("--listen=") else a for a in router["args"]]
-    token_key = next(v for v in router["env"] if v["name"] == "KVSTORE_TOKEN")["valueFrom"]["secretKeyRef"][
-        "key"
+    # the container's environment as the kubelet makes it: its values, and its Secret's keys
+    # (the token, the salt secret)
+    env = [
+        f"{v['name']}={v['value'] if 'value' in v else secrets[v['valueFrom']['secretKeyRef']['key']]}"
+        for v in router["env"]
     ]
     name = f"kvstore-router-test-{os.getpid()}"
     started = _podman(
         "run", "-d", "--name", name, "--network", "host", *LOCKED_DOWN,
-        "-e", f"KVSTORE_TOKEN={secrets[token_key]}",
+        *(arg for pair in env for arg in ("-e", pair)),
         "-v", f"{run}:{mounts['router-run']}:ro", "-v", f"{tmp_path / 'model'}:{model}:ro",
         IMAGE, *args,
     )  # fmt: skip
