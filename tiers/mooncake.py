@@ -23,10 +23,11 @@ past it the call reads as misses (writes dropped), is counted, and the store is 
 backoff. A call still stuck holds its thread; when every thread is held, calls fail at once
 instead of queueing behind them. A store that is down answers at once: ``batch_is_exist`` with
 errors (counted, and the backoff starts), ``get_batch`` with empty values (misses). The client
-is set up on first use, on the pool, so a sidecar starts while the store is down; Mooncake's
-setup holds the GIL while it retries (90 s measured against a dead master, every thread of the
-sidecar stopped meanwhile), so it is called only once the master accepts a connection and an
-HTTP metadata server answers within ``timeout_s``. A master that accepts connections but never
+is set up on first use, on the pool (by one thread; calls that come meanwhile wait for it), so
+a sidecar starts while the store is down; Mooncake's setup holds the GIL while it retries (90 s
+measured against a dead master, every thread of the sidecar stopped meanwhile), so it is called
+only once the master accepts a connection and an HTTP metadata server answers within
+``timeout_s``. A master that accepts connections but never
 answers at that moment still stalls the sidecar for Mooncake's own retry period
 (RELIABILITY.md).
 
@@ -77,6 +78,9 @@ class MooncakeTier(RemoteTier):
         self.master = config.nodes[0]
         self._key_name = key_name
         self._lock = threading.Lock()
+        # one client setup at a time: two at once in one process (the first calls of a sidecar
+        # arrive together) leave the calls on both waiting past timeout_s
+        self._setup_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvstore-mooncake")
         self._busy = 0  # calls on the pool, finished or not
         self._store: Any = None  # MooncakeDistributedStore, set up on first use (on the pool)
@@ -214,36 +218,37 @@ class MooncakeTier(RemoteTier):
                 self._busy -= 1
 
     def _connected(self) -> Any:
-        """The store client, set up on first use (on a pool thread)."""
+        """The store client, set up on first use (on a pool thread; the others wait for it)."""
         with self._lock:
             if self._store is not None:
                 return self._store
         from mooncake.store import MooncakeDistributedStore  # the mooncake extra
 
-        c = self.config
-        # setup holds the GIL while it retries a dead master (90 s measured): not blind
-        _probe(c, self.master)
-        store = MooncakeDistributedStore()
-        code = store.setup(
-            c.local_hostname,
-            c.metadata_server,
-            0,
-            _LOCAL_BUFFER_BYTES,
-            c.protocol,
-            c.rdma_devices,
-            self.master,
-        )
-        if code != 0:
-            raise RuntimeError(f"the mooncake client's setup answered {code} (master {self.master})")
-        with self._lock:
-            if self._store is None and not self._closed:
-                self._store = store
-                return store
-        store.close()  # another thread set one up meanwhile, or the tier closed
-        with self._lock:
-            if self._store is None:
-                raise RuntimeError("the mooncake tier is closed")
-            return self._store
+        with self._setup_lock:
+            with self._lock:
+                if self._store is not None:  # set up by the thread this one waited for
+                    return self._store
+            c = self.config
+            # setup holds the GIL while it retries a dead master (90 s measured): not blind
+            _probe(c, self.master)
+            store = MooncakeDistributedStore()
+            code = store.setup(
+                c.local_hostname,
+                c.metadata_server,
+                0,
+                _LOCAL_BUFFER_BYTES,
+                c.protocol,
+                c.rdma_devices,
+                self.master,
+            )
+            if code != 0:
+                raise RuntimeError(f"the mooncake client's setup answered {code} (master {self.master})")
+            with self._lock:
+                if not self._closed:
+                    self._store = store
+                    return store
+            store.close()  # the tier closed meanwhile
+            raise RuntimeError("the mooncake tier is closed")
 
     def _failed(self, why: str) -> None:
         log.warning("mooncake tier: %s; backing off", why)
