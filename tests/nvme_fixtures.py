@@ -25,15 +25,6 @@ def payload(i: int, size: int) -> bytes:
     return np.random.default_rng(i).bytes(size)
 
 
-def read(tier: NvmeTier, k: TierKey) -> bytes | None:
-    size = tier.size_of(k)
-    if size is None:
-        return None
-    buf = bytearray(size)
-    n = tier.get_into(k, memoryview(buf))
-    return None if n is None else bytes(buf[:n])
-
-
 class WriterGate:
     """Holds the tier's writer thread before each commit until opened."""
 

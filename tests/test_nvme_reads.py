@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.nvme_fixtures import FP, WriterGate, config, key, payload, raw_env, read, reopen
+from tests.nvme_fixtures import FP, WriterGate, config, key, payload, raw_env, reopen
+from tests.tier_factories import read
 from tiers import Codec
 from tiers.nvme import NvmeConfig, NvmeTier
 from tiers.nvme_stored import VERIFY_CHUNK_BYTES, verified_copy_py

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.nvme_fixtures import FP, MiB, WriterGate, config, key, payload, raw_env, read, reopen
+from tests.nvme_fixtures import FP, MiB, WriterGate, config, key, payload, raw_env, reopen
+from tests.tier_factories import read
 from tiers import (
     BlockTooLarge,
     Codec,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tier_factories import ALL_TIERS, PAGE, TierFactory
+from tests.tier_factories import ALL_TIERS, PAGE, TierFactory, read
 from tiers import BlockTooLarge, Tier, TierClosed, TierFull, TierKey
 
 FP = b"\x01" * 32
@@ -30,15 +30,6 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     t = factory(tmp_path, 8 * PAGE)
     yield t
     t.close()
-
-
-def read(tier: Tier, k: TierKey) -> bytes | None:
-    size = tier.size_of(k)
-    if size is None:
-        return None
-    buf = bytearray(size)
-    n = tier.get_into(k, memoryview(buf))
-    return None if n is None else bytes(buf[:n])
 
 
 def test_put_then_get_returns_the_same_bytes(tier: Tier) -> None:

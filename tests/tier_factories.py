@@ -8,12 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiers import Tier
+from tiers import Tier, TierKey
 from tiers.dram import DramConfig, DramTier
 from tiers.hbm import HbmConfig, HbmTier
 
 TierFactory = Callable[[Path, int], Tier]
 PAGE = 1 << 20
+
+
+def read(tier: Tier, k: TierKey) -> bytes | None:
+    """A block's bytes read back through ``get_into``, or None when the tier lacks it."""
+    size = tier.size_of(k)
+    if size is None:
+        return None
+    buf = bytearray(size)
+    n = tier.get_into(k, memoryview(buf))
+    return None if n is None else bytes(buf[:n])
 
 
 def make_dram(folder: Path, capacity_bytes: int) -> Tier:
