@@ -232,6 +232,22 @@ def test_config_redacts_every_setting_named_for_a_secret() -> None:
     assert "server.tokens" in secret_named and "remote.tokens" in secret_named
 
 
+def test_config_prints_every_unset_value_one_way() -> None:
+    """None, "" and an empty list or table are all "not set": the table says (none) for each,
+    never Python's None or a bare "", and --json keeps each value's own type."""
+    table = run("config", env={"COLUMNS": "200"})
+    assert table.returncode == 0, table.stderr
+    cells = dict(re.findall(r"^│ (\S+)\s*│ (.*?)\s*│ \w+\s*│$", table.stdout, re.MULTILINE))
+    assert len(cells) > 50, table.stdout
+    assert not [n for n, v in cells.items() if v in ("None", '""', "[]", "{}", "")], cells
+    for name in ("store.default_quota_bytes", "nvme.path", "server.tokens", "store.quota_bytes"):
+        assert cells[name] == "(none)", (name, cells[name])
+    settings = json.loads(run("config", "--json").stdout)["settings"]
+    assert settings["store.default_quota_bytes"]["value"] is None
+    assert settings["nvme.path"]["value"] == ""
+    assert settings["server.tokens"]["value"] == {}
+
+
 def test_config_names_a_bad_value_in_one_line(tmp_path: Path) -> None:
     done = run("config", "--set", "dram.capacity_bytes=lots")
     assert done.returncode == 2 and "Traceback" not in done.stderr

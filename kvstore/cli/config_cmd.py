@@ -117,11 +117,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
+UNSET = "(none)"
+
+
 def _text(value: Any) -> str:
+    # None, "" and an empty list or table all mean "not set" to the loader; the table says so
+    # one way (--json keeps each value's own type: null, "", [] or {}).
+    if value is None or value == "":
+        return UNSET
     if isinstance(value, Mapping):
-        return ",".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+        return ",".join(f"{k}={v}" for k, v in value.items()) or UNSET
     if isinstance(value, tuple | list):
-        return ",".join(map(str, value)) or "(none)"
-    if value == "":
-        return '""'
+        return ",".join(map(str, value)) or UNSET
     return str(value)
