@@ -5,6 +5,7 @@ outlives its server, whatever way the server ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -20,6 +21,7 @@ from benchmarks.server_process import ServerProcess
 from kvstore.client import connect
 from kvstore.keys import block_keys
 from kvstore.server.datadir import ARENA_ID_FILE, remove_shm_files
+from kvstore.server.metrics_http import DEFAULT_ADDRESS
 from tests.service_fixtures import MODEL, Served
 from tests.service_fixtures import served as served  # the fixture
 
@@ -205,6 +207,25 @@ def test_ports_in_use_and_a_second_server_on_one_folder(folder: Path) -> None:
     finally:
         assert first.stop() == 0
     assert shm_files_of(folder / "b") == []
+
+
+def test_a_second_server_on_a_folder_in_use_says_only_that(folder: Path) -> None:
+    """The folder's lock is taken before the metrics port: the refusal is the one line the second
+    server prints, not a warning that the first server holds the default metrics port too."""
+    first = start_serve(folder)
+    try:
+        host, port = DEFAULT_ADDRESS.rsplit(":", 1)
+        with socket.socket() as held:  # the default metrics port taken, as the first server's would be
+            with contextlib.suppress(OSError):  # taken already: by another kvstore on this host
+                held.bind((host, int(port)))
+                held.listen(1)
+            second = run("serve", "--data-dir", str(folder), *SMALL)  # metrics_address=auto
+        assert second.returncode == 2, second
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert "in use by another kvstore process" in lines[0] and f"pid {first.pid}" in lines[0]
+    finally:
+        assert first.stop() == 0
 
 
 def test_an_arena_larger_than_dev_shm_is_refused_before_anything_is_faulted(folder: Path) -> None:

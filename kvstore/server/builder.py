@@ -230,12 +230,14 @@ def build_remote(settings: Settings) -> RemoteTier | None:
         raise FailedPrecondition(f"[remote]: {exc}") from None
 
 
-def open_store(settings: Settings) -> TieredStore:
+def open_store(settings: Settings, data_dir: DataDir | None = None) -> TieredStore:
     """A store over the configured tiers; the persistent ones are indexed from disk. The data
-    folder stays locked until the store closes."""
-    require_extras(settings)
-    data_dir = DataDir.open(settings.data_dir)
+    folder stays locked until the store closes: ``data_dir``, when the caller locked it first,
+    is the store's from here on (closed with it, or on a failure here)."""
+    if data_dir is None:
+        data_dir = DataDir.open(settings.data_dir)
     try:
+        require_extras(settings)
         tiers, absent = build_tiers(settings, data_dir)
     except BaseException:
         data_dir.close()

@@ -37,6 +37,7 @@ from kvstore.server.audit import AuditLog
 from kvstore.server.auth import Authenticator, Caller, tenant_namespace
 from kvstore.server.builder import open_store
 from kvstore.server.config import ServerSettings, Settings
+from kvstore.server.datadir import DataDir
 from kvstore.server.dataport import DataPort
 from kvstore.server.handlers import SERVICE_NAME
 from kvstore.server.metrics import Metrics
@@ -115,8 +116,12 @@ def start_server(settings: Settings) -> RunningServer:
         settings, store=dataclasses.replace(settings.store, quota_bytes=quotas, retention_s=retention)
     )
     with contextlib.ExitStack() as undo:
-        metrics = _serve_metrics(settings, undo)  # first: /healthz answers while the store opens
-        store = open_store(settings)
+        # The folder's lock before anything else: a second server on it is refused in one line,
+        # not after binding (or warning about) ports the first one holds.
+        data_dir = DataDir.open(settings.data_dir)
+        undo.callback(data_dir.close)  # idempotent; the store closes it too
+        metrics = _serve_metrics(settings, undo)  # before the store: /healthz answers while it opens
+        store = open_store(settings, data_dir)
         undo.callback(store.close)
         if metrics is not None:
             metrics.watch(store)
