@@ -19,8 +19,8 @@ from kvstore.server.config import Settings, enum_name
 from kvstore.server.datadir import DataDir
 from kvstore.store import TieredStore, namespace_of_tier_key
 from kvstore.store.invalidations import MARK_FINGERPRINT
-from kvstore.store.model import StoreConfig, shared_key_name
-from kvstore.store.salvage import salvage_into
+from kvstore.store.model import Block, StoreConfig, shared_key_name
+from kvstore.store.salvage import Salvage
 from tiers import Codec, Tier, TierError, TierUnavailable
 from tiers.cipher import BlockCipher  # cryptography itself is imported when one is made
 from tiers.dram import DramTier, salvage
@@ -33,15 +33,18 @@ from tiers.throttle import Throttled
 log = logging.getLogger(__name__)
 
 
-def build_tiers(settings: Settings, data_dir: DataDir | None = None) -> tuple[list[Tier], list[str]]:
+def build_tiers(
+    settings: Settings, data_dir: DataDir | None = None, indexed: dict[int, list[Block]] | None = None
+) -> tuple[list[Tier], list[str]]:
     """The configured tiers, fastest first, and a line for each configured tier that is absent.
     With ``data_dir``, the arena takes its name and keeps a journal, and the blocks of a dead
-    predecessor's arena are salvaged into `nvme` first. On an error, the tiers built so far are
-    closed before it propagates."""
+    predecessor's arena are salvaged into `nvme` first; ``indexed`` then gets what the salvage's
+    index of `nvme` holds, at nvme's position, for the store to take over (``TieredStore``'s
+    ``indexed``). On an error, the tiers built so far are closed before it propagates."""
     require_extras(settings)
     built: list[Tier] = []
     try:
-        return _build_tiers(settings, data_dir, built)
+        return _build_tiers(settings, data_dir, built, {} if indexed is None else indexed)
     except BaseException:
         for tier in built:
             with contextlib.suppress(Exception):
@@ -63,7 +66,7 @@ def require_extras(settings: Settings) -> None:
 
 
 def _build_tiers(
-    settings: Settings, data_dir: DataDir | None, built: list[Tier]
+    settings: Settings, data_dir: DataDir | None, built: list[Tier], indexed: dict[int, list[Block]]
 ) -> tuple[list[Tier], list[str]]:
     absent: list[str] = []
     hbm: Tier | None = None
@@ -85,8 +88,11 @@ def _build_tiers(
     elif not settings.nvme.enabled:
         absent.append("nvme: disabled in the configuration ([nvme] enabled = false)")
     changed: list[int] = []  # blocks a salvage found changed since their commit, per arena
+    into: list[Salvage] = []  # nvme indexed once, at the first arena with blocks to salvage
     if data_dir is not None:
-        kept = [name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store, changed)]
+        kept = [
+            name for name in data_dir.leftovers if not _salvage(name, nvme, settings.store, changed, into)
+        ]
         data_dir.remove_leftovers(keep=kept)
     arena_name = data_dir.arena_name if data_dir is not None else None
     try:
@@ -101,6 +107,8 @@ def _build_tiers(
     built.append(dram)
     dram.count_checksum_failures(sum(changed))  # the arena's checksum failures, its predecessor's included
     tiers = [t for t in (hbm, dram, nvme) if t is not None]
+    if into and into[0].trusted and nvme is not None:
+        indexed[tiers.index(nvme)] = into[0].held()
     throttles = {"hbm": settings.hbm.throttle_bytes_per_s, "dram": settings.dram.throttle_bytes_per_s}
     throttles["nvme"] = settings.nvme.throttle_bytes_per_s
     return [Throttled(t, throttles[t.name]) if throttles.get(t.name) else t for t in tiers], absent
@@ -153,12 +161,17 @@ def _nvme(settings: Settings, absent: list[str]) -> Tier | None:
 
 
 def _salvage(
-    arena_name: str, nvme: Tier | None, config: StoreConfig, changed: list[int] | None = None
+    arena_name: str,
+    nvme: Tier | None,
+    config: StoreConfig,
+    changed: list[int] | None = None,
+    into: list[Salvage] | None = None,
 ) -> bool:
     """Copy the committed blocks of a dead server's arena into `nvme` (by its journal), room
     made there as the spill on close makes it (``kvstore.store.salvage``); whether the arena may
     go. One it must keep still holds acknowledged blocks found nowhere else. ``changed`` gets
-    the count of blocks dropped for failing the checksum they were committed with."""
+    the count of blocks dropped for failing the checksum they were committed with; ``into``
+    holds the one ``Salvage`` of `nvme` every arena shares (made here at the first)."""
     with salvage(arena_name) as blocks:
         if not blocks:
             return True
@@ -170,7 +183,10 @@ def _salvage(
             )
             return True
         try:
-            result = salvage_into(nvme, blocks, config)
+            into = [] if into is None else into
+            if not into or not into[0].trusted:  # a failed salvage leaves nvme's contents unknown
+                into[:] = [Salvage(nvme, config)]
+            result = into[0].into(blocks)
         except TierError as exc:
             log.warning(
                 "salvage of arena %s failed (%s): arena kept with its %d blocks; the next start tries again",
@@ -236,9 +252,10 @@ def open_store(settings: Settings, data_dir: DataDir | None = None) -> TieredSto
     is the store's from here on (closed with it, or on a failure here)."""
     if data_dir is None:
         data_dir = DataDir.open(settings.data_dir)
+    indexed: dict[int, list[Block]] = {}  # what a salvage indexed already: not scanned again
     try:
         require_extras(settings)
-        tiers, absent = build_tiers(settings, data_dir)
+        tiers, absent = build_tiers(settings, data_dir, indexed)
     except BaseException:
         data_dir.close()
         raise
@@ -248,6 +265,7 @@ def open_store(settings: Settings, data_dir: DataDir | None = None) -> TieredSto
             tiers,
             settings.store,
             absent_tiers=absent,
+            indexed=indexed,
             on_close=data_dir.close,
             remote=remote,
             remote_queue_bytes=settings.remote.queue_bytes,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -83,7 +83,10 @@ class TieredStore:
         remote_queue_bytes: int = 256 << 20,
         invalidation_poll_s: float = 0.5,
         invalidation_record: Path | None = None,
+        indexed: Mapping[int, Sequence[Block]] | None = None,
     ) -> None:
+        """``indexed``: per tier position, that tier's blocks as an index built at this start
+        already knows them (the salvage's of a dead arena): taken over, not scanned again."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.config = config = config or StoreConfig()
@@ -96,7 +99,7 @@ class TieredStore:
         self._pins, self._placement, self._expire = parts.pins, parts.placement, parts.expire
         self._pacing = parts.pacing
         self._wall = wall_clock
-        rebuild(tiers, config, parts.index, parts.eviction)
+        rebuild(tiers, config, parts.index, parts.eviction, indexed)
         self._persistent = list(persistent) if persistent is not None else [t.persistent for t in tiers]
         self._persistent_index = next((t for t, p in enumerate(self._persistent) if p), None)
         disk = self._persistent_index

@@ -13,14 +13,17 @@ process that mapped the arena wrote there since, or the memory was damaged) is d
 counted (``changed``), never copied. A block committed without one (written in place by a
 same-host client: ``tiers.slab``) is copied as it is.
 
-    salvage_into(tier, blocks, config) -> Salvaged     then the builder removes the arena only
-                                                        when ``Salvaged.complete``
-
-The index built here is thrown away: the store rebuilds its own from the tier afterwards.
+    s = Salvage(tier, config)                   the tier indexed, once per start
+    s.into(blocks) -> Salvaged                  per dead arena; the builder removes the arena only
+                                                when ``Salvaged.complete``
+    s.held() -> [Block]                         what the tier holds after: the store takes it over
+                                                (``TieredStore(indexed=...)``) rather than scan
+                                                the tier a second time
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.store.model import Block, StoreConfig, new_block, parse_meta, parse_tier_key
-from kvstore.store.parts import wire
-from kvstore.store.rebuild import rebuild
+from kvstore.store.parts import StoreParts, wire
+from kvstore.store.rebuild import index_tier
 from tiers import Tier, TierKey
 from tiers.journal import JournalRecord
 
@@ -55,13 +58,33 @@ class Salvaged:
         return self.refused == 0
 
 
-def salvage_into(
-    tier: Tier, blocks: Sequence[tuple[JournalRecord, memoryview]], config: StoreConfig
+class Salvage:
+    """Salvages into ``tier`` over one index of it, built here; see the module docstring."""
+
+    def __init__(self, tier: Tier, config: StoreConfig) -> None:
+        self._tier, self._config = tier, config
+        self._p = p = wire([tier], config, time.monotonic, time.time)
+        index_tier(0, tier, config, p.index, p.eviction)
+        p.index.order_by_age()
+        self.trusted = True  # the index says what the tier holds
+
+    def held(self) -> list[Block]:
+        """The blocks the tier holds, as this index knows them (while ``trusted``)."""
+        return [b for b in self._p.index.blocks.values() if b.tiers and not b.doomed]
+
+    def into(self, blocks: Sequence[tuple[JournalRecord, memoryview]]) -> Salvaged:
+        """Copy ``blocks`` (journal records with views of their arena bytes) into the tier and
+        flush it; TierError from the flush propagates (nothing is known to be on the medium)."""
+        refused_before = self._p.counts[f"{self._tier.name}_refused_blocks"]
+        self.trusted = False  # until the flush: a failed one leaves the tier's contents unknown
+        result = _salvage_into(self._tier, blocks, self._config, self._p)
+        self.trusted = True
+        return dataclasses.replace(result, refused=result.refused - refused_before)
+
+
+def _salvage_into(
+    tier: Tier, blocks: Sequence[tuple[JournalRecord, memoryview]], config: StoreConfig, p: StoreParts
 ) -> Salvaged:
-    """Copy ``blocks`` (journal records with views of their arena bytes) into ``tier`` and
-    flush it; TierError from the flush propagates (nothing is known to be on the medium)."""
-    p = wire([tier], config, time.monotonic, time.time)
-    rebuild([tier], config, p.index, p.eviction)
     fresh: dict[TierKey, tuple[Block, memoryview]] = {}
     present: dict[TierKey, Block] = {}
     unnamed = changed = 0
@@ -99,6 +122,9 @@ def salvage_into(
         copied = p.placement.copy_down(salvaged, 0, lambda b: fresh[b.tkey][1], fresh=True)
     finally:
         p.pins.unhold_many(salvaged)
+    for block in salvaged:  # not copied: out of the index, which says what the tier holds
+        if not block.tiers:
+            p.index.remove(block)
     tier.flush()
     return Salvaged(
         blocks=len(blocks),
