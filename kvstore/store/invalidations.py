@@ -268,18 +268,25 @@ class FleetInvalidations:
         return self._apply(target, at_s)
 
     def _settle(self, outcome: Outcome) -> int:
-        """One ledger's new entries applied; a loss fails closed: every local block of its
-        namespace (every namespace, for FLEET) born before now goes."""
+        """One ledger's new entries applied; a loss fails closed: it stands for an invalidation
+        of its namespace (every namespace, for FLEET) now, so every local block born before
+        goes, and every remote copy born before is refused here (``dead_before``) and, through
+        the mark written for it, at every sidecar and after a restart (the remote still holds
+        the lost invalidation's copies that no local block named)."""
         dropped = sum(self._learn((outcome.ledger, e.fingerprint), e.at_s) for e in outcome.entries)
         if not outcome.lost:
             return dropped
         now = time.time()
         with self._store_lock:
             self._counts["invalidation_ledger_losses"] += 1
-        gone = self._apply((outcome.ledger, None), now)
+        gone = self._learn((outcome.ledger, None), now)
+        # unnumbered: the record below moves to the head read before it, so its number would
+        # read as a gap at the next poll; evicted, it leaves the cutoff known here only
+        self._write({(outcome.ledger, None): now})
         log.warning(
             "fleet invalidation: the ledger of %s lost invalidations (%s); dropped its %d local "
-            "blocks born before now rather than serve what they may have killed",
+            "blocks born before now, and refuses remote copies born before now, rather than "
+            "serve what they may have killed",
             "every namespace" if outcome.ledger == FLEET else f"namespace {outcome.ledger}",
             outcome.lost,
             gone,

@@ -20,8 +20,9 @@ after it. A ledger is *lost* when the head is missing (twice, 50 ms apart: a kvs
 rewrites it by a delete and a put) or went back, its own last entry is missing or is another
 one (the remote was emptied or evicted it), an entry between is missing, or, at start, it has
 entries and this sidecar no record of it (its blocks predate what it can vouch for). The
-sidecar then drops every local block of that namespace (of every namespace, for ``FLEET``)
-born before now, counts it (``invalidation_ledger_losses``) and logs one WARNING. A ledger
+sidecar then takes it as an invalidation of that namespace (of every namespace, for
+``FLEET``) now (``FleetInvalidations._settle``: local blocks born before dropped, remote
+copies refused), counts it (``invalidation_ledger_losses``) and logs one WARNING. A ledger
 first seen while serving starts at its head: the blocks it holds came since, past the marks.
 The last poll, at close, records the ledgers first seen since the one before.
 """
