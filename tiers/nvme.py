@@ -51,10 +51,7 @@ and pending map; only the writer thread opens write transactions or syncs. Reads
 own read transactions and never hold the lock while copying.
 
 Buffers: put() keeps ``payload`` when it is ``bytes`` and copies anything else before it
-returns. get_into() copies from the LMDB map (a view that is valid only inside its read
-transaction) into ``out`` and keeps nothing; after a miss ``out`` may hold partial data.
-get_into_many() reads a batch the same way in one read transaction, with one lock hold for its
-lookups (the store reads a request's blocks of one tier through it).
+returns. Reads (get_into, get_into_many, and what a damaged read drops): ``tiers.nvme_reads``.
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-
-import lmdb
 
 from tiers import nvme_folder, nvme_room
 from tiers.base import (
@@ -89,7 +84,8 @@ from tiers.nvme_config import NvmeConfig
 from tiers.nvme_env import open_env, reopen_env
 from tiers.nvme_index import NvmeIndex
 from tiers.nvme_queue import BufferPool
-from tiers.nvme_stored import Corrupt, Entry, copy_committed, make_stored, read_batch, read_pending
+from tiers.nvme_reads import NvmeReads
+from tiers.nvme_stored import make_stored
 from tiers.nvme_writer import NvmeWriter
 
 # NvmeConfig too: whoever makes the tier makes its config (tiers.nvme_config holds it).
@@ -98,7 +94,7 @@ __all__ = ["NvmeConfig", "NvmeTier"]
 log = logging.getLogger(__name__)
 
 
-class NvmeTier(Tier):
+class NvmeTier(NvmeReads, Tier):
     """LMDB-backed tier; see the module docstring for durability, threads and buffers."""
 
     name = "nvme"
@@ -265,108 +261,6 @@ class NvmeTier(Tier):
         with self._cond:
             return self._pool.take(size)
 
-    def get_into(self, key: TierKey, out: memoryview) -> int | None:
-        dst = byte_view(out)
-        with self._lock:
-            self._check_open_locked()
-            entry = self._index.get(key)
-            if entry is None:
-                return None
-            if len(dst) < entry.payload_len:
-                raise ValueError(f"output buffer holds {len(dst)} bytes, block needs {entry.payload_len}")
-            op = self._writer.pin_pending_locked(key)  # its buffer stays out of the pool meanwhile
-            if op is None:
-                self._readers += 1
-        if op is not None:
-            try:
-                return read_pending(self._cipher, key, op, dst)
-            finally:
-                with self._lock:
-                    self._writer.release_locked(op)
-        try:
-            result = self._read_committed(key, dst, entry)
-        except lmdb.Error as exc:  # a page LMDB itself finds damaged: the block is lost
-            self._drop_corrupt(key, entry, f"is on a damaged page ({exc})")
-            return None
-        finally:
-            with self._lock:
-                self._readers -= 1
-                if not self._readers and (self._closed or self._reopening):
-                    self._readers_gone.notify_all()
-        if isinstance(result, Corrupt):
-            self._drop_corrupt(key, entry)
-            return None
-        return result
-
-    def get_into_many(
-        self, keys: Sequence[TierKey], outs: Sequence[memoryview], sizes: list[int | None]
-    ) -> None:
-        """``get_into`` of each key into its buffer, appending each length (None for a miss) to
-        ``sizes``: one hold of the lock for the whole batch's index lookups and one for its end,
-        and one read transaction for all its committed blocks (the store reads a request's
-        blocks of one tier this way). A buffer too small for its block raises ValueError after
-        the blocks before it were read, nothing copied into it. Runs of plain blocks (committed,
-        no codec, no cipher) go through C where it is built (``nvme_stored.read_batch``)."""
-        if len(keys) != len(outs):
-            raise ValueError(f"{len(keys)} keys and {len(outs)} buffers")
-        dsts = [byte_view(out) for out in outs]
-        with self._lock:
-            self._check_open_locked()
-            entries = [self._index.get(key) for key in keys]
-            limit, need = len(keys), 0  # the blocks before the first whose buffer is too small
-            for i, e in enumerate(entries):
-                if e is not None and len(dsts[i]) < e.payload_len:
-                    limit, need = i, e.payload_len
-                    break
-            if self._writer.any_pending_locked():
-                ops = [
-                    None if e is None else self._writer.pin_pending_locked(k)
-                    for k, e in zip(keys[:limit], entries[:limit], strict=True)
-                ]
-            else:  # a warm read: nothing queued to pin
-                ops = [None] * limit
-            self._readers += 1
-        corrupt: list[tuple[TierKey, Entry]] = []
-        damaged: list[tuple[TierKey, Entry, str]] = []
-        first, done = len(sizes), 0
-        try:
-            while done < limit:
-                try:
-                    with self._env.begin(db=self._payloads, buffers=True) as txn:  # its get's default
-                        read_batch(
-                            txn,
-                            self._payloads,
-                            self._cipher,
-                            list(keys[done:limit]),
-                            entries[done:limit],
-                            ops[done:limit],
-                            dsts[done:limit],
-                            sizes,
-                            corrupt,
-                        )
-                    done = limit
-                except lmdb.Error as exc:  # a page LMDB finds damaged: that block lost, the rest read on
-                    done = len(sizes) - first  # the block whose read met it
-                    entry = entries[done]
-                    if entry is not None:
-                        damaged.append((keys[done], entry, str(exc)))
-                    sizes.append(None)
-                    done += 1
-        finally:
-            with self._lock:
-                for op in ops:
-                    if op is not None:
-                        self._writer.release_locked(op)
-                self._readers -= 1
-                if not self._readers and (self._closed or self._reopening):
-                    self._readers_gone.notify_all()
-            for key, entry in corrupt:
-                self._drop_corrupt(key, entry)
-            for key, entry, why in damaged:
-                self._drop_corrupt(key, entry, f"is on a damaged page ({why})")
-        if limit < len(keys):
-            raise ValueError(f"output buffer holds {len(dsts[limit])} bytes, block needs {need}")
-
     def size_of(self, key: TierKey) -> int | None:
         with self._cond:
             self._check_open_locked()
@@ -508,24 +402,6 @@ class NvmeTier(Tier):
         writer.start()
         if writer.degraded is None:
             log.warning("nvme tier %s: its file system is writable again; writes resume", self._folder)
-
-    # ---- reading -------------------------------------------------------------------------
-
-    def _read_committed(self, key: TierKey, dst: memoryview, entry: Entry) -> int | Corrupt | None:
-        """``copy_committed`` in a read transaction of its own: views of the map die with it."""
-        with self._env.begin(buffers=True) as txn:
-            return copy_committed(txn, self._payloads, self._cipher, key, dst, entry)
-
-    def _drop_corrupt(self, key: TierKey, seen: Entry, why: str = "failed its checksum") -> None:
-        with self._cond:
-            # A put that replaced the block since the index lookup explains the mismatch: the
-            # bytes read were the newer block's. Not corruption, and not ours to delete.
-            if self._closed or self._index.get(key) is not seen or self._writer.is_pending_locked(key):
-                return
-            self._index.checksum_failures += 1
-            log.warning("nvme tier: block %s %s; deleting it", key.hex(), why)
-            self._forget_locked(key)
-            self._writer.delete_locked(key)
 
     # ---- bookkeeping (caller holds self._cond) --------------------------------------------
 
