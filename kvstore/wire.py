@@ -1,5 +1,5 @@
 """The data port's protocol, defined once: every message's opcode and layout, and the functions
-both ends encode and decode them with (``kvstore.server.dataport`` and ``answering`` serve it,
+both ends encode and decode them with (``kvstore.server.dataport``, ``dataport_ops`` and ``answering`` serve it,
 ``kvstore.client.dataport`` speaks it, through a ``kvstore.stream.Stream``). No other module
 packs or unpacks these bytes (``tests/test_wire.py`` checks it, and round-trips every message).
 

@@ -6,7 +6,8 @@
     service.py     its data calls: the servicer of ``kvstore.v1.KvStore``
     handlers.py    the one place a ``KvStoreError`` becomes a gRPC status; handler registration
     dataplane.py   batching, leases, reservations and size checks under both transports
-    dataport.py    the raw data port (TCP and its Unix twin) over the data plane
+    dataport.py    the raw data port (TCP and its Unix twin): connections, hellos, limits
+    dataport_ops.py  its operations, each request served over the data plane
     answering.py   the data port's loop: its connections between requests, the small ones answered
     workers.py     the data port's pool that serves the rest, tenants in turn
     fairness.py    request threads shared per tenant first

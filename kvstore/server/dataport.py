@@ -11,7 +11,8 @@ the Unix-socket twin of the sidecar are announced by the ServerInfo RPC.
 The protocol itself (framing, opcodes, every message's layout and codec) is ``kvstore.wire``; the client end is
 ``kvstore.client.dataport``. Here: accepting connections within limits (MAX_CONNECTIONS,
 MAX_CONNECTIONS_PER_TENANT), the hello within HELLO_S, every request within REQUEST_S however
-its bytes trickle, and each request handed to the data plane.
+its bytes trickle, and each request handed to ``kvstore.server.dataport_ops``, which serves its
+operation over the data plane.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import contextlib
 import functools
 import logging
 import os
-import select
 import socket
 import ssl
 import threading
@@ -31,36 +31,15 @@ from typing import Any
 
 from kvstore import wire
 from kvstore.address import Address, UnixAddress
-from kvstore.errors import FailedPrecondition, InvalidArgument, KvStoreError, ResourceExhausted
-from kvstore.keys import BlockKey
+from kvstore.errors import KvStoreError, ResourceExhausted
 from kvstore.server.answering import AnsweringLoop, Connection
-from kvstore.server.auth import Authenticator, Caller
+from kvstore.server.auth import Authenticator
 from kvstore.server.dataplane import DataPlane
+from kvstore.server.dataport_ops import AnswerCut, Session, serve_op
 from kvstore.server.fairness import SERVED_AT_ONCE_PER_TENANT, TenantShares
-from kvstore.server.head_op import serve_heads
 from kvstore.server.workers import Workers
-from kvstore.store import Scope
 from kvstore.stream import Stream
-from kvstore.wire import (
-    BLOCKS_END,
-    OK_FRAME,
-    OP_ABORT,
-    OP_COMMIT,
-    OP_GET,
-    OP_LEASE_HELD,
-    OP_LOOKUP,
-    OP_LOOKUP_SLOTS,
-    OP_NAMES,
-    OP_PUT,
-    OP_RELEASE,
-    OP_RELEASE_NOWAIT,
-    OP_RESERVE,
-    OP_RESOLVE,
-    read_id,
-    read_keys,
-    read_ttl,
-    send_error,
-)
+from kvstore.wire import OK_FRAME, OP_COMMIT, OP_NAMES, OP_RESERVE, send_error
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +47,6 @@ REQUEST_S = 30.0  # a whole request, however its bytes trickle: well inside data
 HELLO_S = 5.0  # magic, token and scope must arrive within this
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_TENANT = 256
-MAX_BLOCKS_PER_REQUEST = 65536
-MAX_TRACKED_RESERVATIONS = 64  # per connection, for the spin between a write's chunks
 # After a request the loop does not answer, a worker waits this long for the connection's next
 # (a same-host restore's next resolve comes after the client's copy, a few ms).
 FOLLOW_S = 0.05
@@ -77,17 +54,9 @@ FOLLOW_S = 0.05
 REQUESTS_PER_TURN = 32
 
 
-@dataclass
-class _Session:
-    caller: Caller
-    namespace: str
-    peer: str  # for the log
-    reserved: set[int] = field(default_factory=set)  # reservations granted here, not committed or aborted
-
-
 @dataclass(eq=False)
 class _Link(Connection):
-    session: _Session = field(kw_only=True)
+    session: Session = field(kw_only=True)
 
 
 class DataPort:
@@ -289,13 +258,13 @@ class DataPort:
         else:
             self._give_back(link)
 
-    def _serve_one(self, stream: Stream, session: _Session) -> int:
+    def _serve_one(self, stream: Stream, session: Session) -> int:
         """Serve the request whose first bytes have come; its operation."""
         stream.begin(time.monotonic() + REQUEST_S)  # all of it, however its bytes trickle
         op = wire.read_op(stream.read)
         started = time.perf_counter()
         try:
-            self._dispatch(op, stream, session)
+            serve_op(op, stream, session, self.plane)
         finally:
             if self.on_request is not None and op in OP_NAMES:
                 self.on_request(OP_NAMES[op], time.perf_counter() - started)
@@ -335,46 +304,7 @@ class DataPort:
             self._conns.discard(conn.sock)
             self._per_tenant[conn.tenant] -= 1
 
-    def _dispatch(self, op: int, stream: Stream, session: _Session) -> None:
-        if op == OP_LOOKUP:
-            self._lookup(stream, session)
-        elif op == OP_LOOKUP_SLOTS:
-            self._lookup(stream, session, slots=True)
-        elif op == OP_LEASE_HELD:
-            lease_id = read_id(stream.read)
-            stream.send(wire.held_answer(self.plane.lease_held(session.caller, lease_id)))
-        elif op == OP_RESOLVE:
-            self._resolve(stream, session)
-        elif op == OP_RELEASE:
-            self.plane.release(session.caller, read_id(stream.read))
-            stream.send(OK_FRAME)
-        elif op == OP_RELEASE_NOWAIT:  # no answer: nothing to fail the connection for
-            lease_id = read_id(stream.read)
-            try:
-                self.plane.release(session.caller, lease_id)
-            except KvStoreError as exc:
-                log.debug("a release without answer of lease %d: %s", lease_id, exc)
-        elif op == OP_RESERVE:
-            self._reserve(stream, session)
-        elif op == OP_COMMIT:
-            reservation_id = read_id(stream.read)
-            session.reserved.discard(reservation_id)
-            stream.send(wire.stored_answer(self.plane.commit(session.caller, reservation_id)))
-        elif op == OP_ABORT:
-            reservation_id = read_id(stream.read)
-            session.reserved.discard(reservation_id)
-            self.plane.abort(session.caller, reservation_id)
-            stream.send(OK_FRAME)
-        elif op == OP_GET:
-            self._get(stream, session)
-        elif op == OP_PUT:
-            self._put(stream, session)
-        elif op == wire.OP_HEAD:
-            serve_heads(stream, self.plane, session.namespace, MAX_BLOCKS_PER_REQUEST)
-        else:
-            raise InvalidArgument(f"unknown data port operation {op}")
-
-    def _admit(self, session: _Session) -> None:
+    def _admit(self, session: Session) -> None:
         """At most MAX_CONNECTIONS_PER_TENANT connections per tenant: one tenant cannot take
         every place (RESOURCE_EXHAUSTED otherwise; the connection then closes)."""
         tenant = session.caller.tenant
@@ -385,125 +315,23 @@ class DataPort:
                 )
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
-    def _hello(self, stream: Stream, peer: Any) -> _Session:
+    def _hello(self, stream: Stream, peer: Any) -> Session:
         """Magic, token and scope, all within HELLO_S: a slowloris is cut there."""
         token, scope = wire.read_hello(stream.read)
         metadata = [("authorization", f"Bearer {token}")] if token else []
         conn = stream.sock
         peer_name = "unix:" if conn.family == socket.AF_UNIX else f"ipv4:{peer[0]}:{peer[1]}"
         caller = self.auth.caller(metadata, peer_name)
-        session = _Session(caller, self.auth.namespace(caller, scope), peer_name)
+        session = Session(caller, self.auth.namespace(caller, scope), peer_name)
         stream.send(OK_FRAME)
         return session
-
-    def _resolve(self, stream: Stream, session: _Session) -> None:
-        """Same-host restore: arena slots of the present prefix, pinned under a lease."""
-        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
-        ttl_s = read_ttl(stream.read)
-        if stream.sock.family != socket.AF_UNIX:
-            raise FailedPrecondition(
-                "resolve hands out arena slots: same-host clients on the Unix socket only"
-            )
-        scope = Scope(session.namespace, fingerprint)
-        resolved = self.plane.resolve(session.caller, scope, keys, ttl_s if ttl_s > 0 else None)
-        name = self.plane.arena().arena.name.encode()
-        lease_id = resolved.lease.lease_id if resolved.lease else 0
-        answer = wire.resolve_answer(name, resolved.slots, resolved.tiers, lease_id)
-        if resolved.lease is not None and self._caller_left(stream, session, lease_id):
-            return
-        stream.send(answer)
-
-    def _caller_left(self, stream: Stream, session: _Session, lease_id: int) -> bool:
-        """Whether the client hung up while the store worked: its deadline passed (a client
-        closes a connection whose call failed), say while a restore promoted blocks from a slow
-        tier. It never learns the lease, so it can release nothing, and the pins would hold the
-        blocks in place, against eviction and demotion, until their TTL. Release them now; the
-        session ends at its next read."""
-        gone = _gone(stream)
-        if gone:
-            with contextlib.suppress(KvStoreError):  # it expired meanwhile: nothing left to free
-                self.plane.release(session.caller, lease_id)
-            log.info("a caller left before its answer (its deadline passed): lease %d released", lease_id)
-        return gone
-
-    def _reserve(self, stream: Stream, session: _Session) -> None:
-        """Same-host store: arena slots to fill in place, then ``commit`` (or ``abort``)."""
-        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
-        parent, ttl_s, sizes = wire.read_reserve_tail(stream.read, len(keys))
-        if stream.sock.family != socket.AF_UNIX:
-            raise FailedPrecondition(
-                "reserve hands out arena slots: same-host clients on the Unix socket only"
-            )
-        scope = Scope(session.namespace, fingerprint)
-        reservation = self.plane.reserve(
-            session.caller, scope, keys, sizes, parent, ttl_s if ttl_s > 0 else None
-        )
-        if _gone(stream):  # its deadline passed while the store made room: nobody will commit
-            with contextlib.suppress(KvStoreError):
-                self.plane.abort(session.caller, reservation.reservation_id)
-            log.info("a caller left before its answer: reservation %d aborted", reservation.reservation_id)
-            return
-        if len(session.reserved) < MAX_TRACKED_RESERVATIONS:  # the rest run out with their lease
-            session.reserved.add(reservation.reservation_id)
-        name = self.plane.arena().arena.name.encode()
-        stream.send(wire.reserve_answer(name, reservation.reservation_id, reservation.slots))
-
-    def _lookup(self, stream: Stream, session: _Session, slots: bool = False) -> None:
-        """A lookup; ``slots``: also where each pinned hit lies in the arena (Unix socket only)."""
-        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
-        pin_ttl_s = read_ttl(stream.read)
-        if slots and stream.sock.family != socket.AF_UNIX:
-            raise FailedPrecondition("arena slots are for same-host clients on the Unix socket only")
-        scope = Scope(session.namespace, fingerprint)
-        result = self.plane.lookup(
-            session.caller, scope, keys, pin_ttl_s if pin_ttl_s > 0 else None, slots=slots
-        )
-        lease_id = result.lease.lease_id if result.lease else 0
-        if lease_id and self._caller_left(stream, session, lease_id):
-            return
-        if not slots:
-            stream.send(wire.lookup_answer(result.hit_blocks, result.tiers, lease_id))
-            return
-        name = self.plane.arena().arena.name.encode() if result.slots else b""
-        stream.send(wire.lookup_answer(result.hit_blocks, result.tiers, lease_id, result.slots, name))
-
-    def _get(self, stream: Stream, session: _Session) -> None:
-        fingerprint, keys = read_keys(stream.read, MAX_BLOCKS_PER_REQUEST)
-        scope = Scope(session.namespace, fingerprint)
-        self.plane.arena()
-        stream.send(OK_FRAME)  # from here on a failure can only close the connection
-
-        def send(key: BlockKey, payload: memoryview, checksum: int) -> None:  # out of the pinned slot
-            stream.send_parts(wire.block_head(len(payload), checksum), payload)
-
-        try:
-            for _ in self.plane.read(session.caller, scope, keys, send):
-                pass
-        except Exception as exc:
-            # A status frame here would be read as the next block's size (a client once took an
-            # error's bytes for a block of petabytes): the connection ends instead, which the
-            # client reads as the answer cut short.
-            raise _AnswerCut(f"a get ended after its blocks began: {exc!r}") from exc
-        stream.send(BLOCKS_END)
-
-    def _put(self, stream: Stream, session: _Session) -> None:
-        fingerprint, parent, keys, sizes = wire.read_put_head(stream.read, MAX_BLOCKS_PER_REQUEST)
-        scope = Scope(session.namespace, fingerprint)
-        stored = self.plane.write(
-            session.caller, scope, parent, keys, sizes, lambda i, view: stream.read_into(view)
-        )
-        stream.send(wire.stored_answer(stored))
-
-
-class _AnswerCut(Exception):
-    """A failure after an answer's blocks began: no status frame can follow, only the close."""
 
 
 def _ended(conn: socket.socket, exc: Exception, peer: object) -> None:
     """Tell the client why its connection ends: a ``KvStoreError`` as its status, a bug as an
     internal error (logged); a connection that broke or spoke no protocol is only logged, and
-    one whose answer was cut short (``_AnswerCut``) logged as a warning."""
-    if isinstance(exc, _AnswerCut):
+    one whose answer was cut short (``AnswerCut``) logged as a warning."""
+    if isinstance(exc, AnswerCut):
         log.warning("data connection from %s closed: %s", peer, exc)
         return
     if isinstance(exc, (OSError, ConnectionError, wire.MalformedMessage)) and not isinstance(
@@ -529,17 +357,3 @@ def _refuse(conn: socket.socket, message: str) -> None:
         conn.settimeout(1.0)
         send_error(conn, ResourceExhausted(message))
     conn.close()
-
-
-def _gone(stream: Stream) -> bool:
-    """Whether the client's end is closed, without waiting: readable with nothing to read (a
-    pipelined next request would be bytes to peek at). Never under TLS: no peeking there (the
-    same-host calls that ask are never on TLS)."""
-    conn = stream.sock
-    if isinstance(conn, ssl.SSLSocket):
-        return False
-    try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True

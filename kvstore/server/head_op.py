@@ -1,7 +1,7 @@
 """The data port's head request (``kvstore.wire``: op 12), served on the connection's thread:
 the first bytes of each block of the present prefix, for a sidecar that checks a shared node's
 copies by their header (``tiers.remote``: birth time, fingerprint, a sealed copy's key id)
-without moving their payloads. Kept apart from ``kvstore.server.dataport``, which only
+without moving their payloads. Kept apart from ``kvstore.server.dataport_ops``, which only
 dispatches to it: the request is scoped (namespace from the connection's hello, as a get's) and
 read out of the store like a get, less the promotion and the hit."""
 

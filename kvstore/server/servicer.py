@@ -180,7 +180,7 @@ class Servicer(pb_grpc.KvStoreServicer):
     def _unclaimed(context: grpc.ServicerContext, call: str, undo: Callable[[], None]) -> None:
         """A caller whose deadline passed (or who hung up) while the store worked never learns
         its lease id and can release nothing: release the pins now, not at their TTL (the data
-        port's ``_caller_left`` does the same)."""
+        port's ``dataport_ops._caller_left`` does the same)."""
         if context.is_active():
             return
         with contextlib.suppress(KvStoreError):  # it expired meanwhile: nothing left to free
