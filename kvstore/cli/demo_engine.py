@@ -18,7 +18,6 @@ request's line of the connector's own log (what it decided, predicted and measur
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 import time
@@ -63,13 +62,13 @@ def run_engine_demo(unix_address: str, say: Callable[[str], None] = print) -> bo
                 f"(first token in {again['ttft'] * 1e3:.0f} ms); kvstore had nothing to add"
             )
         finally:
-            _close(first)
+            first.close()  # the engine removes its log (keeps it when the engine failed)
         say("engine 1 stopped: vLLM's own prefix cache went with it")
         second = _start(Engine, model, unix_address, "engine 2", say)
         try:
             warm = _serve(second, prompt, "engine 2", say)
         finally:
-            _close(second)
+            second.close()
         restored = _grew(warm, "kvstore_connector_restored_tokens_total")
         if restored == 0:
             raise RuntimeError("the fresh engine restored nothing from the sidecar")
@@ -94,7 +93,7 @@ def _start(engine_class: Any, model: Path, address: str, name: str, say: Callabl
     try:
         warm_up = engine.generate(WARM_UP, max_tokens=1)
     except BaseException:
-        _close(engine)
+        engine.close()
         raise
     say(
         f"{name}: started in {started:.0f} s; its first request (a throwaway {len(WARM_UP)}-token prompt, "
@@ -126,13 +125,6 @@ def decision_lines(log: Path) -> list[str]:
     """The connector's decision lines, without vLLM's prefix (process, level, time, file)."""
     lines = log.read_text(errors="replace").splitlines()
     return [line.split("] ", 1)[-1] for line in lines if "vllm_decisions.py" in line]
-
-
-def _close(engine: Any) -> None:
-    engine.close()
-    with_log = getattr(engine, "log", None)
-    if with_log is not None:
-        os.unlink(with_log.name)
 
 
 if __name__ == "__main__":  # python -m kvstore.cli.demo_engine UNIX_ADDRESS (scripts/demo.sh)
