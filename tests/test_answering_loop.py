@@ -229,11 +229,12 @@ def test_a_client_pipelining_many_requests_takes_its_turn_with_the_others(
 
     monkeypatch.setattr(port.plane, "lease_held", first_waits)
     methods: list[str] = []
-    monkeypatch.setattr(  # lookups and lease checks only: the put before may be recorded after
-        port,
-        "on_request",
-        lambda method, seconds: method in ("Lookup", "LeaseHeld") and methods.append(method),
-    )
+
+    def record(method: str, seconds: float) -> None:
+        if method in ("Lookup", "LeaseHeld"):  # the put before may be recorded after
+            methods.append(method)
+
+    monkeypatch.setattr(port, "on_request", record)
     hog.sendall(struct.pack("<BQ", OP_LEASE_HELD, 12345) * 1000)
     assert started.wait(10)
     other.sendall(lookup_request(keys))

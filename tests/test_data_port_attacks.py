@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -112,7 +113,7 @@ def test_the_acceptor_survives_a_thread_that_cannot_start(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_start = threading.Thread.start
-    failed = []
+    failed: list[bool] = []
 
     def start_once_failing(self: threading.Thread) -> None:
         if self.name != "kvstore-dataport" and not failed and getattr(self, "_target", None) is not None:
@@ -149,7 +150,7 @@ def test_a_drain_takes_one_grace_whatever_the_clients_do(served: Served) -> None
     assert took < 2 + 3, f"the drain took {took:.1f} s for a 2 s grace"
 
 
-def reserve_request(keys: list[bytes], size: int) -> bytes:
+def reserve_request(keys: Sequence[bytes], size: int) -> bytes:
     tail = struct.pack("<B32sd", 0, bytes(32), 30.0) + struct.pack(f"<{len(keys)}Q", *[size] * len(keys))
     return struct.pack("<B32sI", OP_RESERVE, MODEL.fingerprint(), len(keys)) + b"".join(keys) + tail
 

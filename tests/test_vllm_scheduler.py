@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -22,7 +22,8 @@ from engine_plugin.calibration import Calibration
 from engine_plugin.sidecar import SidecarLink
 from engine_plugin.vllm_scheduler import Policy, SchedulerSide
 from engine_plugin.vllm_stats import KvstoreConnectorStats, ObservedWork
-from kvstore.client import Lookup
+from kvstore.address import UnixAddress
+from kvstore.client import Client, Lookup
 from kvstore.cost_model import PrefillModel, TierCost
 from kvstore.errors import Unavailable
 from kvstore.keys import BlockKey, Fingerprint, block_keys
@@ -102,7 +103,11 @@ class Harness:
         self.client = StoreClient(self.store)
         self.stats = KvstoreConnectorStats()
         link = SidecarLink(
-            "unix:///fake.sock", lambda: self.client, [MODEL], self.stats.add_unreachable, CircuitBreaker()
+            UnixAddress("/fake.sock"),
+            lambda: cast(Client, self.client),  # a stand-in answering the calls the link makes
+            [MODEL],
+            self.stats.add_unreachable,
+            CircuitBreaker(),
         )
         calibration = Calibration(tiers, PREFILL)
         try:
@@ -414,7 +419,12 @@ def test_an_audit_recomputes_the_hit_and_sends_its_blocks_for_comparison_as_they
 def test_a_mismatch_stops_lookups_restores_and_saves_and_invalidates() -> None:
     h = Harness({"hbm": FAST, "dram": SLOW}, audit_fraction=1.0)
     invalidated: list[bytes] = []
-    h.client.invalidate = lambda fp: invalidated.append(fp) or 8  # type: ignore[attr-defined]
+
+    def invalidate(fp: bytes) -> int:
+        invalidated.append(fp)
+        return 8
+
+    h.client.invalidate = invalidate  # type: ignore[attr-defined]
     try:
         h.put(8)
         r = request()
