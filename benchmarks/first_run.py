@@ -14,10 +14,12 @@ the connector), which no calibration predicts; the connector learns from the oth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from kvstore.cli.demo_engine import decision_lines
 from kvstore.cost_model import DEFAULT_TIERS
 from kvstore.server.config import load_settings
 from kvstore.server.datadir import remove_shm_files
-from kvstore.server.serve import start_server
+from kvstore.server.serve import RunningServer, start_server
 
 LENGTHS = (1000, 400, 700, 200, 900, 500)  # prompt tokens, each prompt its own
 DECISIONS = ("restore", "partial", "recompute")
@@ -80,8 +82,10 @@ def serve_all(engine: Engine, label: str) -> list[dict[str, object]]:
     return rows
 
 
-def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
-    """The rows, and the bytes and seconds of the restarted engine's restores from dram."""
+@contextlib.contextmanager
+def first_run_sidecar() -> Iterator[tuple[RunningServer, Path]]:
+    """A private sidecar (256 MiB of dram over 1 GiB of nvme, no metrics listener) and a
+    scratch folder for the model and calibration files; both removed on leaving."""
     folder = Path(tempfile.mkdtemp(prefix="kvfirst-"))
     data_dir = tempfile.mkdtemp(prefix="kvfirst-sidecar-", dir="/tmp")
     settings = {
@@ -91,8 +95,21 @@ def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
         "nvme.capacity_bytes": "1GiB",
         "server.metrics_address": "",
     }
-    server = start_server(load_settings(env={}, overrides=settings))
     try:
+        server = start_server(load_settings(env={}, overrides=settings))
+        try:
+            yield server, folder
+        finally:
+            server.stop()
+    finally:
+        remove_shm_files(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
+    """The rows, and the bytes and seconds of the restarted engine's restores from dram."""
+    with first_run_sidecar() as (server, folder):
         model = build_tiny_llama(folder / "tiny", seed=0)
         rows: list[dict[str, object]] = []
         for label in ("first engine", "after a restart"):
@@ -104,11 +121,6 @@ def run() -> tuple[list[dict[str, object]], tuple[float, float]]:
                 engine.close()
         restored = metrics.get("kvstore_connector_restored_bytes_total{tier=dram}", 0.0)
         return rows, (restored, metrics.get("kvstore_connector_restore_seconds_sum{tier=dram}", 0.0))
-    finally:
-        server.stop()
-        remove_shm_files(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def report(rows: list[dict[str, object]], restores: tuple[float, float], seconds: float) -> str:

