@@ -42,6 +42,7 @@ STORE_COUNTERS = (
     "put_blocks",
     "put_dedup_blocks",
     "put_doomed_blocks",
+    "put_unacknowledged_blocks",
     "promotions",
     "demotions",
     "deleted_blocks",

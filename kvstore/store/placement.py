@@ -16,6 +16,8 @@ Calls (store lock held):
     settle(t)              free arena tier t's retired slots whose copies below are written;
                            the paced writes' line (``kvstore.store.held``) holds them first
     queue_below(t)         the write queue arena tier t's victims retire for, or None
+    queued_only(block)     the write queue holding a new block that no arena slot holds, and
+                           its mark there: what an acknowledged put waits for (``Writes.put``)
 
 Retired slots: an arena block evicted while its copy below is still in the disk's write queue
 keeps its slot (and its journal record) until the disk has written that copy, so a kill -9
@@ -77,6 +79,8 @@ class Placement:
             below = [(u, q) for u, q in enumerate(self._queues) if u > t and q is not None]
             if tier.as_arena() is not None and below:
                 self._queued_below[t] = below[0]
+        # The tiers whose copies salvage brings back after a kill -9 (an arena's journaled slots)
+        self._arenas = {t for t, tier in enumerate(tiers) if tier.as_arena() is not None}
         self.retired_bytes = 0  # bytes of arena slots retired so far, all told
         self._line = line
         self.changes: BlockChanges | None = None  # told of every copy added or gone (events)
@@ -133,6 +137,18 @@ class Placement:
         slots never retire (no arena, or no tier below it queues its writes)."""
         below = self._queued_below.get(t)
         return None if below is None else below[1]
+
+    def queued_only(self, block: Block) -> tuple[int, WriteQueue, int] | None:
+        """(tier, its write queue, the block's mark there) when no arena slot holds ``block``
+        and a tier's write queue still does: a kill -9 now would lose it, salvage having no
+        slot to bring back. None otherwise (the usual case: the block is in the arena)."""
+        if not block.tiers.isdisjoint(self._arenas):
+            return None
+        for t in sorted(block.tiers):
+            queue = self._queues[t]
+            if queue is not None and (mark := queue.unwritten_mark(block.tkey)):
+                return t, queue, mark
+        return None
 
     def _unretire(self, block: Block) -> None:
         """A block leaving the store (dropped, deleted) takes any arena slot it retired with it:

@@ -5,12 +5,22 @@ write-behind queue, a poke to the arena's cleaner, and the remote tier's queue.
 A put runs in slices of about PACE_SLICE_BYTES, each paced (``Pacing.pace``) before it takes
 the lock: a disk that is behind slows this writer, slice by slice, and every other caller goes
 on between them. A child never lands in a faster tier than its parent.
+
+A put's count is its acknowledgement, so it counts only what a kill -9 cannot lose. A block put
+into the arena can be salvaged from its journaled slot; one placed straight into a persistent
+tier's write queue (the arena had no room: full of pinned blocks, or its room still on its way
+from the disk) has no slot, so the slice it came in waits, outside the lock, up to PACE_S, for
+that tier to commit it. One still uncommitted then stays queued, written when the disk catches
+up, but the put does not count it (``put_unacknowledged_blocks``). A chain read through from
+the remote tier (``to_remote`` False) is nobody's acknowledgement and waits for nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 
+from kvstore.asleep import asleep
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.keys import BlockKey
 from kvstore.store.behind import PersistBehind
@@ -25,7 +35,7 @@ from kvstore.store.parts import Expiry, Locked
 from kvstore.store.pins import Pins
 from kvstore.store.placement import Placement
 from kvstore.store.remote import RemoteCalls
-from tiers import BytesLike
+from tiers import BytesLike, WriteQueue
 
 PACE_SLICE_BYTES = 16 << 20  # a put is paced and stored in slices of about this many bytes
 
@@ -86,7 +96,8 @@ class Writes:
         ``born``: each block's birth time where a copy elsewhere had one (else: now);
         ``to_remote``: False for a chain read through from the remote tier (not sent back).
 
-        Blocks already present are skipped. Returns how many were stored. ``first_depth`` is the
+        Blocks already present are skipped. Returns how many were stored (a kill -9 cannot
+        lose them: see the module docstring). ``first_depth`` is the
         index of keys[0] in its full chain when the parent is not stored here (defaults to the
         parent's depth + 1, or 0 without a parent).
         """
@@ -95,7 +106,7 @@ class Writes:
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks")
         sizes = [len(memoryview(b)) for b in blocks]
         check_sizes(sizes, self._config.max_block_bytes)
-        stored = 0
+        stored = unacknowledged = 0
         with self._lock:
             scope = self._index.intern(scope)
             first_depth = first_depth if first_depth is not None else self._index.depth_after(scope, parent)
@@ -106,6 +117,7 @@ class Writes:
             with self._lock:
                 needed = self._governance.new_sizes(scope, keys[first:end], sizes[first:end])
             held = self._pacing.pace(0, needed, PACE_S)
+            queued: list[tuple[Block, int, WriteQueue, int]] = []  # no arena slot: not salvageable
             with self._lock:
                 self._pacing.use(held)  # the room it waited for, taken below under this same hold
                 self._expire()
@@ -126,7 +138,34 @@ class Writes:
                     self._put_one(block, blocks[i], stored, len(keys), to_remote)
                     stored += 1
                     self._counts.count(scope, "put_blocks")
-        return stored
+                    if to_remote and (in_queue := self._placement.queued_only(block)) is not None:
+                        queued.append((block, *in_queue))
+            if queued:
+                unacknowledged += self._unwritten(queued)
+        return stored - unacknowledged
+
+    def _unwritten(self, queued: Sequence[tuple[Block, int, WriteQueue, int]]) -> int:
+        """Outside the lock: wait, up to PACE_S, until the tiers have committed the ``queued``
+        blocks (block, tier, its write queue, the block's mark there), placed straight into
+        their queues; how many are not on their media then (still queued, or refused), counted
+        ``put_unacknowledged_blocks``."""
+        last: dict[int, tuple[WriteQueue, int]] = {}  # each queue's latest mark: its writes go in order
+        for _, _, queue, mark in queued:
+            last[id(queue)] = (queue, max(mark, last.get(id(queue), (queue, 0))[1]))
+        deadline = time.monotonic() + PACE_S
+        with asleep():  # on the disk: the caller's request place serves another meanwhile
+            for queue, mark in last.values():
+                queue.wait_written(mark, max(0.0, deadline - time.monotonic()))
+        tiers = self._placement.tiers
+        unwritten = sum(
+            1
+            for block, t, queue, _ in queued
+            if queue.unwritten_mark(block.tkey) or tiers[t].size_of(block.tkey) is None
+        )
+        if unwritten:
+            with self._lock:
+                self._counts["put_unacknowledged_blocks"] += unwritten
+        return unwritten
 
     def _put_one(self, block: Block, data: BytesLike, stored: int, chain: int, to_remote: bool) -> None:
         # Hold the parent while the child finds room: evicting it now would make the child
