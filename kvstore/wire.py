@@ -5,7 +5,7 @@ packs or unpacks these bytes (``tests/test_wire.py`` checks it, and round-trips 
 
 Framing (little-endian), one request at a time per connection:
 
-    hello    client: b"KVD2" u16 len + bearer token, u16 len + scope   server: status
+    hello    client: b"KVD3" u16 len + bearer token, u16 len + scope   server: status
     resolve  client: u8 4, fingerprint[32], u32 n, n x key[32], f64 ttl_s      (Unix socket only)
              server: status, u16 len + arena name, u32 hit, hit x (u64 offset, u64 size, u8 tier),
                      u64 lease id
@@ -16,7 +16,9 @@ Framing (little-endian), one request at a time per connection:
                      f64 ttl_s, n x u64 size                                  (Unix socket only)
              server: status, u16 len + arena name, u64 reservation id,
                      n x (u8 present, u64 offset, u64 size)
-    commit   client: u8 7, u64 reservation id                         server: status, u32 stored
+    commit   client: u8 7, u64 reservation id, u32 n, n x u64 xxh3-64: each given slot's block
+                     as written, in order (n 0: the writer took none, a copy by DMA; the
+                     server's hasher takes them)                      server: status, u32 stored
     abort    client: u8 8, u64 reservation id                                 server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme, 4 remote), u64 lease id
@@ -62,7 +64,7 @@ from kvstore.keys import BlockKey, Fingerprint
 from kvstore.status import Status, error_for, status_of
 from kvstore.stream import Stream, recv_exact
 
-MAGIC = b"KVD2"  # 2: a get's blocks carry their checksum
+MAGIC = b"KVD3"  # 2: a get's blocks carry their checksum; 3: a commit, its blocks' checksums
 OP_GET, OP_PUT, OP_LOOKUP, OP_RESOLVE, OP_RELEASE = 1, 2, 3, 4, 5
 OP_RESERVE, OP_COMMIT, OP_ABORT, OP_RELEASE_NOWAIT = 6, 7, 8, 9
 OP_LOOKUP_SLOTS, OP_LEASE_HELD, OP_HEAD = 10, 11, 12
@@ -81,7 +83,7 @@ OP_NAMES = {
     OP_HEAD: "Heads",
 }
 KEYS_OPS = frozenset((OP_GET, OP_LOOKUP, OP_LOOKUP_SLOTS, OP_RESOLVE))  # keys_request's
-ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD, OP_COMMIT, OP_ABORT))  # id_request's
+ID_OPS = frozenset((OP_RELEASE, OP_RELEASE_NOWAIT, OP_LEASE_HELD, OP_ABORT))  # id_request's
 TIER_CODES = {"hbm": 1, "dram": 2, "nvme": 3, "remote": 4}  # the Tier enum of the proto
 TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 END = (1 << 64) - 1  # the size that ends a get's blocks
@@ -193,14 +195,14 @@ def reserve_request(
     if parent is not None and len(parent) != KEY_BYTES:
         raise InvalidArgument("parent must be a 32-byte key")
     check_ids(fingerprint, keys)
-    tail = RESERVE_TAIL.pack(parent is not None, parent or bytes(KEY_BYTES), ttl_s) + _sizes(len(sizes)).pack(
+    tail = RESERVE_TAIL.pack(parent is not None, parent or bytes(KEY_BYTES), ttl_s) + _u64s(len(sizes)).pack(
         *sizes
     )
     return b"".join([_OP_KEYS_HEAD.pack(OP_RESERVE, fingerprint, len(keys)), *keys, tail])
 
 
 def id_request(op: int, id_: int) -> bytes:
-    """A release (answered or not), a lease check, a commit or an abort."""
+    """A release (answered or not), a lease check or an abort."""
     return _OP_ID.pack(op, id_)
 
 
@@ -209,8 +211,13 @@ def lookup_slots_request(fingerprint: bytes, keys: Sequence[bytes], pin_ttl_s: f
     return keys_request(OP_LOOKUP_SLOTS, fingerprint, keys, pin_ttl_s)
 
 
-def commit_request(reservation_id: int) -> bytes:
-    return _OP_ID.pack(OP_COMMIT, reservation_id)
+def commit_request(reservation_id: int, checksums: Sequence[int] = ()) -> bytes:
+    """A commit, with the xxh3-64 of each block the writer copied into its given slots (or none)."""
+    return (
+        _OP_ID.pack(OP_COMMIT, reservation_id)
+        + COUNT.pack(len(checksums))
+        + _u64s(len(checksums)).pack(*checksums)
+    )
 
 
 def release_request(lease_id: int) -> bytes:
@@ -277,13 +284,21 @@ def read_head_bytes(read: Read) -> int:
 def read_reserve_tail(read: Read, n_keys: int) -> tuple[BlockKey | None, float, list[int]]:
     """(parent, ttl_s, sizes) after a reserve's keys."""
     has_parent, parent, ttl_s = RESERVE_TAIL.unpack(read(RESERVE_TAIL.size))
-    sizes = list(_sizes(n_keys).unpack(read(SIZE.size * n_keys)))
+    sizes = list(_u64s(n_keys).unpack(read(SIZE.size * n_keys)))
     return (BlockKey(parent) if has_parent else None), ttl_s, sizes
 
 
 def read_id(read: Read) -> int:
     id_: int = ID.unpack(read(ID.size))[0]
     return id_
+
+
+def read_commit_tail(read: Read, max_keys: int) -> list[int]:
+    """The checksums after a commit's reservation id (``read_id``): one per given slot, or none."""
+    (n,) = COUNT.unpack(read(COUNT.size))
+    if n > max_keys:
+        raise InvalidArgument(f"at most {max_keys} blocks per request, got {n} checksums")
+    return list(_u64s(n).unpack(read(SIZE.size * n))) if n else []
 
 
 def read_put_head(
@@ -475,8 +490,8 @@ def _repeated(fields: str, count: int) -> Struct:
 
 
 @lru_cache(maxsize=128)
-def _sizes(count: int) -> Struct:
-    """``count`` sizes in a row: one field with a repeat count, small however many."""
+def _u64s(count: int) -> Struct:
+    """``count`` u64s in a row (sizes, checksums): one field with a repeat count, small however many."""
     return Struct(f"<{count}{SIZE.format[1:]}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import xxhash
 
 from kvstore.client import inplace
 
@@ -83,3 +84,26 @@ def test_native_scatter_refuses_a_read_only_region_and_a_wrong_argument() -> Non
         _gather.scatter(bytearray(8), [0, 4], [4], [b"abcd"])
     with pytest.raises(TypeError):
         _gather.scatter(bytearray(8), (0,), [4], [b"abcd"])
+
+
+@pytest.mark.parametrize("size", [1, 240, 241, 4096, 300_001, 2 << 20, 17 << 20])
+def test_a_hashed_scatter_copies_each_block_and_gives_its_xxh3(copy_path: str, size: int) -> None:
+    """Lengths about xxh3's classes (240 B, the long loop, its 1 KiB blocks, the streamed stores
+    from 16 MiB) at an offset off the line: the digest is xxhash's, every byte arrives."""
+    region = memoryview(bytearray(2 * size + 4096 + 64))
+    blocks = [os.urandom(size), os.urandom(size)]
+    offsets = [3, size + 4096 + 3]
+    assert inplace.scatter_hashed(region, offsets, [size, size], blocks) == [
+        xxhash.xxh3_64_intdigest(b) for b in blocks
+    ]
+    assert (
+        bytes(region[3 : 3 + size]) == blocks[0]
+        and bytes(region[offsets[1] : offsets[1] + size]) == blocks[1]
+    )
+
+
+def test_a_hashed_scatter_takes_only_a_block_of_its_slots_size(copy_path: str) -> None:
+    region = memoryview(bytearray(1 << 16))
+    with pytest.raises(ValueError):
+        inplace.scatter_hashed(region, [0], [8192], [os.urandom(4096)])  # its checksum would miss the rest
+    assert bytes(region) == bytes(1 << 16), "nothing copied"

@@ -88,14 +88,17 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
     from kvstore.client import inplace
 
     copies = []
-    real_copy = inplace._copy_spans
+    real_copy = inplace.scatter_hashed
 
-    def third_fails(offsets: list[int], into_region: bool) -> None:
+    def third_fails(
+        region: memoryview, offsets: list[int], sizes: list[int], data: Sequence[inplace.Data]
+    ) -> list[int]:
         if len(copies) == 2:  # the third chunk
             raise ValueError("the caller's buffer went away")
         copies.append(1)
+        return real_copy(region, offsets, sizes, data)
 
-    monkeypatch.setattr(inplace, "_copy_spans", copy_spans_after(third_fails))
+    monkeypatch.setattr(inplace, "scatter_hashed", third_fails)
     arena = served.server.store.arena
     assert arena is not None
     with connect(served.unix) as kv:
@@ -107,7 +110,7 @@ def test_a_pipelined_write_that_fails_midway_gives_its_slots_back(
         assert usage.stored_bytes == usage.used_bytes  # no slot left reserved
         present = kv.lookup(fp, keys)
         assert present == 4  # the two chunks committed before the failing one
-        monkeypatch.setattr(inplace, "_copy_spans", real_copy)
+        monkeypatch.setattr(inplace, "scatter_hashed", real_copy)
         blocks = blocks_for(keys)
         assert kv.write(fp, keys, blocks) == 8 - present  # the connection after the failure works
         outs = [memoryview(bytearray(BLOCK)) for _ in keys]

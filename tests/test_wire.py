@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import wire
-from kvstore.errors import LeaseExpired
+from kvstore.errors import InvalidArgument, LeaseExpired
 from kvstore.status import Status
 from kvstore.stream import Stream
 
@@ -57,7 +57,7 @@ def u(n: int, width: int) -> bytes:
 
 def test_hello_round_trips_and_is_magic_then_two_counted_strings() -> None:
     raw = wire.hello(b"tok-a", b"scope")
-    assert raw == b"KVD2" + u(5, 2) + b"tok-a" + u(5, 2) + b"scope"
+    assert raw == b"KVD3" + u(5, 2) + b"tok-a" + u(5, 2) + b"scope"
     read, buf = reader(raw)
     assert wire.read_hello(read) == ("tok-a", "scope") and whole(buf)
     with pytest.raises(wire.InvalidArgument, match="magic"):
@@ -122,9 +122,26 @@ def test_a_request_on_an_id_round_trips_and_is_op_then_u64(op: int) -> None:
     assert wire.read_op(read) == op and wire.read_id(read) == 2**64 - 2 and whole(buf)
 
 
-def test_commit_and_release_requests_are_their_id_requests() -> None:
-    assert wire.commit_request(7) == wire.id_request(wire.OP_COMMIT, 7)
+def test_a_release_request_is_its_id_request() -> None:
     assert wire.release_request(7) == wire.id_request(wire.OP_RELEASE_NOWAIT, 7)
+
+
+@pytest.mark.parametrize("checksums", [[], [0, 2**64 - 1, 12345]], ids=["none", "three"])
+def test_a_commit_round_trips_and_is_op_id_then_counted_checksums(checksums: list[int]) -> None:
+    raw = wire.commit_request(7, checksums)
+    assert raw == bytes([wire.OP_COMMIT]) + u(7, 8) + u(len(checksums), 4) + b"".join(
+        u(c, 8) for c in checksums
+    )
+    read, buf = reader(raw)
+    assert wire.read_op(read) == wire.OP_COMMIT and wire.read_id(read) == 7
+    assert wire.read_commit_tail(read, 16) == checksums and whole(buf)
+
+
+def test_a_commit_with_more_checksums_than_a_request_may_hold_blocks_is_refused() -> None:
+    read, _ = reader(wire.commit_request(7, [1, 2, 3]))
+    assert wire.read_op(read) == wire.OP_COMMIT and wire.read_id(read) == 7
+    with pytest.raises(InvalidArgument, match="at most 2 blocks"):
+        wire.read_commit_tail(read, 2)
 
 
 @pytest.mark.parametrize("count", [3, 1100], ids=["few", "past-the-cached-layouts"])

@@ -262,7 +262,8 @@ class InPlaceTier(Protocol):
     bytes of retired slots (all of them if fewer retire; 0 when none do).
 
     Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
-    there; ``verified_checksum`` checks a committed block's bytes against it before they leave
+    there (``commit_many``'s ``checksums``, each item's, for a writer in another process);
+    ``verified_checksum`` checks a committed block's bytes against it before they leave
     the process (and takes the checksum then for a block that has none: ``tiers.slab``).
 
     ``frees_batched()``: a context in which what the arena records of the slots it frees may be
@@ -286,7 +287,9 @@ class InPlaceTier(Protocol):
 
     def commit(self, key: TierKey, meta: bytes | None = None) -> None: ...
 
-    def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None: ...
+    def commit_many(
+        self, items: Sequence[tuple[TierKey, bytes | None]], checksums: Sequence[int | None] | None = None
+    ) -> None: ...
 
     def abort(self, key: TierKey) -> bool: ...
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from tiers import cuda
 from tiers.base import BytesLike, Slot, TierKey
+from tiers.dram_hasher import Hashed, Hasher
 from tiers.errors import ArenaNoRoom, TierUnavailable
 from tiers.journal import Journal, JournalRecord, records_in, replay
 from tiers.slab import SlabEntry, SlabTier
@@ -328,6 +329,7 @@ class DramTier(SlabTier):
         if config.pin_with_cuda == "on" or (config.pin_with_cuda == "auto" and gpu_copies):
             self.arena.pin_with_cuda()
         self._journal = Journal(Arena.path_of(arena_name) + JOURNAL_SUFFIX) if journaled else None
+        self._hasher = Hasher(self.slot_view, self._take_checksums)  # blocks committed without one
         log.info(
             "dram arena %s: %d B, %s",
             arena_name,
@@ -368,6 +370,7 @@ class DramTier(SlabTier):
         _gather.gather(self.arena.view, [s.offset for s in slots], [s.size_bytes for s in slots], outs)
 
     def _committed(self, published: Sequence[tuple[TierKey, SlabEntry]]) -> None:
+        self._hasher.add(published)
         if self._journal is None:
             return
         self._journal.commit_many(
@@ -386,6 +389,20 @@ class DramTier(SlabTier):
                 )
             )
 
+    def _take_checksums(self, hashed: Hashed) -> None:
+        """The hasher's checksums, kept for the blocks still where it hashed them, and journaled."""
+        with self._lock:
+            if self._closed:
+                return
+            entries = self._entries
+            sums: list[tuple[int, bytes, int]] = []
+            for key, entry, digest in hashed:
+                if entries.get(key) is entry and entry.checksum is None:
+                    entry.checksum = digest
+                    sums.append((entry.slot.offset, bytes(key), digest))
+            if sums and self._journal is not None:
+                self._journal.summed_many(sums)
+
     def _freeing(self, slot: Slot, batched: bool) -> None:
         if self._journal is not None:
             self._journal.free(slot.offset, later=batched)
@@ -395,6 +412,7 @@ class DramTier(SlabTier):
             self._journal.write_frees()
 
     def _release_region(self) -> None:
+        self._hasher.close()  # before the arena goes: it may be reading a slot
         if self._journal is not None:
             self._journal.close(remove=True)
         self.arena.close()

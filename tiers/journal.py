@@ -3,7 +3,10 @@
 An arena lives in ``/dev/shm``, so it outlives a server killed with SIGKILL. The journal, a file
 beside it (``<arena>.journal``, mode 0600), makes its contents usable afterwards: the tier
 appends a ``commit`` record (slot, key, fingerprint, meta, checksum) after a block's bytes are in its slot
-and before the block is visible, and a ``free`` record before a slot can be handed out again.
+and before the block is visible, and a ``free`` record before a slot can be handed out again. A
+block whose bytes a same-host client wrote in place is committed without a checksum; the tier's
+hasher takes it just after and appends a ``summed`` record (slot, key, checksum) that replay
+joins to the slot's commit.
 Replaying the journal of a dead server's arena (``salvage``) therefore names exactly the slots
 that held acknowledged blocks at the moment of the crash, each with the bytes it was committed
 with: a slot reserved but never committed has no record, a freed one has its ``free``. A record
@@ -12,8 +15,8 @@ checksum is the xxh3-64 of the bytes the block was committed with (``tiers.slab`
 copies only a slot whose bytes still match it (a process that mapped the arena may have written
 there since).
 
-Record: u32 length of the rest, u8 kind (3 commit, 2 free; kind 1, a commit without its
-checksum, is an older layout and ends the replay), u64 offset, u64 size, u16 key length + key,
+Record: u32 length of the rest, u8 kind (3 commit, 2 free, 4 summed: no fingerprint or meta; kind
+1, a commit without its checksum, is an older layout and ends the replay), u64 offset, u64 size, u16 key length + key,
 fingerprint[32], u16 meta length + meta, u8 whether a checksum follows, u64 checksum, u32 CRC32
 of everything before it.
 
@@ -34,7 +37,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-COMMIT, FREE = 3, 2
+COMMIT, FREE, SUMMED = 3, 2, 4
 _HEAD = struct.Struct("<IBQQ")  # length, kind, offset, size
 _CRC = struct.Struct("<I")
 _SUM = struct.Struct("<BQ")  # whether a checksum was taken, the checksum
@@ -135,6 +138,11 @@ class Journal:
         self._append(b"".join(self._frees) + _encode_records(COMMIT, records))
         self._frees.clear()
 
+    def summed_many(self, sums: Sequence[tuple[int, bytes, int]]) -> None:
+        """A summed record for each (slot offset, key, checksum): the checksum the hasher took of
+        a block committed without one, appended in one write."""
+        self._append(_encode_records(SUMMED, ((o, 0, k, _NO_FINGERPRINT, b"", c) for o, k, c in sums)))
+
     def free(self, offset: int, later: bool = False) -> None:
         """A free record for the slot at ``offset``; ``later``: kept until ``write_frees`` (or
         the next commit), which writes the ones kept in one write. The tier writes them before
@@ -206,18 +214,21 @@ def replay(path: str) -> dict[int, JournalRecord]:
         _, kind, offset, size = _HEAD.unpack_from(record, 0)
         if kind == FREE:
             live.pop(offset, None)
-        elif kind == COMMIT:
+        elif kind in (COMMIT, SUMMED):
             at = _HEAD.size
             (key_len,) = struct.unpack_from("<H", record, at)
-            key = record[at + 2 : at + 2 + key_len]
+            key = bytes(record[at + 2 : at + 2 + key_len])
             at += 2 + key_len
             fingerprint = record[at : at + 32]
             (meta_len,) = struct.unpack_from("<H", record, at + 32)
             meta = record[at + 34 : at + 34 + meta_len]
             summed, checksum = _SUM.unpack_from(record, at + 34 + meta_len)
-            live[offset] = JournalRecord(
-                offset, size, bytes(key), bytes(fingerprint), bytes(meta), checksum if summed else None
-            )
+            if kind == COMMIT:
+                live[offset] = JournalRecord(
+                    offset, size, key, bytes(fingerprint), bytes(meta), checksum if summed else None
+                )
+            elif (committed := live.get(offset)) is not None and committed.key == key:
+                live[offset] = committed._replace(checksum=checksum)  # the block still in the slot
         else:
             break
         pos = end

@@ -7,9 +7,9 @@ frees the slot of any older block under the same key; ``abort`` gives the slot b
 
 Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
 touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
-or, for a block filled in place by a same-host client, the first copy that leaves the process
-(``verified_checksum``: hashing every in-place write at commit cost the same-host writes a
-third here, SECURITY.md "Known gaps"). ``verified_checksum`` checks a block against it before
+or, for a block filled in place by a same-host client, the dram tier's hasher just after the
+commit (``tiers.dram_hasher``), or else the first copy that leaves the process
+(``verified_checksum``). ``verified_checksum`` checks a block against it before
 its bytes leave; a mismatch is counted in ``usage().checksum_failures``, as is each block a
 salvage of this arena's predecessor found changed since its commit (``count_checksum_failures``;
 the arena journal records a checksum taken by the commit, ``tiers.journal``).
@@ -210,9 +210,13 @@ class SlabTier(Tier):
         one); an older block under the key is freed."""
         self.commit_many([(key, meta)])
 
-    def commit_many(self, items: Sequence[tuple[TierKey, bytes | None]]) -> None:
+    def commit_many(
+        self, items: Sequence[tuple[TierKey, bytes | None]], checksums: Sequence[int | None] | None = None
+    ) -> None:
         """``commit`` of each (key, meta), under one taking of the lock and with one record of
-        them all (``_committed``); KeyError, committing none, when a key has no reserved slot."""
+        them all (``_committed``); KeyError, committing none, when a key has no reserved slot.
+        ``checksums``: the writer's xxh3-64 of each item's bytes (None: none taken), as
+        ``note_checksum`` gives them."""
         for _, meta in items:
             if meta is not None:
                 check_meta(meta)
@@ -222,9 +226,11 @@ class SlabTier(Tier):
                 if key not in pending:
                     raise KeyError(f"{self.name}: no reserved slot for key {key.hex()}")
             published: list[tuple[TierKey, SlabEntry]] = []
-            for key, meta in items:
+            for i, (key, meta) in enumerate(items):
                 entry = pending.pop(key)
                 entry.committed = True
+                if checksums is not None and checksums[i] is not None:
+                    entry.checksum = checksums[i]
                 if meta is not None:
                     entry.meta = bytes(meta)
                 if key in entries:

@@ -357,8 +357,11 @@ class Client:
         )
         return PendingWrite(self._mapping.slot_views(name, slots), reservation_id)
 
-    def commit(self, reservation_id: int, scope: str = "") -> int:
-        return self._transport().commit(reservation_id, scope)
+    def commit(self, reservation_id: int, scope: str = "", checksums: Sequence[int] = ()) -> int:
+        """Publish the slots of ``reserve``; ``checksums``: the xxh3-64 of each given slot's
+        block as written, in order, where the writer took them (``inplace.copy_hashed``);
+        otherwise the server's hasher takes them after the commit."""
+        return self._transport().commit(reservation_id, scope, checksums)
 
     def abort(self, reservation_id: int, scope: str = "") -> None:
         self._transport().abort(reservation_id, scope)

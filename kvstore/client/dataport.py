@@ -168,12 +168,12 @@ class DataPortClient:
         name, reservation_id, given, offsets, sizes = wire.read_reserve_answer(self._stream.read, n_keys)
         return name, reservation_id, Spans.of(given, offsets, sizes)
 
-    def commit(self, reservation_id: int) -> int:
-        self.send_commit(reservation_id)
+    def commit(self, reservation_id: int, checksums: Sequence[int] = ()) -> int:
+        self.send_commit(reservation_id, checksums)
         return self.read_commit()
 
-    def send_commit(self, reservation_id: int) -> None:
-        self._stream.send(wire.commit_request(reservation_id))
+    def send_commit(self, reservation_id: int, checksums: Sequence[int] = ()) -> None:
+        self._stream.send(wire.commit_request(reservation_id, checksums))
 
     def read_commit(self) -> int:
         """The answer of a ``send_commit``: how many blocks it stored."""

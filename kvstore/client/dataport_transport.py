@@ -68,8 +68,8 @@ class DataPortTransport:
     ) -> Reserved:
         return self._data.call(scope, lambda c: c.reserve(fingerprint, keys, sizes, parent, ttl_s))
 
-    def commit(self, reservation_id: int, scope: str) -> int:
-        return self._data.call(scope, lambda c: c.commit(reservation_id))
+    def commit(self, reservation_id: int, scope: str, checksums: Sequence[int] = ()) -> int:
+        return self._data.call(scope, lambda c: c.commit(reservation_id, checksums))
 
     def abort(self, reservation_id: int, scope: str) -> None:
         self._data.call(scope, lambda c: c.abort(reservation_id))

@@ -165,8 +165,9 @@ class GrpcTransport:
         slots = [(s.offset, s.size_bytes) if s.present else None for s in r.slots]
         return r.arena_name, r.reservation_id, slots
 
-    def commit(self, reservation_id: int, scope: str) -> int:
-        return int(self.call(self.stub.Commit, pb.CommitRequest(reservation_id=reservation_id)).stored)
+    def commit(self, reservation_id: int, scope: str, checksums: Sequence[int] = ()) -> int:
+        request = pb.CommitRequest(reservation_id=reservation_id, checksums=checksums)
+        return int(self.call(self.stub.Commit, request).stored)
 
     def abort(self, reservation_id: int, scope: str) -> None:
         self.call(self.stub.Abort, pb.AbortRequest(reservation_id=reservation_id))

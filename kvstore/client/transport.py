@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvstore.client.inplace import copy_into
+from kvstore.client.inplace import copy_hashed, copy_into
 from kvstore.client.mapping import ArenaMapping
 from kvstore.client.pool import ReceivePool
 from kvstore.client.results import Lookup
@@ -79,7 +79,10 @@ class Transport(Protocol):
         scope: str,
     ) -> Reserved: ...
 
-    def commit(self, reservation_id: int, scope: str) -> int: ...
+    def commit(self, reservation_id: int, scope: str, checksums: Sequence[int] = ()) -> int:
+        """Publish a reservation's written slots; ``checksums``: the xxh3-64 of each given
+        slot's block as written, in order, or none (the server's hasher takes them)."""
+        ...
 
     def abort(self, reservation_id: int, scope: str) -> None: ...
 
@@ -133,13 +136,13 @@ def write_reserved(
     )
     views = mapping.slot_views(name, slots)
     try:
-        for view, block in zip(views, blocks, strict=True):
-            if view is not None:
-                copy_into(view, block)
+        checksums = [
+            copy_hashed(view, block) for view, block in zip(views, blocks, strict=True) if view is not None
+        ]
     except BaseException:
         transport.abort(reservation_id, "")
         raise
-    stored = transport.commit(reservation_id, "")
+    stored = transport.commit(reservation_id, "", checksums)
     return stored, [i for i, view in enumerate(views) if view is None]
 
 

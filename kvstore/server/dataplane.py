@@ -114,8 +114,8 @@ class DataPlane:
         self._check_sizes(scope.fingerprint, sizes)
         return self.store.reserve(scope, keys, sizes, parent=parent, ttl_s=ttl_s, owner=caller.tenant)
 
-    def commit(self, caller: Caller, reservation_id: int) -> int:
-        return self.store.commit(reservation_id, owner=caller.tenant)
+    def commit(self, caller: Caller, reservation_id: int, checksums: Sequence[int] = ()) -> int:
+        return self.store.commit(reservation_id, owner=caller.tenant, checksums=checksums)
 
     def abort(self, caller: Caller, reservation_id: int) -> None:
         self.store.abort(reservation_id, owner=caller.tenant)

@@ -85,8 +85,9 @@ def serve_op(op: int, stream: Stream, session: Session, plane: DataPlane) -> Non
         _reserve(stream, session, plane)
     elif op == OP_COMMIT:
         reservation_id = read_id(stream.read)
+        checksums = wire.read_commit_tail(stream.read, MAX_BLOCKS_PER_REQUEST)
         session.reserved.discard(reservation_id)
-        stream.send(wire.stored_answer(plane.commit(session.caller, reservation_id)))
+        stream.send(wire.stored_answer(plane.commit(session.caller, reservation_id, checksums)))
     elif op == OP_ABORT:
         reservation_id = read_id(stream.read)
         session.reserved.discard(reservation_id)

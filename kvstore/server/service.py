@@ -161,7 +161,9 @@ class KvStoreService(ControlCalls):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         def body(caller: Caller) -> pb.CommitResponse:
             start = time.perf_counter()
-            stored = self.store.commit(request.reservation_id, owner=caller.tenant)
+            stored = self.store.commit(
+                request.reservation_id, owner=caller.tenant, checksums=request.checksums
+            )
             if self.metrics is not None:
                 self.metrics.store_seconds.labels("commit").observe(time.perf_counter() - start)
             return pb.CommitResponse(stored=stored)

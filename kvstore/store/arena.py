@@ -324,24 +324,35 @@ class ArenaCalls:
             slots += arena.reserve_many(items[first:], fingerprint) or [None]
         return slots
 
-    def commit(self, reservation_id: int, owner: str = "") -> int:
-        """Publish a reservation's written slots as blocks; how many were stored."""
+    def commit(self, reservation_id: int, owner: str = "", checksums: Sequence[int] = ()) -> int:
+        """Publish a reservation's written slots as blocks; how many were stored. ``checksums``:
+        the writer's xxh3-64 of each given slot's block, in order (kept from the commit on, as
+        the server's own copies keep theirs), or none (the dram tier's hasher takes them)."""
         a, arena = self.a, self.arena
         with self._lock:
             self._expire()
             (pending,) = self._reservations.release(reservation_id, owner)
+            given = sum(slot is not None for slot in pending.slots)
+            if checksums and len(checksums) != given:
+                self._abort_pending(pending)
+                raise InvalidArgument(
+                    f"a commit of {given} written slots carries {len(checksums)} checksums; nothing stored"
+                )
             self._unreserve(pending)
+            sums = iter(checksums)
             scope = pending.scope
             # The parent as it stands now: a pipelined write reserves a chunk before the chunk
             # holding its parent is committed.
             first_depth = self._index.depth_after(scope, pending.parent)
             now = self._wall()  # in the journal's record of each block: salvage keeps its birth
             blocks: list[Block] = []
+            written: list[int | None] = []  # the writer's checksum of each block in blocks
             prev = pending.parent
             for i, (key, tkey, slot) in enumerate(
                 zip(pending.keys, pending.tkeys, pending.slots, strict=True)
             ):
                 if slot is not None:
+                    checksum = next(sums, None)
                     if self._index.get((scope, key)) is not None:
                         arena.abort(tkey)  # stored meanwhile by another path
                     else:
@@ -350,8 +361,9 @@ class ArenaCalls:
                         )
                         block.tiers.add(a)
                         blocks.append(block)
+                        written.append(checksum)
                 prev = key
-            arena.commit_many([(block.tkey, block.meta) for block in blocks])
+            arena.commit_many([(block.tkey, block.meta) for block in blocks], written if checksums else None)
             self._index.admit_many(blocks)
             if self._placement.changes is not None:
                 self._placement.changes.stored(blocks, a)

@@ -383,8 +383,10 @@ class TieredStore:
     ) -> Reservation:
         return self._in_place().reserve(scope, keys, sizes, parent, ttl_s, owner)
 
-    def commit(self, reservation_id: int, owner: str = "") -> int:
-        return self._in_place().commit(reservation_id, owner)
+    def commit(self, reservation_id: int, owner: str = "", checksums: Sequence[int] = ()) -> int:
+        """Publish a reservation's written slots (``Arena.commit``): ``checksums``, the writer's
+        xxh3-64 of each given slot's block, in order, or none."""
+        return self._in_place().commit(reservation_id, owner, checksums)
 
     def abort(self, reservation_id: int, owner: str = "") -> None:
         self._in_place().abort(reservation_id, owner)
