@@ -5,7 +5,7 @@ adapters over this, so a request has the same outcome, status and metrics whiche
     resolve(caller, scope, keys, ttl_s)        -> Resolved (same host: slots to read in place)
     release(caller, lease_id)
     reserve(caller, scope, keys, sizes, parent, ttl_s) -> Reservation (same host: slots to fill)
-    commit(caller, reservation_id) -> blocks stored;  abort(caller, reservation_id)
+    commit(caller, reservation_id, checksums) -> blocks stored;  abort(caller, reservation_id)
     heads(scope, keys, n)                      -> the first n bytes of each block of the present
                                                   prefix: nothing promoted, no hit recorded
     read(caller, scope, keys, each)            -> yields, per batch of BATCH_BLOCKS, the results
@@ -17,7 +17,7 @@ adapters over this, so a request has the same outcome, status and metrics whiche
                                                   checksummed ends the prefix (counted, deleted)
     write(caller, scope, parent, keys, sizes, fill) -> blocks stored; ``fill(i, view)`` writes
                                                   block i's bytes into its reserved arena
-                                                  slot, checksummed there (``note_checksum``)
+                                                  slot, hashed there; the commit carries them
 
 Every block lands in the arena (`dram`), reserved in batches so that one request never needs the
 whole arena; a block the arena cannot take (full of pinned blocks) is filled into a buffer and
@@ -185,6 +185,7 @@ class DataPlane:
                 scope, keys[first:last], sizes[first:last], parent, LEASE_S, owner
             )
             aside: list[tuple[BlockKey, BlockKey | None, bytearray]] = []
+            checksums: list[int] = []  # of each filled slot, in order: the commit carries them
             try:
                 for i, (slot, size) in enumerate(zip(reservation.slots, sizes[first:last], strict=True)):
                     if slot is not None:
@@ -193,8 +194,7 @@ class DataPlane:
                         fill(first + i, view)
                         # hashed while the bytes just received are warm, so that the block
                         # carries its checksum from its commit (tiers.slab)
-                        digest = xxhash.xxh3_64_intdigest(view)
-                        arena.note_checksum(tier_key(scope, keys[first + i]), digest)
+                        checksums.append(xxhash.xxh3_64_intdigest(view))
                     else:
                         data = bytearray(size)
                         fill(first + i, memoryview(data))
@@ -204,7 +204,7 @@ class DataPlane:
                 with contextlib.suppress(KvStoreError):  # expired meanwhile: nothing to give back
                     self.store.abort(reservation.reservation_id, owner=owner)
                 raise
-            stored += self.store.commit(reservation.reservation_id, owner=owner)
+            stored += self.store.commit(reservation.reservation_id, owner=owner, checksums=checksums)
             for run in _chained(aside):  # one put a run: it waits for the disk once, if at all
                 stored += self.store.put(scope, [k for k, _, _ in run], [d for _, _, d in run], run[0][1])
             parent = keys[last - 1]
