@@ -200,6 +200,11 @@ class RemoteTier(ABC):
         may both win (Mooncake)."""
         if self.contains([block.key]) == [True]:
             return False
+        return self._put_claim(block)
+
+    def _put_claim(self, block: RemoteBlock) -> bool | None:
+        """``put_many([block])`` read as a claim: True stored, False nothing stored (the key
+        was taken), None when the call counted a failure."""
         failures = self.usage().failures
         stored = self.put_many([block])
         return True if stored else None if self.usage().failures != failures else False

@@ -202,9 +202,7 @@ class KvStoreNodesTier(RemoteTier):
 
     def claim(self, block: RemoteBlock) -> bool | None:
         """A node keeps a key's first copy: a put that stores nothing found the key taken."""
-        failures = self.usage().failures
-        stored = self.put_many([block])
-        return True if stored else None if self.usage().failures != failures else False
+        return self._put_claim(block)
 
     def carries(self, namespace: str) -> bool:
         return namespace in self.config.tokens
