@@ -84,9 +84,7 @@ class NvmeReads(ABC):
             return None
         finally:
             with self._lock:
-                self._readers -= 1
-                if not self._readers and (self._closed or self._reopening):
-                    self._readers_gone.notify_all()
+                self._reader_done_locked()
         if isinstance(result, Corrupt):
             self._drop_corrupt(key, entry)
             return None
@@ -151,15 +149,19 @@ class NvmeReads(ABC):
                 for op in ops:
                     if op is not None:
                         self._writer.release_locked(op)
-                self._readers -= 1
-                if not self._readers and (self._closed or self._reopening):
-                    self._readers_gone.notify_all()
+                self._reader_done_locked()
             for key, entry in corrupt:
                 self._drop_corrupt(key, entry)
             for key, entry, why in damaged:
                 self._drop_corrupt(key, entry, f"is on a damaged page ({why})")
         if limit < len(keys):
             raise ValueError(f"output buffer holds {len(dsts[limit])} bytes, block needs {need}")
+
+    def _reader_done_locked(self) -> None:
+        """A read outside the lock has ended: close() and the environment swap wait for the last."""
+        self._readers -= 1
+        if not self._readers and (self._closed or self._reopening):
+            self._readers_gone.notify_all()
 
     def _read_committed(self, key: TierKey, dst: memoryview, entry: Entry) -> int | Corrupt | None:
         """``copy_committed`` in a read transaction of its own: views of the map die with it."""
