@@ -83,7 +83,7 @@ class KvStoreService(ControlCalls):
     @override
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         def body(caller: Caller) -> pb.ReleaseResponse:
-            self.store.release(request.lease_id, owner=caller.tenant)
+            self.plane.release(caller, request.lease_id)
             return pb.ReleaseResponse()
 
         return self._serve("Release", context, body)
@@ -161,9 +161,7 @@ class KvStoreService(ControlCalls):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         def body(caller: Caller) -> pb.CommitResponse:
             start = time.perf_counter()
-            stored = self.store.commit(
-                request.reservation_id, owner=caller.tenant, checksums=request.checksums
-            )
+            stored = self.plane.commit(caller, request.reservation_id, request.checksums)
             if self.metrics is not None:
                 self.metrics.store_seconds.labels("commit").observe(time.perf_counter() - start)
             return pb.CommitResponse(stored=stored)
@@ -173,7 +171,7 @@ class KvStoreService(ControlCalls):
     @override
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         def body(caller: Caller) -> pb.AbortResponse:
-            self.store.abort(request.reservation_id, owner=caller.tenant)
+            self.plane.abort(caller, request.reservation_id)
             return pb.AbortResponse()
 
         return self._serve("Abort", context, body)
