@@ -225,7 +225,7 @@ class DataPort:
     def _give_back(self, link: _Link) -> None:
         """To the loop until its next request; to a worker again if a request of a TLS
         connection waits already (the loop cannot read it)."""
-        if link.tls and (link.stream.buffered() or _tls_pending(link.sock)):
+        if link.tls and _request_waiting(link):
             self._workers.submit(link.tenant, link)
         else:
             self._loop.watch(link)
@@ -253,7 +253,7 @@ class DataPort:
             return
         if self._closing.is_set():
             self._end(link)
-        elif stream.buffered() or (link.tls and _tls_pending(link.sock)):
+        elif _request_waiting(link):
             self._workers.submit(link.tenant, link)  # its tenant's other connections first
         else:
             self._give_back(link)
@@ -284,7 +284,7 @@ class DataPort:
                 stream.spin(spin_s, yielding=True)
             finally:
                 self._spinner.release()
-        if stream.buffered() or (link.tls and _tls_pending(link.sock)):
+        if _request_waiting(link):
             return True
         if not link.tls and (op < 0 or self._loop.answers(op)):
             return False
@@ -347,9 +347,11 @@ def _ended(conn: socket.socket, exc: Exception, peer: object) -> None:
         send_error(conn, exc)
 
 
-def _tls_pending(sock: socket.socket) -> bool:
-    """Whether a TLS connection holds bytes it has read and not handed over yet."""
-    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+def _request_waiting(link: _Link) -> bool:
+    """Whether the connection's next request has begun here already: bytes its stream buffered,
+    or, under TLS, bytes the TLS layer has read and not handed over yet (out of epoll's sight)."""
+    sock = link.sock
+    return bool(link.stream.buffered()) or (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0)
 
 
 def _refuse(conn: socket.socket, message: str) -> None:
