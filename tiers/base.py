@@ -261,8 +261,8 @@ class InPlaceTier(Protocol):
     find its bytes here. ``retiring_mark(n)``: the smallest mark whose settling frees ``n``
     bytes of retired slots (all of them if fewer retire; 0 when none do).
 
-    Checksums: ``note_checksum`` gives a reserved slot the xxh3-64 of the bytes its writer put
-    there (``commit_many``'s ``checksums``, each item's, for a writer in another process);
+    Checksums: ``commit_many``'s ``checksums`` give each block the xxh3-64 of the bytes its
+    writer put in its slot (the server's copy of a remote put, a same-host client's copy);
     ``verified_checksum`` checks a committed block's bytes against it before they leave
     the process (and takes the checksum then for a block that has none: ``tiers.slab``).
 
@@ -292,8 +292,6 @@ class InPlaceTier(Protocol):
     ) -> None: ...
 
     def abort(self, key: TierKey) -> bool: ...
-
-    def note_checksum(self, key: TierKey, checksum: int) -> None: ...
 
     def verified_checksum(self, key: TierKey, slot: Slot, view: memoryview) -> int | None: ...
 

@@ -6,10 +6,10 @@ this process, or in another one that mapped the same region), ``commit`` publish
 frees the slot of any older block under the same key; ``abort`` gives the slot back.
 
 Checksums: a block's entry keeps the xxh3-64 of its bytes once someone took it: the writer that
-touched the bytes (``note_checksum`` on the reserved slot: the server's copy of a remote put),
-or, for a block filled in place by a same-host client, the dram tier's hasher just after the
-commit (``tiers.dram_hasher``), or else the first copy that leaves the process
-(``verified_checksum``). ``verified_checksum`` checks a block against it before
+copied the bytes in, through its commit (``commit_many``'s ``checksums``: the server's copy of a
+remote put, a same-host client's copy), or for a block committed without one (a GPU's DMA copy)
+the dram tier's hasher just after the commit (``tiers.dram_hasher``), or else the first copy
+that leaves the process (``verified_checksum``). ``verified_checksum`` checks a block against it before
 its bytes leave; a mismatch is counted in ``usage().checksum_failures``, as is each block a
 salvage of this arena's predecessor found changed since its commit (``count_checksum_failures``;
 the arena journal records a checksum taken by the commit, ``tiers.journal``).
@@ -215,8 +215,7 @@ class SlabTier(Tier):
     ) -> None:
         """``commit`` of each (key, meta), under one taking of the lock and with one record of
         them all (``_committed``); KeyError, committing none, when a key has no reserved slot.
-        ``checksums``: the writer's xxh3-64 of each item's bytes (None: none taken), as
-        ``note_checksum`` gives them."""
+        ``checksums``: the writer's xxh3-64 of each item's bytes (None: none taken)."""
         for _, meta in items:
             if meta is not None:
                 check_meta(meta)
@@ -248,14 +247,6 @@ class SlabTier(Tier):
                 return False
             self._alloc.free(entry.slot)
             return True
-
-    def note_checksum(self, key: TierKey, checksum: int) -> None:
-        """The xxh3-64 of the bytes the caller just wrote into the reserved slot of ``key``,
-        kept from its commit on; nothing when the reservation is gone."""
-        with self._lock:
-            entry = self._pending.get(key)
-            if entry is not None:
-                entry.checksum = checksum
 
     def verified_checksum(self, key: TierKey, slot: Slot, view: memoryview) -> int | None:
         """Before ``view`` (the bytes of ``slot``, where the caller found the committed block of
