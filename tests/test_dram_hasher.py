@@ -76,3 +76,19 @@ def test_a_block_written_in_place_is_checksummed_after_its_commit_and_a_change_i
     finally:
         tier.close()
     assert not Path(tier.arena.path_of(name)).exists()
+
+
+def test_a_block_the_tier_copies_in_itself_carries_its_checksum_from_the_commit() -> None:
+    """``put`` (a promotion, a read-through, a salvage: the server's own copy) hashes on the way."""
+    name = f"kvstore-test-{os.getpid()}-put-hashed"
+    tier = DramTier(DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False), name)
+    try:
+        payload = os.urandom(300_001)
+        tier.put(key(7), payload, FP)
+        (record,) = replay(
+            tier.arena.path_of(name) + JOURNAL_SUFFIX
+        ).values()  # no wait: in the commit record
+        assert record.checksum == xxhash.xxh3_64_intdigest(payload)
+        assert tier._hasher._thread is None, "nothing was left for the hasher"
+    finally:
+        tier.close()

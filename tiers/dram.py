@@ -348,13 +348,15 @@ class DramTier(SlabTier):
         """The arena bytes of ``slot``; valid until the tier closes or the slot is freed."""
         return self.arena.view[slot.offset : slot.offset + slot.size_bytes]
 
-    def _write(self, slot: Slot, payload: BytesLike) -> None:
-        if _gather is None:  # built without a C compiler
+    def _write(self, slot: Slot, payload: BytesLike) -> int | None:
+        if _gather is None:  # built without a C compiler: the hasher takes the checksum after
             self.arena.view[slot.offset : slot.offset + slot.size_bytes] = payload
-            return
-        # kv_copy (tiers/native/copy.h) without the GIL: a payload at another offset within a
-        # cache line than its slot (numpy's, bytes') copied at half speed through memcpy here
-        _gather.scatter(self.arena.view, [slot.offset], [slot.size_bytes], [payload])
+            return None
+        # One pass without the GIL, hashing on the way (tiers/native/hashed_copy.h): a block the
+        # server copies in (a promotion, a read-through, a salvage) carries its checksum from
+        # its commit, and the hasher never reads it again
+        digest: int = _gather.scatter_hashed(self.arena.view, [slot.offset], [slot.size_bytes], [payload])[0]
+        return digest
 
     def _read(self, slot: Slot, out: memoryview) -> None:
         offset, size = slot.offset, slot.size_bytes

@@ -64,9 +64,10 @@ class HbmTier(SlabTier):
 
     def _write(self, slot: Slot, payload: BytesLike) -> None:
         if slot.size_bytes == 0:
-            return
+            return None
         torch = self._torch
         self.slot_tensor(slot).copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        return None  # device memory: no checksum
 
     def _read(self, slot: Slot, out: memoryview) -> None:
         if slot.size_bytes == 0:

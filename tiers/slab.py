@@ -81,7 +81,8 @@ class SlabTier(Tier):
 
     # Subclasses: move bytes in and out of the region. Called without the lock held.
     @abstractmethod
-    def _write(self, slot: Slot, payload: BytesLike) -> None: ...
+    def _write(self, slot: Slot, payload: BytesLike) -> int | None:
+        """``payload`` into ``slot``; its xxh3-64 where the copy took it on the way, else None."""
 
     @abstractmethod
     def _read(self, slot: Slot, out: memoryview) -> None: ...
@@ -289,11 +290,11 @@ class SlabTier(Tier):
     def put(self, key: TierKey, payload: BytesLike, fingerprint: bytes, meta: bytes = b"") -> None:
         slot = self.reserve(key, len(payload), fingerprint, meta)
         try:
-            self._write(slot, payload)
+            checksum = self._write(slot, payload)
         except BaseException:
             self.abort(key)
             raise
-        self.commit(key)
+        self.commit_many([(key, None)], [checksum])
 
     def get_into(self, key: TierKey, out: memoryview) -> int | None:
         with self._lock:  # locate() inline: this runs once per block of every restore
