@@ -2,7 +2,8 @@
 of its own just after the commit.
 
 A same-host client that copies with the CPU hashes as it copies, and its commit carries the
-checksums (``kvstore.client.inplace.scatter_hashed``). An engine whose GPU copies its blocks
+checksums (``kvstore.client.inplace.scatter_hashed``); the tier's own copies in (``put``: a
+promotion, a read-through, a salvage) hash on the way too. An engine whose GPU copies its blocks
 into the arena by DMA has no CPU pass to hash in, and commits without them; so does a client
 calling ``Client.commit`` with none. Hashing those in the commit would put an xxh3 pass over
 every byte on the writer's path; the hasher takes them after the commit instead, with the GIL
