@@ -84,7 +84,7 @@ class MooncakeTier(RemoteTier):
         self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvstore-mooncake")
         self._busy = 0  # calls on the pool, finished or not
         self._store: Any = None  # MooncakeDistributedStore, set up on first use (on the pool)
-        self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
+        self._backoff = Backoff(config.backoff_s, config.max_backoff_s, config.timeout_s)
         self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0, "expired": 0}
         self._closed = False
 
@@ -151,7 +151,7 @@ class MooncakeTier(RemoteTier):
     def usage(self) -> RemoteUsage:
         with self._lock:
             counts = dict(self._counts)
-        return RemoteUsage(self.name, nodes=1, nodes_down=int(not self._backoff.ready()), **counts)
+        return RemoteUsage(self.name, nodes=1, nodes_down=int(self._backoff.down()), **counts)
 
     def close(self) -> None:
         with self._lock:

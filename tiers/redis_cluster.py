@@ -24,11 +24,12 @@ marks): invalidation is rare and may take a while on a big cluster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
@@ -69,7 +70,10 @@ class RedisClusterTier(RemoteTier):
         self._prefix = config.key_prefix.encode()
         self._lock = threading.Lock()
         self._client: Any = None  # redis.cluster.RedisCluster, built on first use
-        self._backoff = Backoff(config.backoff_s, config.max_backoff_s)
+        self._users: dict[int, int] = {}  # id(client) -> calls using it now
+        self._retired: dict[int, Any] = {}  # dropped after a failure, closed by their last call
+        # a batch reads its masters one after another, each read bounded by timeout_s
+        self._backoff = Backoff(config.backoff_s, config.max_backoff_s, config.timeout_s * len(config.nodes))
         self._counts = {"gets": 0, "hits": 0, "puts": 0, "failures": 0, "checksum_failures": 0, "expired": 0}
         self._carried: dict[str, bool] = {}  # namespace -> whether the ACL user may touch its keys
         self._closed = False
@@ -137,18 +141,20 @@ class RedisClusterTier(RemoteTier):
         if not self.config.username:
             return True
         known = self._carried.get(namespace)
-        client = self._connected() if known is None else None
-        if client is None:
-            return bool(known)
+        if known is not None:
+            return known
         ns = namespace.encode()
-        try:
-            client.exists(self._key(bytes([len(ns)]) + ns) + b"carries?")
-        except NoPermissionError:
-            known = False
-        except _FAILURES:
-            return False  # asked again next time
-        else:
-            known = True
+        with self._using() as client:
+            if client is None:
+                return False
+            try:
+                client.exists(self._key(bytes([len(ns)]) + ns) + b"carries?")
+            except NoPermissionError:
+                known = False
+            except _FAILURES:
+                return False  # asked again next time
+            else:
+                known = True
         self._carried[namespace] = known
         return known
 
@@ -157,9 +163,10 @@ class RedisClusterTier(RemoteTier):
         return 0 if replies is None else sum(int(r) for r in replies if isinstance(r, int))
 
     def delete_matching(self, prefix: bytes, spare: bytes = b"") -> int:
-        client = self._connected()
-        if client is None:
-            return 0
+        with self._using() as client:
+            return 0 if client is None else self._delete_matching(client, prefix, spare)
+
+    def _delete_matching(self, client: Any, prefix: bytes, spare: bytes) -> int:
         pattern = _escape(self._key(prefix)) + b"*"
         removed = 0
         try:
@@ -181,7 +188,7 @@ class RedisClusterTier(RemoteTier):
         with self._lock:
             counts = dict(self._counts)
         return RemoteUsage(
-            self.name, nodes=len(self.config.nodes), nodes_down=int(not self._backoff.ready()), **counts
+            self.name, nodes=len(self.config.nodes), nodes_down=int(self._backoff.down()), **counts
         )
 
     def close(self) -> None:
@@ -210,53 +217,65 @@ class RedisClusterTier(RemoteTier):
         with self._lock:
             self._counts[name] += n
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The cluster client for one call, or None while the cluster is in backoff. A client
+        a failed call drops is closed when the last call using it ends: closed under the calls
+        still reading from it (a hung cluster's calls time out together), redis-py raised
+        AttributeError out of them, a request error where the contract promises misses."""
+        client = self._connected()
+        try:
+            yield client
+        finally:
+            if client is not None:
+                with self._lock:
+                    left = self._users.pop(id(client)) - 1
+                    if left:
+                        self._users[id(client)] = left
+                    retired = None if left else self._retired.pop(id(client), None)
+                if retired is not None:
+                    _close(retired)
+
     def _connected(self) -> Any:
-        """The cluster client, built on first use; None while the cluster is in backoff."""
+        """The cluster client, built on first use and counted in use (``_using`` gives it
+        back); None while the cluster is in backoff."""
         if not self._backoff.ready():
             return None
         with self._lock:
             if self._closed:
                 raise RuntimeError("the redis tier is closed")
             if self._client is not None:
-                return self._client
+                return self._use(self._client)
         try:
-            client = _build_client(self.config, self._password)
+            built = _build_client(self.config, self._password)
         except _FAILURES as exc:
             self._failed(exc)
             return None
         with self._lock:
             if self._client is None:
-                self._client = client
-                return client
-        client.close()  # another thread built one meanwhile
-        return self._client
+                self._client = built
+                return self._use(built)
+            client = self._use(self._client)
+        built.close()  # another thread built one meanwhile
+        return client
+
+    def _use(self, client: Any) -> Any:
+        """Count a call using ``client`` (under the lock)."""
+        self._users[id(client)] = self._users.get(id(client), 0) + 1
+        return client
 
     def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
         """The replies of one pipelined batch, or None when the cluster failed it."""
         if not commands:
             return []
-        client = self._connected()
-        if client is None:
-            return None
-        try:
-            pipe = client.pipeline(transaction=False)
-            for command in commands:
-                verb, key, *rest = command
-                if verb == "EXISTS":
-                    pipe.exists(key)
-                elif verb == "GET":
-                    pipe.get(key)
-                elif verb == "GETRANGE":
-                    pipe.getrange(key, 0, rest[0])
-                elif verb == "SET":
-                    value, options = rest
-                    pipe.set(key, value, **options)
-                else:
-                    pipe.delete(key)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
-        except _FAILURES as exc:
-            self._failed(exc)
-            return None
+        with self._using() as client:
+            if client is None:
+                return None
+            try:
+                replies = _execute(client, commands)
+            except _FAILURES as exc:
+                self._failed(exc)
+                return None
         errors = [r for r in replies if isinstance(r, Exception)]
         if errors:
             self._failed(errors[0])
@@ -278,11 +297,38 @@ class RedisClusterTier(RemoteTier):
         self._backoff.failed()
         with self._lock:
             client, self._client = self._client, None
+            if client is not None and id(client) in self._users:
+                self._retired[id(client)] = client  # in use: its last call closes it
+                client = None
         if client is not None:
-            try:
-                client.close()
-            except _FAILURES:  # closing a broken client may fail too; it is gone either way
-                log.debug("redis tier: closing the failed client failed", exc_info=True)
+            _close(client)
+
+
+def _close(client: Any) -> None:
+    try:
+        client.close()
+    except _FAILURES:  # closing a broken client may fail too; it is gone either way
+        log.debug("redis tier: closing the failed client failed", exc_info=True)
+
+
+def _execute(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """One pipelined batch's replies (errors among them, not raised)."""
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        verb, key, *rest = command
+        if verb == "EXISTS":
+            pipe.exists(key)
+        elif verb == "GET":
+            pipe.get(key)
+        elif verb == "GETRANGE":
+            pipe.getrange(key, 0, rest[0])
+        elif verb == "SET":
+            value, options = rest
+            pipe.set(key, value, **options)
+        else:
+            pipe.delete(key)
+    replies: list[Any] = pipe.execute(raise_on_error=False)
+    return replies
 
 
 def _build_client(config: RemoteConfig, password: str) -> Any:

@@ -229,23 +229,44 @@ class RemoteTier(ABC):
 
 class Backoff:
     """When a node may be tried again: after a failure it is skipped for ``base_s``, doubling
-    with each failure in a row up to ``max_s``; a success resets it. Thread-safe."""
+    with each failure in a row up to ``max_s``; a success resets it. When a skip ends, one caller
+    tries the node and the others go on skipping it until that try reports, or for ``try_s`` (the
+    longest a try takes) or the skip's span if longer: every request in flight would otherwise
+    try a hung node at once, each holding its server thread for the whole timeout (four tenants'
+    requests held all eight of a data port's workers, and a third tenant's local lookups waited
+    the timeout out). Thread-safe."""
 
-    def __init__(self, base_s: float, max_s: float) -> None:
+    def __init__(self, base_s: float, max_s: float, try_s: float = 0.0) -> None:
         self._base_s = base_s
         self._max_s = max_s
+        self._try_s = try_s
         self._lock = threading.Lock()
         self._failures = 0
+        self._wait_s = 0.0
         self._until = 0.0
 
     def ready(self) -> bool:
-        return time.monotonic() >= self._until
+        """Whether to call the node now: always while it has not failed; after a failure, once
+        per span (the caller's try: report it with ``failed`` or ``succeeded``)."""
+        if time.monotonic() < self._until:
+            return False
+        with self._lock:
+            now = time.monotonic()
+            if now < self._until:
+                return False  # another caller took this try
+            if self._failures:
+                self._until = now + max(self._wait_s, self._try_s)
+            return True
+
+    def down(self) -> bool:
+        """Whether the node's last call failed (no try has succeeded since)."""
+        return self._failures > 0
 
     def failed(self) -> None:
         with self._lock:
             self._failures += 1
-            wait_s = min(self._max_s, self._base_s * 2 ** (self._failures - 1))
-            self._until = time.monotonic() + wait_s
+            self._wait_s = min(self._max_s, self._base_s * 2 ** (self._failures - 1))
+            self._until = time.monotonic() + self._wait_s
 
     def succeeded(self) -> None:
         with self._lock:

@@ -90,7 +90,9 @@ class KvStoreNodesTier(RemoteTier):
         self.config = config
         self._tls = ClientTls(ca_file=config.tls_ca_file) if config.tls_ca_file else None
         self._ring = Rendezvous(config.nodes)
-        self._backoff = [Backoff(config.backoff_s, config.max_backoff_s) for _ in config.nodes]
+        self._backoff = [
+            Backoff(config.backoff_s, config.max_backoff_s, config.timeout_s) for _ in config.nodes
+        ]
         self._clients: dict[tuple[int, str], Client] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
@@ -249,7 +251,7 @@ class KvStoreNodesTier(RemoteTier):
     def usage(self) -> RemoteUsage:
         with self._lock:
             counts = {k: v for k, v in self._counts.items() if k != "unmapped"}
-        down = sum(not b.ready() for b in self._backoff)
+        down = sum(b.down() for b in self._backoff)
         return RemoteUsage(self.name, nodes=len(self.config.nodes), nodes_down=down, **counts)
 
     @property
@@ -293,10 +295,11 @@ class KvStoreNodesTier(RemoteTier):
     def _fan_out(self, groups: Sequence[_Group], call: Callable[[Client, _Group], None]) -> None:
         """``call`` on each group's node, the nodes in parallel; a node that fails is counted
         and backed off, and its groups' results stay as they were (misses)."""
-        by_node: dict[int, list[_Group]] = defaultdict(list)
+        grouped: dict[int, list[_Group]] = defaultdict(list)
         for group in groups:
-            if self._backoff[group.node].ready():
-                by_node[group.node].append(group)
+            grouped[group.node].append(group)
+        # asked once per node: after a failure, ready() lets one call at a time try it
+        by_node = {node: mine for node, mine in grouped.items() if self._backoff[node].ready()}
 
         def run(node: int, mine: list[_Group]) -> None:
             try:
