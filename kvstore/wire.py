@@ -16,9 +16,8 @@ Framing (little-endian), one request at a time per connection:
                      f64 ttl_s, n x u64 size                                  (Unix socket only)
              server: status, u16 len + arena name, u64 reservation id,
                      n x (u8 present, u64 offset, u64 size)
-    commit   client: u8 7, u64 reservation id, u32 n, n x u64 xxh3-64: each given slot's block
-                     as written, in order (n 0: the writer took none, a copy by DMA; the
-                     server's hasher takes them)                      server: status, u32 stored
+    commit   client: u8 7, u64 reservation id, u32 n, n x u64 xxh3-64 of each given slot's
+                     block in order (n 0: none taken; the server hashes them)  server: status, u32 stored
     abort    client: u8 8, u64 reservation id                                 server: status
     lookup   client: u8 3, fingerprint[32], u32 n, n x key[32], f64 pin_ttl_s
              server: status, u32 hit, hit x u8 tier (1 hbm, 2 dram, 3 nvme, 4 remote), u64 lease id
